@@ -1,0 +1,58 @@
+"""Names of every Redis key and stream the services share, under one prefix.
+
+One place so that a reader can see the whole Redis layout at once, and so that two pipelines can share one
+Redis by using different prefixes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "grpo"
+
+    # Streams (who writes -> who reads).
+    @property
+    def prompts(self) -> str:  # learner feeder -> generators (PromptTask)
+        return f"{self.prefix}:prompts"
+
+    @property
+    def rollouts(self) -> str:  # generators -> scorers (Rollout)
+        return f"{self.prefix}:rollouts"
+
+    @property
+    def scored(self) -> str:  # scorers -> learner (ScoredGroup)
+        return f"{self.prefix}:scored"
+
+    @property
+    def dead_letter(self) -> str:  # any consumer -> operators: entries that could not be processed
+        return f"{self.prefix}:dead"
+
+    # Consumer groups.
+    GENERATORS = "generators"
+    SCORERS = "scorers"
+    LEARNER = "learner"
+
+    # Control keys.
+    @property
+    def generators(self) -> str:  # hash: generator id -> GeneratorRegistration (learner reads)
+        return f"{self.prefix}:generators"
+
+    def generator_alive(self, generator_id: str) -> str:  # string with a TTL: the heartbeat
+        return f"{self.prefix}:generator:{generator_id}:alive"
+
+    @property
+    def weights(self) -> str:  # string: the latest WeightVersionAnnouncement (learner writes)
+        return f"{self.prefix}:weights:latest"
+
+    def gpu_lease(self, host: str, index: int) -> str:  # string with a TTL: which replica holds a GPU
+        return f"{self.prefix}:gpu:{host}:{index}"
+
+    def applied(self, group: str, record_id: str) -> str:  # string with a TTL: record already applied
+        return f"{self.prefix}:applied:{group}:{record_id}"
+
+    @property
+    def learner_state(self) -> str:  # hash: the learner's step, policy version, groups in flight
+        return f"{self.prefix}:learner"

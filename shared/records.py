@@ -1,0 +1,260 @@
+"""Wire records: every value that crosses a process boundary, defined once.
+
+Each record is a frozen pydantic model with ``extra="forbid"`` and a schema version. The comment above each
+says who writes it and who reads it. Records are encoded by :mod:`shared.codec` (msgpack, arrays packed as
+raw little-endian bytes); never pickled.
+
+Identity: a ``PromptTask``'s ``task_id`` is also the ``group_id`` of the ``Rollout`` and ``ScoredGroup``
+made from it, so every stage can deduplicate a redelivered entry by the same id.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Annotated, Any, ClassVar, Final, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.arrays import Float32Array, Float32Matrix, Int32Array
+
+SCHEMA_VERSION: Final = 1
+
+
+def new_id() -> str:
+    """A fresh record id (32 hex characters)."""
+    return uuid.uuid4().hex
+
+
+def _now() -> float:
+    return time.time()
+
+
+class WireModel(BaseModel):
+    """Base of every record: immutable, strict about unknown fields, versioned."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    kind: ClassVar[str] = ""
+    schema_version: Literal[1] = SCHEMA_VERSION
+
+
+class ChatMessage(BaseModel):
+    """One chat turn: role and text content."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+class SamplingSpec(BaseModel):
+    """Sampling parameters for one prompt's G completions (vLLM's names and meanings).
+
+    ``top_k = -1`` and ``top_p = 1`` switch those filters off; ``seed`` is optional (see the generator's
+    README section for the vLLM-CPU caveat).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    max_tokens: int = Field(256, ge=1)
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("top_k = 0 is ambiguous; use -1 to disable top-k filtering")
+        return value
+
+
+class DatasetPosition(BaseModel):
+    """Where a prompt came from in the learner's feeder: epoch and index into that epoch's order."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    epoch: int = Field(ge=0)
+    index: int = Field(ge=0)
+
+
+JsonValue = Any
+
+
+# Learner (prompt feeder) -> generators, on the prompts stream.
+class PromptTask(WireModel):
+    kind: ClassVar[str] = "prompt_task"
+
+    task_id: str = Field(default_factory=new_id, min_length=1)
+    prompt: str | tuple[ChatMessage, ...]
+    columns: dict[str, JsonValue] = Field(default_factory=dict)
+    group_size: int = Field(ge=1)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    dataset_position: DatasetPosition | None = None
+    policy_version: int = Field(ge=0)
+    created_at: float = Field(default_factory=_now)
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class Completion(BaseModel):
+    """One sampled completion: token ids as sampled (never re-tokenized), their behaviour logprobs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    text: str
+    token_ids: Int32Array
+    behaviour_logprobs: Float32Array
+    finish_reason: FinishReason
+    # Policy version that sampled each token, where the engine reports it (a weight update can land while a
+    # completion is being generated); None when only the start version is known.
+    token_versions: Int32Array | None = None
+
+    @model_validator(mode="after")
+    def _lengths_agree(self) -> Completion:
+        n = len(self.token_ids)
+        if len(self.behaviour_logprobs) != n:
+            raise ValueError(
+                f"behaviour_logprobs has {len(self.behaviour_logprobs)} entries but token_ids has {n}"
+            )
+        if self.token_versions is not None and len(self.token_versions) != n:
+            raise ValueError(f"token_versions has {len(self.token_versions)} entries but token_ids has {n}")
+        return self
+
+
+class RolloutTimings(BaseModel):
+    """Wall-clock stamps (seconds since the epoch) of one prompt's trip through a generator."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    received_at: float
+    started_at: float
+    finished_at: float
+
+
+# Generator -> scorers, on the rollouts stream.
+class Rollout(WireModel):
+    kind: ClassVar[str] = "rollout"
+
+    group_id: str = Field(min_length=1)
+    task: PromptTask
+    prompt_token_ids: Int32Array
+    completions: tuple[Completion, ...]
+    policy_version: int = Field(ge=0, description="policy version when sampling started")
+    generator_id: str
+    timings: RolloutTimings
+
+    @model_validator(mode="after")
+    def _group_matches(self) -> Rollout:
+        if len(self.completions) != self.task.group_size:
+            raise ValueError(
+                f"completions has {len(self.completions)} entries but the task's group_size is "
+                f"{self.task.group_size}"
+            )
+        if self.group_id != self.task.task_id:
+            raise ValueError("group_id must equal task.task_id")
+        return self
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completions)
+
+
+# Scorer -> learner, on the scored stream.
+class ScoredGroup(WireModel):
+    kind: ClassVar[str] = "scored_group"
+
+    rollout: Rollout
+    reward_names: tuple[str, ...]
+    rewards_per_func: Float32Matrix = Field(description="[G, F]; NaN where a function gave None or failed")
+    rewards: Float32Array = Field(description="[G] weighted combination; NaN where every function was NaN")
+    advantages: Float32Array = Field(description="[G] group-relative advantages")
+    metrics: dict[str, float] = Field(default_factory=dict)
+    scored_at: float = Field(default_factory=_now)
+
+    @model_validator(mode="after")
+    def _shapes_agree(self) -> ScoredGroup:
+        g, f = self.rollout.group_size, len(self.reward_names)
+        if self.rewards_per_func.shape != (g, f):
+            raise ValueError(f"rewards_per_func has shape {self.rewards_per_func.shape}, expected ({g}, {f})")
+        for name in ("rewards", "advantages"):
+            if getattr(self, name).shape != (g,):
+                raise ValueError(f"{name} has shape {getattr(self, name).shape}, expected ({g},)")
+        if not np.all(np.isfinite(self.advantages)):
+            raise ValueError("advantages must be finite (NaN rewards get advantage 0)")
+        return self
+
+    @property
+    def group_id(self) -> str:
+        return self.rollout.group_id
+
+
+# Generator -> learner (and operators), in the registry hash; refreshed with every heartbeat.
+class GeneratorRegistration(WireModel):
+    kind: ClassVar[str] = "generator_registration"
+
+    generator_id: str = Field(min_length=1)
+    url: str
+    engine_world_size: int = Field(1, ge=1)
+    policy_version: int = Field(ge=0)
+    device: str = "cpu"
+    heartbeat_at: float = Field(default_factory=_now)
+    started_at: float = Field(default_factory=_now)
+
+
+DType = Literal["float32", "float16", "bfloat16"]
+
+
+class TensorSpec(BaseModel):
+    """One parameter in a weight push: its name in the model, dtype, shape, and the bucket it travels in."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    dtype: DType
+    shape: tuple[Annotated[int, Field(ge=0)], ...]
+    bucket: int = Field(ge=0)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+# Learner -> generators, on the control stream (and the "latest version" key).
+class WeightVersionAnnouncement(WireModel):
+    kind: ClassVar[str] = "weight_version"
+
+    policy_version: int = Field(ge=0)
+    layout: tuple[TensorSpec, ...] = ()
+    num_buckets: int = Field(0, ge=0)
+    # Where the weight channel's rendezvous listens (host:port) and who takes part, for a live push.
+    rendezvous: str | None = None
+    participants: tuple[str, ...] = ()
+    # A safetensors checkpoint of this version that a late-joining generator loads at start.
+    checkpoint_path: str | None = None
+    created_at: float = Field(default_factory=_now)
+
+    @model_validator(mode="after")
+    def _buckets_cover_layout(self) -> WeightVersionAnnouncement:
+        used = {spec.bucket for spec in self.layout}
+        if used and (max(used) >= self.num_buckets):
+            raise ValueError(f"layout names bucket {max(used)} but num_buckets is {self.num_buckets}")
+        return self
+
+
+RECORD_TYPES: tuple[type[WireModel], ...] = (
+    PromptTask,
+    Rollout,
+    ScoredGroup,
+    GeneratorRegistration,
+    WeightVersionAnnouncement,
+)
+RECORDS_BY_KIND: dict[str, type[WireModel]] = {cls.kind: cls for cls in RECORD_TYPES}

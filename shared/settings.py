@@ -1,0 +1,177 @@
+"""Settings every service shares, and how one TOML file configures the whole pipeline.
+
+Each service defines one subclass of :class:`ServiceSettings` with its own env prefix (``GENERATOR_``,
+``SCORER_``, ``LEARNER_``) and TOML table. Values come from, highest first:
+
+1. keyword arguments (tests, the launcher),
+2. prefixed environment variables (``LEARNER_LR=1e-5``; nested fields with ``__``),
+3. the shared unprefixed variables ``REDIS_URL``, ``STREAM_PREFIX`` and ``LOG_LEVEL``,
+4. the service's table in the TOML file named by ``ASYNCGRPO_CONFIG`` (or passed to :meth:`load`),
+   plus any extra tables the class maps to fields (the learner reads ``[data]`` into ``data``),
+5. the ``[common]`` table of that file,
+6. defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+CONFIG_ENV = "ASYNCGRPO_CONFIG"
+COMMON_TABLE = "common"
+# Unprefixed variables every service honours, so one `REDIS_URL=...` points the whole pipeline somewhere.
+COMMON_ENV = {"redis_url": "REDIS_URL", "stream_prefix": "STREAM_PREFIX", "log_level": "LOG_LEVEL"}
+
+_config_path: ContextVar[Path | None] = ContextVar("asyncgrpo_config_path", default=None)
+
+S = TypeVar("S", bound="ServiceSettings")
+
+
+class ConfigFileError(ValueError):
+    """The TOML configuration file is missing or malformed."""
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Parse a TOML configuration file, with an error naming the file on failure."""
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigFileError(
+            f"configuration file {path} does not exist (set {CONFIG_ENV} or --config)"
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigFileError(f"configuration file {path} is not valid TOML: {exc}") from None
+
+
+class _TomlTablesSource(PydanticBaseSettingsSource):
+    """The service's TOML table over the ``[common]`` table (and extra tables mapped to fields)."""
+
+    def __init__(self, settings_cls: type[ServiceSettings], path: Path | None) -> None:
+        super().__init__(settings_cls)
+        self._data: dict[str, Any] = {}
+        if path is None:
+            return
+        document = read_config_file(path)
+        fields = settings_cls.model_fields
+        common = {k: v for k, v in document.get(COMMON_TABLE, {}).items() if k in fields}
+        self._data = {**common, **document.get(settings_cls.toml_table, {})}
+        for table, field_name in settings_cls.extra_toml_tables.items():
+            if table in document:
+                self._data[field_name] = document[table]
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self._data)
+
+
+class _CommonEnvSource(PydanticBaseSettingsSource):
+    """``REDIS_URL``, ``STREAM_PREFIX`` and ``LOG_LEVEL`` without a service prefix."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        name = COMMON_ENV.get(field_name)
+        return (os.environ.get(name) if name else None), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return {field: os.environ[var] for field, var in COMMON_ENV.items() if var in os.environ}
+
+
+class ServiceSettings(BaseSettings):
+    """Fields every service has. Subclasses set ``toml_table`` and an ``env_prefix``."""
+
+    model_config = SettingsConfigDict(extra="forbid", validate_default=True, env_nested_delimiter="__")
+
+    toml_table: ClassVar[str] = ""
+    extra_toml_tables: ClassVar[dict[str, str]] = {}
+
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Redis to use: redis://[:password@]host:port/db, or rediss:// for TLS.",
+    )
+    stream_prefix: str = Field(
+        "grpo", min_length=1, description="Prefix of every Redis key this pipeline uses."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Logging level.")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        scheme = urlsplit(value).scheme
+        if scheme not in {"redis", "rediss", "unix"}:
+            raise ValueError(
+                f"redis_url must start with redis://, rediss:// or unix://, got {scheme or value!r}"
+            )
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = _config_path.get()
+        if path is None and os.environ.get(CONFIG_ENV):
+            path = Path(os.environ[CONFIG_ENV])
+        assert issubclass(settings_cls, ServiceSettings)
+        return (
+            init_settings,
+            env_settings,
+            _CommonEnvSource(settings_cls),
+            _TomlTablesSource(settings_cls, path),
+        )
+
+    @classmethod
+    def load(cls: type[S], config_file: str | Path | None = None, **overrides: Any) -> S:
+        """Build settings from ``config_file`` (else ``$ASYNCGRPO_CONFIG``), the environment and overrides."""
+        token = _config_path.set(Path(config_file) if config_file else None)
+        try:
+            return cls(**overrides)
+        finally:
+            _config_path.reset(token)
+
+    def masked(self) -> dict[str, Any]:
+        """The resolved settings as plain data, with passwords and tokens masked (safe to log)."""
+        return _mask(self.model_dump(mode="json"), self)
+
+
+def mask_url(url: str) -> str:
+    """``redis://:secret@host/0`` -> ``redis://:***@host/0``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _mask(data: Any, model: Any) -> Any:
+    if isinstance(data, dict):
+        out = {}
+        for key, value in data.items():
+            attribute = getattr(model, key, None) if model is not None else None
+            if isinstance(attribute, SecretStr):
+                out[key] = "***" if attribute.get_secret_value() else ""
+            elif isinstance(value, str) and "://" in value:
+                out[key] = mask_url(value)
+            else:
+                out[key] = _mask(value, attribute)
+        return out
+    if isinstance(data, list):
+        items = model if isinstance(model, list | tuple) else [None] * len(data)
+        return [_mask(v, m) for v, m in zip(data, items, strict=False)]
+    return data

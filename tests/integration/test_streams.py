@@ -1,0 +1,255 @@
+"""The transport against a real Redis: nothing lost, nothing applied twice, poison entries set aside."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shared.streams import Output, StreamConsumer, StreamProducer, stream_backlog, trim_processed
+
+pytestmark = pytest.mark.integration
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _consumer(client, keys, stream, name, **kwargs) -> StreamConsumer:
+    options = dict(batch_size=10, block_ms=50, claim_idle_ms=300, max_deliveries=3)
+    options.update(kwargs)
+    return StreamConsumer(client, keys, stream, "workers", name, **options)
+
+
+async def _fill(client, stream, n, prefix="r") -> list[str]:
+    producer = StreamProducer(client, stream)
+    ids = [f"{prefix}{i}" for i in range(n)]
+    await producer.add_many([(record_id, f"payload-{record_id}".encode()) for record_id in ids])
+    return ids
+
+
+async def _record_ids(client, stream) -> list[str]:
+    return [fields[b"id"].decode() for _, fields in await client.xrange(stream)]
+
+
+async def _drain(consumer, sink, *, until, timeout_s=20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await until():
+        assert time.monotonic() < deadline, "consumer did not finish in time"
+        for delivery in await consumer.read():
+            await consumer.commit(delivery, [Output(sink, delivery.record_id, delivery.payload)])
+
+
+async def test_sigkilled_consumer_pending_entries_are_claimed_and_done_once(redis_client, redis_url, keys):
+    source, sink_stream = f"{keys.prefix}:in", f"{keys.prefix}:out"
+    ids = await _fill(redis_client, source, 50)
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.stream_worker",
+            "--redis-url",
+            redis_url,
+            "--prefix",
+            keys.prefix,
+            "--source",
+            source,
+            "--sink",
+            sink_stream,
+            "--consumer",
+            "doomed",
+            "--stall-after",
+            "20",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(worker.stdout.readline), timeout=60)
+        assert line.startswith("HOLDING"), line
+        held = int(line.split()[1])
+        pending = await redis_client.xpending(source, "workers")
+        assert pending["pending"] == held > 0
+    finally:
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+
+    rescuer = _consumer(redis_client, keys, source, "rescuer")
+    await rescuer.start()
+    sink = StreamProducer(redis_client, sink_stream)
+
+    async def all_out():
+        return (
+            await redis_client.xlen(sink_stream) >= len(ids)
+            and (await redis_client.xpending(source, "workers"))["pending"] == 0
+        )
+
+    await _drain(rescuer, sink, until=all_out)
+    out = await _record_ids(redis_client, sink_stream)
+    assert sorted(out) == sorted(ids), "every entry processed exactly once in effect"
+    assert rescuer.stats.claimed == held
+    print(
+        f"\nentries={len(ids)} done_by_killed={20} held_at_kill={held} claimed={rescuer.stats.claimed} "
+        f"out={len(out)} unique_out={len(set(out))}"
+    )
+
+
+async def test_restarted_consumer_rereads_its_own_pending_first(redis_client, keys):
+    source, sink_stream = f"{keys.prefix}:in", f"{keys.prefix}:out"
+    ids = await _fill(redis_client, source, 6)
+    first = _consumer(redis_client, keys, source, "stable-name", claim_idle_ms=60_000)
+    await first.start()
+    taken = await first.read(count=4)
+    assert len(taken) == 4
+    # "Restart": a new consumer object under the same name sees its pending entries again before new ones.
+    second = _consumer(redis_client, keys, source, "stable-name", claim_idle_ms=60_000)
+    again = await second.read(count=10)
+    assert [d.entry_id for d in again] == [d.entry_id for d in taken]
+    assert all(d.deliveries == 2 for d in again)
+    sink = StreamProducer(redis_client, sink_stream)
+    for delivery in again:
+        await second.commit(delivery, [Output(sink, delivery.record_id, delivery.payload)])
+    rest = await second.read(count=10)
+    assert [d.record_id for d in rest] == ids[4:]
+
+
+async def test_poison_entry_is_dead_lettered_after_max_deliveries(redis_client, keys):
+    source = f"{keys.prefix}:in"
+    await _fill(redis_client, source, 1, prefix="poison")
+    consumer = _consumer(redis_client, keys, source, "c1", claim_idle_ms=100, max_deliveries=3)
+    await consumer.start()
+    attempts = 0
+    deadline = time.monotonic() + 10
+    while await redis_client.xlen(keys.dead_letter) == 0:
+        assert time.monotonic() < deadline
+        for delivery in await consumer.read():
+            attempts += 1
+            assert delivery.deliveries == attempts
+            await consumer.release(delivery, "ValueError: handler refused this payload")
+        await asyncio.sleep(0.05)
+    assert attempts == 3
+    [(_, fields)] = await redis_client.xrange(keys.dead_letter)
+    assert fields[b"id"] == b"poison0"
+    assert fields[b"data"] == b"payload-poison0"
+    assert fields[b"deliveries"] == b"4"
+    assert b"delivered 4 times (limit 3): ValueError: handler refused this payload" in fields[b"reason"]
+    assert (await redis_client.xpending(source, "workers"))["pending"] == 0
+    assert consumer.stats.dead_lettered == 1
+
+
+async def test_rejected_entry_goes_straight_to_dead_letter(redis_client, keys):
+    source = f"{keys.prefix}:in"
+    await redis_client.xadd(source, {b"data": b"no id field"})
+    consumer = _consumer(redis_client, keys, source, "c1")
+    await consumer.start()
+    assert await consumer.read() == []
+    [(_, fields)] = await redis_client.xrange(keys.dead_letter)
+    assert b"lacks the id field" in fields[b"reason"]
+
+
+async def test_producer_blocks_at_backlog_bound_and_resumes(redis_client, keys):
+    source, sink_stream = f"{keys.prefix}:in", f"{keys.prefix}:out"
+    consumer = _consumer(redis_client, keys, source, "c1")
+    await consumer.start()
+    producer = StreamProducer(redis_client, source, max_backlog=5, poll_interval_s=0.01)
+    total = 40
+    produced = []
+
+    async def produce():
+        for i in range(total):
+            await producer.add(f"r{i}", b"x")
+            produced.append(i)
+
+    task = asyncio.create_task(produce())
+    await asyncio.sleep(0.3)
+    assert len(produced) == 5, "the producer must stop at the bound while nobody consumes"
+    assert await stream_backlog(redis_client, source) == 5
+    sink = StreamProducer(redis_client, sink_stream)
+    max_seen = 0
+
+    async def all_out():
+        nonlocal max_seen
+        max_seen = max(max_seen, await stream_backlog(redis_client, source))
+        return await redis_client.xlen(sink_stream) == total
+
+    await _drain(consumer, sink, until=all_out)
+    await task
+    assert producer.waits >= 1
+    assert max_seen <= 5
+    assert sorted(await _record_ids(redis_client, sink_stream)) == sorted(f"r{i}" for i in range(total))
+    # Trimming removed only processed entries.
+    assert await redis_client.xlen(source) <= 5
+
+
+async def test_trim_keeps_pending_and_undelivered_entries(redis_client, keys):
+    source = f"{keys.prefix}:in"
+    ids = await _fill(redis_client, source, 10)
+    consumer = _consumer(redis_client, keys, source, "c1", claim_idle_ms=60_000)
+    await consumer.start()
+    batch = await consumer.read(count=6)
+    for delivery in batch[:2] + batch[3:]:  # the third stays pending
+        await consumer.commit(delivery)
+    removed = await trim_processed(redis_client, source)
+    assert removed == 2
+    assert await _record_ids(redis_client, source) == ids[2:]
+
+
+async def test_redelivered_record_is_applied_once(redis_client, keys):
+    source, sink_stream = f"{keys.prefix}:in", f"{keys.prefix}:out"
+    # A producer that retried its XADD: the same record twice in the stream.
+    producer = StreamProducer(redis_client, source)
+    await producer.add("same", b"1")
+    await producer.add("same", b"1")
+    await producer.add("other", b"2")
+    consumer = _consumer(redis_client, keys, source, "c1")
+    await consumer.start()
+    sink = StreamProducer(redis_client, sink_stream)
+    applied = []
+    for _ in range(3):
+        for delivery in await consumer.read(count=1):
+            if await consumer.commit(delivery, [Output(sink, delivery.record_id, delivery.payload)]):
+                applied.append(delivery.record_id)
+    assert applied == ["same", "other"]
+    assert await _record_ids(redis_client, sink_stream) == ["same", "other"]
+    assert consumer.stats.duplicates == 1
+    assert (await redis_client.xpending(source, "workers"))["pending"] == 0
+
+
+async def test_concurrent_commit_of_the_same_record_applies_once(redis_client, keys):
+    """A slow consumer and the one that claimed its entry both finish: only the first commit applies."""
+    source, sink_stream = f"{keys.prefix}:in", f"{keys.prefix}:out"
+    await _fill(redis_client, source, 1)
+    slow = _consumer(redis_client, keys, source, "slow", claim_idle_ms=100)
+    fast = _consumer(redis_client, keys, source, "fast", claim_idle_ms=100)
+    await slow.start()
+    [mine] = await slow.read()
+    await asyncio.sleep(0.25)
+    [stolen] = await fast.read()
+    assert stolen.record_id == mine.record_id and stolen.deliveries == 2
+    sink = StreamProducer(redis_client, sink_stream)
+    assert await fast.commit(stolen, [Output(sink, stolen.record_id, stolen.payload)]) is True
+    assert await slow.commit(mine, [Output(sink, mine.record_id, mine.payload)]) is False
+    assert await redis_client.xlen(sink_stream) == 1
+
+
+async def test_keepalive_stops_live_work_from_being_claimed(redis_client, keys):
+    source = f"{keys.prefix}:in"
+    await _fill(redis_client, source, 1)
+    busy = _consumer(redis_client, keys, source, "busy", claim_idle_ms=200)
+    other = _consumer(redis_client, keys, source, "other", claim_idle_ms=200)
+    await busy.start()
+    [_] = await busy.read()
+    stop = asyncio.Event()
+    keeper = asyncio.create_task(busy.run_keepalive(stop))
+    try:
+        for _ in range(8):
+            await asyncio.sleep(0.1)
+            assert await other.read(block_ms=1) == []
+    finally:
+        stop.set()
+        await keeper
+    assert other.stats.claimed == 0
