@@ -35,8 +35,8 @@ def _array_validator(dtype: np.dtype, ndim: int):
                 raise ValueError(f"not convertible to a {dtype.name} array: {exc}") from None
         if array.ndim != ndim:
             raise ValueError(f"expected {ndim} dimension(s), got shape {array.shape}")
-        if array is value:
-            array = array.copy()
+        if array is value and array.flags.writeable:
+            array = array.copy()  # never alias a caller's mutable buffer
         array.flags.writeable = False
         return array
 

@@ -1,7 +1,8 @@
 """Encoding of wire records: msgpack, with numpy arrays packed as raw bytes.
 
 Layout of one encoded record: a msgpack map ``{"kind": str, "v": int, "body": map}``. Arrays inside the
-body are msgpack extension type 1 whose data is itself msgpack ``[dtype, shape, raw little-endian bytes]``.
+body are msgpack extension type 1: a header (dtype code, number of dimensions, each dimension as uint32)
+followed by the raw little-endian bytes.
 Decoding checks the kind, the schema version and then validates the body with the record's model in wire
 mode (exact dtypes, lengths that agree, G that matches); every failure raises :class:`WireError`, whose
 message names the offending field.
@@ -9,6 +10,7 @@ message names the offending field.
 
 from __future__ import annotations
 
+import struct
 from typing import Any, TypeVar
 
 import msgpack
@@ -18,8 +20,10 @@ from pydantic import ValidationError
 from shared.records import RECORDS_BY_KIND, SCHEMA_VERSION, WireModel
 
 _ARRAY_EXT = 1
-# Only these dtypes cross the wire; anything else in a payload is corruption or a foreign writer.
-_ALLOWED_DTYPES = frozenset({"<i4", "<f4", "<i8", "<f8", "|u1"})
+# Only these dtypes cross the wire (code -> dtype); anything else in a payload is corruption.
+_DTYPES = {1: np.dtype("<i4"), 2: np.dtype("<f4"), 3: np.dtype("<i8"), 4: np.dtype("<f8"), 5: np.dtype("|u1")}
+_DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+_HEADER = struct.Struct("<BB")  # dtype code, number of dimensions; then one uint32 per dimension
 
 R = TypeVar("R", bound=WireModel)
 
@@ -34,11 +38,12 @@ class WireError(ValueError):
 
 def _pack_default(value: Any) -> Any:
     if isinstance(value, np.ndarray):
-        array = np.ascontiguousarray(value)
-        dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-        array = array.astype(dtype, copy=False)
-        data = msgpack.packb([dtype.str, list(array.shape), array.tobytes()], use_bin_type=True)
-        return msgpack.ExtType(_ARRAY_EXT, data)
+        dtype = value.dtype.newbyteorder("<") if value.dtype.byteorder == ">" else value.dtype
+        code = _DTYPE_CODES.get(dtype)
+        if code is None:
+            raise TypeError(f"arrays of dtype {value.dtype} cannot be encoded")
+        header = _HEADER.pack(code, value.ndim) + struct.pack(f"<{value.ndim}I", *value.shape)
+        return msgpack.ExtType(_ARRAY_EXT, header + np.ascontiguousarray(value, dtype=dtype).tobytes())
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, tuple | set | frozenset):
@@ -49,16 +54,24 @@ def _pack_default(value: Any) -> Any:
 def _unpack_ext(code: int, data: bytes) -> Any:
     if code != _ARRAY_EXT:
         raise WireError(f"unknown msgpack extension type {code}")
-    dtype_str, shape, raw = msgpack.unpackb(data, raw=False)
-    if dtype_str not in _ALLOWED_DTYPES:
-        raise WireError(f"array dtype {dtype_str!r} is not allowed on the wire")
-    dtype = np.dtype(dtype_str)
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise WireError(f"invalid array shape {shape!r}")
-    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if not isinstance(raw, bytes) or len(raw) != expected:
-        raise WireError(f"array of shape {shape} and dtype {dtype_str} needs {expected} bytes")
-    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+    if len(data) < _HEADER.size:
+        raise WireError("truncated array header")
+    dtype_code, ndim = _HEADER.unpack_from(data)
+    dtype = _DTYPES.get(dtype_code)
+    if dtype is None:
+        raise WireError(f"array dtype code {dtype_code} is not allowed on the wire")
+    offset = _HEADER.size + 4 * ndim
+    if len(data) < offset:
+        raise WireError("truncated array shape")
+    shape = struct.unpack_from(f"<{ndim}I", data, _HEADER.size)
+    count = 1
+    for dim in shape:
+        count *= dim
+    if len(data) - offset != count * dtype.itemsize:
+        raise WireError(
+            f"array of shape {list(shape)} and dtype {dtype.name} needs {count * dtype.itemsize} bytes"
+        )
+    return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
 def encode(record: WireModel) -> bytes:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
-from shared.codec import WireError, decode, encode
+from shared.codec import WireError, _pack_default, decode, encode
 from shared.records import (
     Completion,
     GeneratorRegistration,
@@ -98,12 +98,18 @@ def test_group_size_mismatch_is_rejected_on_decode():
 def test_wrong_dtype_on_the_wire_is_rejected():
     rollout = make_rollout(make_task(group_size=2))
     envelope = msgpack.unpackb(encode(rollout), raw=False, ext_hook=lambda c, d: msgpack.ExtType(c, d))
-    ext = envelope["body"]["prompt_token_ids"]
-    dtype, shape, raw = msgpack.unpackb(ext.data, raw=False)
-    wide = np.frombuffer(raw, dtype=dtype).astype("<i8")
-    envelope["body"]["prompt_token_ids"] = msgpack.ExtType(1, msgpack.packb(["<i8", shape, wide.tobytes()]))
+    wide = np.asarray(rollout.prompt_token_ids, dtype="<i8")
+    envelope["body"]["prompt_token_ids"] = _pack_default(wide)  # a foreign writer's int64 ids
     with pytest.raises(WireError, match=r"prompt_token_ids: .*expected dtype int32, got int64"):
         decode(msgpack.packb(envelope, use_bin_type=True))
+
+
+def test_disallowed_array_dtype_is_rejected():
+    with pytest.raises(TypeError, match="cannot be encoded"):
+        _pack_default(np.zeros(3, dtype=np.float16))
+    bogus = msgpack.packb({"kind": "prompt_task", "v": 1, "body": {"x": msgpack.ExtType(1, b"\x09\x01")}})
+    with pytest.raises(WireError, match="dtype code 9"):
+        decode(bogus)
 
 
 def test_unknown_kind_and_version_are_rejected():
