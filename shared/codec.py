@@ -21,7 +21,13 @@ from shared.records import RECORDS_BY_KIND, SCHEMA_VERSION, WireModel
 
 _ARRAY_EXT = 1
 # Only these dtypes cross the wire (code -> dtype); anything else in a payload is corruption.
-_DTYPES = {1: np.dtype("<i4"), 2: np.dtype("<f4"), 3: np.dtype("<i8"), 4: np.dtype("<f8"), 5: np.dtype("|u1")}
+_DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("<i4"),
+    2: np.dtype("<f4"),
+    3: np.dtype("<i8"),
+    4: np.dtype("<f8"),
+    5: np.dtype("|u1"),
+}
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 _HEADER = struct.Struct("<BB")  # dtype code, number of dimensions; then one uint32 per dimension
 

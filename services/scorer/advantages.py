@@ -1,0 +1,192 @@
+"""Group-relative advantages: how GRPO turns G rewards per prompt into a learning signal.
+
+Pure functions on tensors (float32 or float64); no I/O, settings or logging. Groups are contiguous blocks
+of ``group_size`` rows: rows ``[k*G, (k+1)*G)`` are the G completions of prompt k.
+
+NaN marks a reward that could not be computed (a reward function returned None or failed). NaN rewards are
+left out of every mean and standard deviation and get advantage 0, so an unscorable completion neither
+teaches nor distorts its group.
+
+Variants (``scale_rewards``), as TRL names them:
+
+=========  ==============================================  ==========================================
+name       advantage                                        used by
+=========  ==============================================  ==========================================
+group      (r - mean_g) / (std_g + eps)                     GRPO (DeepSeekMath), TRL default
+batch      (r - mean_g) / (std_batch + eps)                 TRL ``scale_rewards="batch"``
+none       r - mean_g                                       Dr. GRPO (no std scaling)
+=========  ==============================================  ==========================================
+
+``std_unbiased=True`` uses Bessel's correction like TRL (``torch.std``); ``False`` is the population std of
+the DeepSeek formula. BNPO (:func:`bnpo_advantages`) normalises with a Beta distribution fitted to the
+batch's group success rates, for rewards bounded in ``[reward_min, reward_max]``.
+
+The learner imports this module (pure maths, no service code) to finalise the normalisations that need the
+whole training batch (``batch``, BNPO); see the README's "Algorithm" section.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+ScaleRewards = Literal["group", "batch", "none"]
+
+BNPO_MAX_WEIGHT = 1e6  # 1/pdf grows without bound where the fitted Beta density vanishes (p = 0 or 1)
+
+
+def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of F reward functions per completion, ignoring NaN: ``sum_f w_f * r_f`` -> [N].
+
+    ``rewards_per_func`` is [N, F], ``weights`` [F]. A row where every function is NaN stays NaN (TRL's
+    ``nansum`` would make it 0; a reward nobody could compute is not a zero reward).
+    """
+    if rewards_per_func.ndim != 2 or weights.shape != (rewards_per_func.shape[1],):
+        raise ValueError(
+            f"expected rewards [N, F] and weights [F], got {tuple(rewards_per_func.shape)} and "
+            f"{tuple(weights.shape)}"
+        )
+    weights = weights.to(rewards_per_func.dtype)
+    missing = torch.isnan(rewards_per_func)
+    combined = torch.where(missing, torch.zeros_like(rewards_per_func), rewards_per_func * weights).sum(dim=1)
+    return torch.where(missing.all(dim=1), torch.full_like(combined, float("nan")), combined)
+
+
+def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if group_size < 1:
+        raise ValueError(f"group_size must be at least 1, got {group_size}")
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"expected rewards [N] with N a multiple of group_size={group_size}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+    return rewards.view(-1, group_size)
+
+
+def _nan_mean_std(
+    values: torch.Tensor, unbiased: bool, dim: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std over non-NaN entries (along ``dim``, or all). Std is NaN with too few entries."""
+    present = ~torch.isnan(values)
+    count = present.sum(dim=dim) if dim is not None else present.sum()
+    filled = torch.where(present, values, torch.zeros_like(values))
+    total = filled.sum(dim=dim) if dim is not None else filled.sum()
+    mean = total / count  # NaN where count == 0
+    centred = values - (mean.unsqueeze(dim) if dim is not None else mean)
+    squares = torch.where(present, centred * centred, torch.zeros_like(values))
+    sum_squares = squares.sum(dim=dim) if dim is not None else squares.sum()
+    dof = count - 1 if unbiased else count
+    std = torch.sqrt(sum_squares / dof.clamp(min=0))
+    std = torch.where(dof > 0, std, torch.full_like(std, float("nan")))
+    return mean, std
+
+
+def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N/G] bool: groups whose non-NaN rewards all agree (or that have fewer than two), i.e. no signal."""
+    grouped = _grouped(rewards, group_size)
+    present = ~torch.isnan(grouped)
+    high = torch.where(present, grouped, torch.full_like(grouped, -float("inf"))).amax(dim=1)
+    low = torch.where(present, grouped, torch.full_like(grouped, float("inf"))).amin(dim=1)
+    return (present.sum(dim=1) < 2) | (high == low)
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    scale_rewards: ScaleRewards = "group",
+    eps: float = 1e-4,
+    std_unbiased: bool = True,
+) -> torch.Tensor:
+    """GRPO advantages [N] from rewards [N] (see the module docstring for the variants).
+
+    ``group``: (r - mean_g)/(std_g + eps); ``batch``: (r - mean_g)/(std over all non-NaN rewards + eps);
+    ``none``: r - mean_g. Matches TRL's GRPOTrainer (``scale_rewards``), with two documented differences:
+    NaN rewards are excluded and get 0, and a group whose rewards all agree gets exactly 0 (TRL gets
+    rounding noise / eps there).
+    """
+    grouped = _grouped(rewards, group_size)
+    mean_g, std_g = _nan_mean_std(grouped, std_unbiased, dim=1)
+    centred = grouped - mean_g.unsqueeze(1)
+    if scale_rewards == "group":
+        advantages = centred / (std_g.unsqueeze(1) + eps)
+    elif scale_rewards == "batch":
+        _, std_b = _nan_mean_std(rewards, std_unbiased)
+        advantages = centred / (std_b + eps)
+    elif scale_rewards == "none":
+        advantages = centred
+    else:
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+    no_signal = zero_std_groups(rewards, group_size).unsqueeze(1) | torch.isnan(grouped)
+    advantages = torch.where(no_signal, torch.zeros_like(advantages), advantages)
+    return advantages.reshape(-1)
+
+
+def _beta_log_pdf(p: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    log_norm = torch.lgamma(alpha) + torch.lgamma(beta) - torch.lgamma(alpha + beta)
+    return torch.xlogy(alpha - 1, p) + torch.xlogy(beta - 1, 1 - p) - log_norm
+
+
+def bnpo_beta_parameters(success_rates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(alpha, beta) of BNPO's Beta fitted to the groups' mean normalised rewards p (NaN ignored).
+
+    m = mean(p), v = var(p) (unbiased); k = m(1-m)/v - 1; alpha = max(1 + k*m/3, 1),
+    beta = max(1 + k*(1-m)/3, 1). With v = 0, v undefined (one group) or m(1-m) = 0: alpha = beta = 1.
+    """
+    m, s = _nan_mean_std(success_rates, unbiased=True)
+    v = s * s
+    one = torch.ones((), dtype=success_rates.dtype, device=success_rates.device)
+    if not bool(torch.isfinite(v)) or float(v) == 0.0:
+        return one, one
+    k = m * (1 - m) / v - 1
+    alpha = torch.clamp(1 + k * m / 3, min=1.0)
+    beta = torch.clamp(1 + k * (1 - m) / 3, min=1.0)
+    return alpha, beta
+
+
+def bnpo_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    reward_min: float = 0.0,
+    reward_max: float = 1.0,
+) -> torch.Tensor:
+    """Beta Normalization Policy Optimization advantages [N], as BNPO's authors implement them.
+
+    s = (r - min)/(max - min); p_q = mean of s over group q; (alpha, beta) from
+    :func:`bnpo_beta_parameters` over the batch's groups;
+    A = min(1/Beta(alpha, beta).pdf(p_q), 1e6) * (s - p_q).
+    NaN rewards get 0 and are left out of p_q. Rewards outside [reward_min, reward_max] raise ValueError.
+    """
+    if not reward_max > reward_min:
+        raise ValueError(f"reward_max ({reward_max}) must exceed reward_min ({reward_min})")
+    present = rewards[~torch.isnan(rewards)]
+    if present.numel() and (present.min() < reward_min or present.max() > reward_max):
+        raise ValueError(
+            f"BNPO needs rewards in [{reward_min}, {reward_max}], got values in "
+            f"[{float(present.min())}, {float(present.max())}]; set reward_min/reward_max"
+        )
+    scaled = _grouped((rewards - reward_min) / (reward_max - reward_min), group_size)
+    p, _ = _nan_mean_std(scaled, unbiased=True, dim=1)
+    alpha, beta = bnpo_beta_parameters(p)
+    weight = torch.exp(-_beta_log_pdf(p, alpha, beta)).clamp(max=BNPO_MAX_WEIGHT)
+    advantages = weight.unsqueeze(1) * (scaled - p.unsqueeze(1))
+    advantages = torch.where(torch.isnan(advantages), torch.zeros_like(advantages), advantages)
+    return advantages.reshape(-1)
+
+
+def reward_metrics(rewards: torch.Tensor, group_size: int, *, std_unbiased: bool = True) -> dict[str, float]:
+    """TRL's reward figures for a batch: ``reward``, ``reward_std`` (mean within-group std),
+    ``frac_reward_zero_std`` (groups with no signal) and ``frac_reward_nan``."""
+    grouped = _grouped(rewards, group_size)
+    _, std_g = _nan_mean_std(grouped, std_unbiased, dim=1)
+    mean_all, _ = _nan_mean_std(rewards, std_unbiased)
+    zero = zero_std_groups(rewards, group_size)
+    std_g = torch.where(zero, torch.zeros_like(std_g), std_g)
+    return {
+        "reward": float(mean_all),
+        "reward_std": float(std_g.mean()),
+        "frac_reward_zero_std": float(zero.to(torch.float64).mean()),
+        "frac_reward_nan": float(torch.isnan(rewards).to(torch.float64).mean()),
+    }
