@@ -47,6 +47,12 @@ class Keys:
     def weights(self) -> str:  # string: the latest WeightVersionAnnouncement (learner writes)
         return f"{self.prefix}:weights:latest"
 
+    @property
+    def checkpoint(
+        self,
+    ) -> str:  # string: the latest CheckpointAnnouncement (late-joining generators read it)
+        return f"{self.prefix}:checkpoint:latest"
+
     def gpu_lease(self, host: str, index: int) -> str:  # string with a TTL: which replica holds a GPU
         return f"{self.prefix}:gpu:{host}:{index}"
 

@@ -149,6 +149,9 @@ class Rollout(WireModel):
     prompt_token_ids: Int32Array
     completions: tuple[Completion, ...]
     policy_version: int = Field(ge=0, description="policy version when sampling started")
+    # Policy version when the last completion finished: larger than policy_version when a weight update
+    # landed while the group was being sampled (its tokens then come from both versions).
+    finished_policy_version: int = Field(ge=0)
     generator_id: str
     timings: RolloutTimings
 
@@ -161,6 +164,8 @@ class Rollout(WireModel):
             )
         if self.group_id != self.task.task_id:
             raise ValueError("group_id must equal task.task_id")
+        if self.finished_policy_version < self.policy_version:
+            raise ValueError("finished_policy_version must not be below policy_version")
         return self
 
     @property
@@ -228,18 +233,19 @@ class TensorSpec(BaseModel):
         return math.prod(self.shape)
 
 
-# Learner -> generators, on the control stream (and the "latest version" key).
+# Learner -> generators: the body of POST /weights/update, and (without a channel) the "latest version" key.
 class WeightVersionAnnouncement(WireModel):
     kind: ClassVar[str] = "weight_version"
 
     policy_version: int = Field(ge=0)
     layout: tuple[TensorSpec, ...] = ()
     num_buckets: int = Field(0, ge=0)
-    # Where the weight channel's rendezvous listens (host:port) and who takes part, for a live push.
+    # The push's process group: the learner's store (host:port), this push's namespace in it, the first
+    # rank of each participating generator (its engine workers take the ranks after it) and the group size.
     rendezvous: str | None = None
-    participants: tuple[str, ...] = ()
-    # A safetensors checkpoint of this version that a late-joining generator loads at start.
-    checkpoint_path: str | None = None
+    namespace: str = ""
+    ranks: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
+    world_size: int = Field(1, ge=1)
     created_at: float = Field(default_factory=_now)
 
     @model_validator(mode="after")
@@ -247,7 +253,19 @@ class WeightVersionAnnouncement(WireModel):
         used = {spec.bucket for spec in self.layout}
         if used and (max(used) >= self.num_buckets):
             raise ValueError(f"layout names bucket {max(used)} but num_buckets is {self.num_buckets}")
+        if self.ranks and max(self.ranks.values()) >= self.world_size:
+            raise ValueError(f"a rank is outside the group of {self.world_size}")
         return self
+
+
+# Learner -> generators that start late, in the "latest checkpoint" key.
+class CheckpointAnnouncement(WireModel):
+    kind: ClassVar[str] = "checkpoint"
+
+    policy_version: int = Field(ge=0)
+    step: int = Field(ge=0)
+    path: str = Field(min_length=1, description="a directory transformers and vLLM load directly")
+    created_at: float = Field(default_factory=_now)
 
 
 RECORD_TYPES: tuple[type[WireModel], ...] = (
@@ -256,5 +274,6 @@ RECORD_TYPES: tuple[type[WireModel], ...] = (
     ScoredGroup,
     GeneratorRegistration,
     WeightVersionAnnouncement,
+    CheckpointAnnouncement,
 )
 RECORDS_BY_KIND: dict[str, type[WireModel]] = {cls.kind: cls for cls in RECORD_TYPES}

@@ -5,7 +5,7 @@ Each service defines one subclass of :class:`ServiceSettings` with its own env p
 
 1. keyword arguments (tests, the launcher),
 2. prefixed environment variables (``LEARNER_LR=1e-5``; nested fields with ``__``),
-3. the shared unprefixed variables ``REDIS_URL``, ``STREAM_PREFIX`` and ``LOG_LEVEL``,
+3. the shared unprefixed variables ``REDIS_URL``, ``STREAM_PREFIX``, ``LOG_LEVEL`` and ``API_TOKEN``,
 4. the service's table in the TOML file named by ``ASYNCGRPO_CONFIG`` (or passed to :meth:`load`),
    plus any extra tables the class maps to fields (the learner reads ``[data]`` into ``data``),
 5. the ``[common]`` table of that file,
@@ -28,7 +28,12 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 CONFIG_ENV = "ASYNCGRPO_CONFIG"
 COMMON_TABLE = "common"
 # Unprefixed variables every service honours, so one `REDIS_URL=...` points the whole pipeline somewhere.
-COMMON_ENV = {"redis_url": "REDIS_URL", "stream_prefix": "STREAM_PREFIX", "log_level": "LOG_LEVEL"}
+COMMON_ENV = {
+    "redis_url": "REDIS_URL",
+    "stream_prefix": "STREAM_PREFIX",
+    "log_level": "LOG_LEVEL",
+    "api_token": "API_TOKEN",
+}
 
 _config_path: ContextVar[Path | None] = ContextVar("asyncgrpo_config_path", default=None)
 
@@ -102,6 +107,11 @@ class ServiceSettings(BaseSettings):
         "grpo", min_length=1, description="Prefix of every Redis key this pipeline uses."
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Logging level.")
+    api_token: SecretStr = Field(
+        SecretStr(""),
+        description="Bearer token every control endpoint requires (and the learner sends to generators). "
+        "Shared by all services through API_TOKEN.",
+    )
 
     @field_validator("redis_url")
     @classmethod

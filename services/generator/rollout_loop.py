@@ -1,0 +1,141 @@
+"""The generator's I/O loop: prompts stream -> vLLM -> rollouts stream.
+
+Keeps up to ``max_prompts_in_flight`` prompts sampling at once so the engine batches them. Each prompt's
+entry is acknowledged in the same transaction that writes its ``Rollout`` (see :mod:`shared.streams`), so
+a replica that dies leaves its prompts pending for another replica to claim. A prompt that can never be
+served (undecodable, too long) goes to the dead-letter stream at once; one that fails otherwise is retried
+by whichever replica claims it, up to ``max_deliveries``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.generator.engine import Engine, PromptTooLongError
+from shared.codec import WireError, decode, encode
+from shared.records import PromptTask, Rollout, RolloutTimings
+from shared.streams import Delivery, Output, StreamConsumer, StreamProducer
+
+log = logging.getLogger(__name__)
+
+_TOKENS_WINDOW_S = 30.0
+
+
+@dataclass
+class GeneratorStats:
+    prompts_done: int = 0
+    completions_done: int = 0
+    tokens_generated: int = 0
+    failures: int = 0
+    rejected: int = 0
+    _recent: deque = field(default_factory=deque)  # (time, tokens) of recent groups
+
+    def record(self, tokens: int) -> None:
+        now = time.monotonic()
+        self._recent.append((now, tokens))
+        while self._recent and self._recent[0][0] < now - _TOKENS_WINDOW_S:
+            self._recent.popleft()
+
+    def tokens_per_second(self) -> float:
+        if not self._recent:
+            return 0.0
+        span = max(time.monotonic() - self._recent[0][0], 1.0)
+        return sum(tokens for _, tokens in self._recent) / span
+
+
+class RolloutLoop:
+    def __init__(
+        self,
+        engine: Engine,
+        consumer: StreamConsumer,
+        rollouts: StreamProducer,
+        generator_id: str,
+        max_in_flight: int,
+    ) -> None:
+        self.engine = engine
+        self.consumer = consumer
+        self.rollouts = rollouts
+        self.generator_id = generator_id
+        self.max_in_flight = max_in_flight
+        self.stats = GeneratorStats()
+        self._tasks: set[asyncio.Task] = set()
+        self.fatal: BaseException | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def accepting(self) -> bool:
+        return self.engine.weights_ok and not self.engine.paused_by_operator
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Read and sample until ``stop``; then let in-flight prompts finish."""
+        while not stop.is_set() and self.fatal is None:
+            room = self.max_in_flight - len(self._tasks)
+            if room <= 0 or not self.accepting():
+                await self._wait_for_room(stop)
+                continue
+            for delivery in await self.consumer.read(count=room, block_ms=500):
+                task = asyncio.create_task(self._handle(delivery, time.time()))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        if self._tasks:
+            log.info("finishing %d prompts in flight before stopping", len(self._tasks))
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.fatal is not None:
+            raise self.fatal
+
+    async def _wait_for_room(self, stop: asyncio.Event) -> None:
+        waiters = [asyncio.ensure_future(stop.wait()), *self._tasks]
+        await asyncio.wait(waiters, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+        waiters[0].cancel()
+
+    async def _handle(self, delivery: Delivery, received_at: float) -> None:
+        try:
+            task = decode(delivery.payload, PromptTask)
+            prompt_ids = self.engine.tokenize(task.prompt)
+            group = await self.engine.sample(prompt_ids, task.sampling, task.group_size)
+        except (WireError, PromptTooLongError) as exc:
+            self.stats.rejected += 1
+            await self.consumer.dead_letter(delivery, f"{type(exc).__name__}: {exc}")
+            return
+        except Exception as exc:
+            if _engine_dead(exc):
+                self.fatal = exc
+                log.critical("the vLLM engine died: %s", exc)
+                return
+            self.stats.failures += 1
+            log.exception(
+                "prompt %s failed (delivery %d); it will be retried", delivery.record_id, delivery.deliveries
+            )
+            await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
+            return
+        rollout = Rollout(
+            group_id=task.task_id,
+            task=task,
+            prompt_token_ids=prompt_ids,
+            completions=group.completions,
+            policy_version=group.policy_version,
+            finished_policy_version=group.finished_policy_version,
+            generator_id=self.generator_id,
+            timings=RolloutTimings(
+                received_at=received_at, started_at=group.started_at, finished_at=group.finished_at
+            ),
+        )
+        if await self.consumer.commit(delivery, [Output(self.rollouts, rollout.group_id, encode(rollout))]):
+            self.stats.prompts_done += 1
+            self.stats.completions_done += len(group.completions)
+            self.stats.tokens_generated += group.num_tokens
+            self.stats.record(group.num_tokens)
+
+
+def _engine_dead(exc: BaseException) -> bool:
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # pragma: no cover - vLLM always present in a generator
+        return False
+    return isinstance(exc, EngineDeadError)

@@ -1,0 +1,93 @@
+"""The generator's heartbeat (registration, GPU lease, prompt-stream lag) and its Prometheus figures."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+
+from services.generator.engine import Engine
+from services.generator.registry import GpuLease, deregister, heartbeat_forever, register
+from services.generator.rollout_loop import RolloutLoop
+from services.generator.settings import GeneratorSettings
+from shared.keys import Keys
+from shared.records import GeneratorRegistration
+from shared.streams import StreamConsumer, stream_backlog
+from shared.telemetry import CallbackCollector
+
+log = logging.getLogger(__name__)
+
+
+class GeneratorTelemetry:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        settings: GeneratorSettings,
+        engine: Engine,
+        loop: RolloutLoop,
+        consumer: StreamConsumer,
+        lease: GpuLease,
+        url: str,
+    ) -> None:
+        self.client, self.keys, self.settings = client, keys, settings
+        self.engine, self.loop, self.consumer, self.lease = engine, loop, consumer, lease
+        self.url = url
+        self.prompt_backlog = 0
+        self.heartbeat_errors = 0
+        self._registration = GeneratorRegistration(
+            generator_id=settings.generator_id,
+            url=url,
+            engine_world_size=settings.tensor_parallel_size,
+            policy_version=engine.policy_version,
+            device=f"cuda:{','.join(map(str, lease.indices))}" if lease.indices else "cpu",
+        )
+
+    async def beat(self) -> None:
+        registration = self._registration.model_copy(
+            update={"policy_version": self.engine.policy_version, "heartbeat_at": time.time()}
+        )
+        await register(self.client, self.keys, registration, self.settings.heartbeat_ttl_s)
+        await self.lease.renew()
+        self.prompt_backlog = await stream_backlog(self.client, self.keys.prompts)
+
+    def _error(self, exc: Exception) -> None:
+        self.heartbeat_errors += 1
+        log.error("heartbeat failed (%d so far): %s", self.heartbeat_errors, exc)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await heartbeat_forever(self.beat, self.settings.heartbeat_ttl_s / 3, stop, self._error)
+
+    async def leave(self) -> None:
+        try:
+            await deregister(self.client, self.keys, self.settings.generator_id)
+        except Exception as exc:
+            log.error("could not deregister (the heartbeat will expire): %s", exc)
+
+    def collector(self) -> CallbackCollector:
+        def counters() -> dict[str, float]:
+            stats, stream = self.loop.stats, self.consumer.stats
+            return {
+                "generator/prompts": stats.prompts_done,
+                "generator/completions": stats.completions_done,
+                "generator/tokens": stats.tokens_generated,
+                "generator/failures": stats.failures,
+                "generator/rejected": stats.rejected,
+                "generator/heartbeat_errors": self.heartbeat_errors,
+                "stream/prompts/claimed": stream.claimed,
+                "stream/prompts/dead_lettered": stream.dead_lettered,
+                "stream/prompts/duplicates": stream.duplicates,
+            }
+
+        def gauges() -> dict[str, float]:
+            return {
+                "generator/tokens_per_second": self.loop.stats.tokens_per_second(),
+                "generator/requests_in_flight": self.loop.in_flight,
+                "generator/prompt_stream_lag": self.prompt_backlog,
+                "generator/policy_version": self.engine.policy_version,
+                "generator/weights_ok": float(self.engine.weights_ok),
+            }
+
+        return CallbackCollector(counters, gauges)

@@ -1,0 +1,193 @@
+"""The generator service with the real vLLM engine (CPU build), a tiny Llama built here, and real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.generator.registry import live_generators
+from services.learner.weight_push import WeightPusher
+from shared.codec import decode, encode
+from shared.records import ChatMessage, PromptTask, Rollout, SamplingSpec, WeightVersionAnnouncement
+from shared.streams import StreamProducer
+from tests.support.processes import start_service, wait_http_ok
+from tests.support.redis_server import free_port
+from tests.support.tiny_model import build_tiny_llama
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+TOKEN = "test-token"
+ENGINE_START_S = 300
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return build_tiny_llama(root / "A", seed=1), build_tiny_llama(root / "B", seed=2)
+
+
+@pytest.fixture(scope="module")
+def prefix():
+    return f"test-gen-{int(time.time() * 1000) % 10**8}"
+
+
+@pytest.fixture(scope="module")
+def generator(models, redis_url, prefix):
+    port = free_port()
+    service = start_service(
+        "generator",
+        "services.generator",
+        {
+            "GENERATOR_MODEL": str(models[0]),
+            "GENERATOR_PORT": str(port),
+            "GENERATOR_GENERATOR_ID": "g1",
+            "GENERATOR_PUBLIC_URL": f"http://127.0.0.1:{port}",
+            "GENERATOR_MAX_MODEL_LEN": "512",
+            "GENERATOR_DTYPE": "float32",
+            "GENERATOR_OMP_CPUS": "0",
+            "REDIS_URL": redis_url,
+            "STREAM_PREFIX": prefix,
+            "API_TOKEN": TOKEN,
+        },
+    )
+    service.port = port
+    try:
+        service.wait_for_line("ready on port", ENGINE_START_S)
+        yield service
+    finally:
+        code = service.stop()
+        assert code == 0, service.output()[-4000:]
+
+
+def _auth() -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _reference_logprobs(model_dir, prompt_ids, completion_ids, temperature) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs.gather(1, torch.tensor(completion_ids, dtype=torch.long).unsqueeze(1)).squeeze(1)
+
+
+async def test_prompts_become_rollouts_with_exact_behaviour_logprobs(
+    generator, models, redis_client, keys, prefix
+):
+    keys = type(keys)(prefix)
+    producer = StreamProducer(redis_client, keys.prompts)
+    tasks = [
+        PromptTask(
+            prompt=(ChatMessage(role="user", content=f"count to {i}"),),
+            group_size=4,
+            sampling=SamplingSpec(temperature=0.7, max_tokens=24),
+            policy_version=0,
+            columns={"answer": str(i)},
+        )
+        for i in range(3)
+    ]
+    await producer.add_many([(t.task_id, encode(t)) for t in tasks])
+    deadline = time.monotonic() + 120
+    while await redis_client.xlen(keys.rollouts) < len(tasks):
+        assert time.monotonic() < deadline, generator.output()[-3000:]
+        await asyncio.sleep(0.2)
+    rollouts = [decode(fields[b"data"], Rollout) for _, fields in await redis_client.xrange(keys.rollouts)]
+    assert sorted(r.group_id for r in rollouts) == sorted(t.task_id for t in tasks)
+    worst = 0.0
+    for rollout in rollouts:
+        assert rollout.group_size == 4 and rollout.generator_id == "g1" and rollout.policy_version == 0
+        assert rollout.task.columns == next(t.columns for t in tasks if t.task_id == rollout.group_id)
+        for completion in rollout.completions:
+            assert completion.finish_reason in ("stop", "length")
+            assert 1 <= len(completion.token_ids) <= 24
+            reference = _reference_logprobs(
+                models[0], rollout.prompt_token_ids.tolist(), completion.token_ids.tolist(), 0.7
+            )
+            worst = max(
+                worst, float((reference - torch.from_numpy(completion.behaviour_logprobs.copy())).abs().max())
+            )
+    print(f"\nmax |vLLM behaviour logprob - transformers log_softmax(logits/T)| = {worst:.2e}")
+    assert worst < 1e-3
+    pending = await redis_client.xpending(keys.prompts, "generators")
+    assert pending["pending"] == 0
+
+
+def test_http_endpoints_and_auth(generator):
+    assert httpx.get(f"{generator.url}/health").json()["status"] == "alive"
+    ready = wait_http_ok(f"{generator.url}/ready", 30).json()
+    assert ready["status"] == "ready" and ready["policy_version"] == 0
+    body = {"prompts": ["hello", [{"role": "user", "content": "hi"}]], "n": 2, "sampling": {"max_tokens": 8}}
+    reply = httpx.post(f"{generator.url}/generate", json=body, headers=_auth(), timeout=60)
+    assert reply.status_code == 200, reply.text
+    results = reply.json()["results"]
+    assert len(results) == 2 and all(len(r["completions"]) == 2 for r in results)
+    first = results[0]["completions"][0]
+    assert len(first["token_ids"]) == len(first["logprobs"]) >= 1
+    for path in ("/generate", "/pause", "/resume", "/weights/update", "/shutdown"):
+        assert httpx.post(f"{generator.url}{path}", json={}).status_code == 401, path
+        assert (
+            httpx.post(
+                f"{generator.url}{path}", json={}, headers={"Authorization": "Bearer nope"}
+            ).status_code
+            == 401
+        )
+    metrics = httpx.get(f"{generator.url}/metrics").text
+    for name in (
+        "asyncgrpo_generator_tokens_per_second",
+        "asyncgrpo_generator_requests_in_flight",
+        "asyncgrpo_generator_prompt_stream_lag",
+        "asyncgrpo_generator_policy_version",
+    ):
+        assert name in metrics
+    schema = httpx.get(f"{generator.url}/openapi.json").json()
+    for path in ("/health", "/ready", "/metrics", "/generate", "/pause", "/resume", "/weights/update"):
+        assert path in schema["paths"], path
+
+
+async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, models, redis_client, prefix):
+    from shared.keys import Keys
+
+    keys = Keys(prefix)
+    [registration] = await live_generators(redis_client, keys)
+    assert registration.generator_id == "g1"
+    model_b = AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32)
+    pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN, bucket_bytes=256 << 10)
+    long_body = {"prompts": ["a", "b", "c"], "n": 4, "sampling": {"max_tokens": 200, "temperature": 1.0}}
+    async with httpx.AsyncClient(timeout=300) as http:
+        in_flight = asyncio.create_task(
+            http.post(f"{generator.url}/generate", json=long_body, headers=_auth())
+        )
+        await asyncio.sleep(1.0)
+        report = await pusher.push(list(model_b.named_parameters()), 1, [registration], http)
+        assert report.bytes > 0
+        finished = await in_flight
+        assert finished.status_code == 200, finished.text
+        in_flight_results = finished.json()["results"]
+        assert all(len(r["completions"]) == 4 for r in in_flight_results)
+        # The push landed while these were being sampled: they started under version 0 and finished under 1.
+        assert [(r["policy_version"], r["finished_policy_version"]) for r in in_flight_results] == [
+            (0, 1)
+        ] * 3
+        await redis_client.set(keys.weights, encode(WeightVersionAnnouncement(policy_version=1)))
+        ready = (await http.get(f"{generator.url}/ready")).json()
+        assert ready == {"status": "ready", "policy_version": 1, "detail": ""}
+        greedy = {
+            "prompts": [[{"role": "user", "content": "hello there"}]],
+            "sampling": {"temperature": 0, "max_tokens": 40},
+        }
+        reply = (await http.post(f"{generator.url}/generate", json=greedy, headers=_auth())).json()
+    result = reply["results"][0]
+    assert reply["policy_version"] == 1
+    prompt_ids = result["prompt_token_ids"]
+    expected = model_b.generate(torch.tensor([prompt_ids]), max_new_tokens=40, do_sample=False)[
+        0, len(prompt_ids) :
+    ]
+    got = result["completions"][0]["token_ids"]
+    assert got == expected.tolist()[: len(got)] and len(got) >= 1
+    print(f"\npush: {report.bytes / 1e6:.2f} MB in {report.seconds:.2f} s; greedy tokens equal: {len(got)}")
