@@ -173,6 +173,24 @@ class Rollout(WireModel):
         return len(self.completions)
 
 
+class AdvantageSpec(BaseModel):
+    """How a group's advantages were normalised; the learner re-normalises over its batch when
+    ``needs_batch`` (``scale_rewards="batch"`` and BNPO use statistics of the whole training batch)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    estimator: Literal["grpo", "bnpo"] = "grpo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    eps: float = Field(1e-4, ge=0)
+    std_unbiased: bool = True
+    reward_min: float = 0.0
+    reward_max: float = 1.0
+
+    @property
+    def needs_batch(self) -> bool:
+        return self.estimator == "bnpo" or self.scale_rewards == "batch"
+
+
 # Scorer -> learner, on the scored stream.
 class ScoredGroup(WireModel):
     kind: ClassVar[str] = "scored_group"
@@ -182,7 +200,13 @@ class ScoredGroup(WireModel):
     rewards_per_func: Float32Matrix = Field(description="[G, F]; NaN where a function gave None or failed")
     rewards: Float32Array = Field(description="[G] weighted combination; NaN where every function was NaN")
     advantages: Float32Array = Field(description="[G] group-relative advantages")
+    advantage_spec: AdvantageSpec = Field(default_factory=AdvantageSpec)
+    # Every non-NaN reward in the group agrees: no learning signal. With dynamic sampling (DAPO) on, the
+    # scorer marks such groups ``dropped`` and the learner counts them instead of training on them.
+    zero_std: bool = False
+    dropped: bool = False
     metrics: dict[str, float] = Field(default_factory=dict)
+    scorer_id: str = ""
     scored_at: float = Field(default_factory=_now)
 
     @model_validator(mode="after")

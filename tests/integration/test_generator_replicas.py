@@ -58,7 +58,9 @@ async def _fingerprint(http: httpx.AsyncClient, url: str) -> dict[str, float]:
     return reply.json()
 
 
-async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_path, redis_url, redis_client, keys):
+async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(
+    tmp_path, redis_url, redis_client, keys
+):
     model_a = build_tiny_llama(tmp_path / "A", seed=1)
     model_b = build_tiny_llama(tmp_path / "B", seed=2)
     keys = Keys(keys.prefix)
@@ -72,8 +74,10 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
 
         # One push reaches both processes over gloo, and both then hold model B's weights.
         pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN)
-        reference = {n: float(p.detach().double().sum()) for n, p in
-                     AutoModelForCausalLM.from_pretrained(model_b, dtype=torch.float32).named_parameters()}
+        reference = {
+            n: float(p.detach().double().sum())
+            for n, p in AutoModelForCausalLM.from_pretrained(model_b, dtype=torch.float32).named_parameters()
+        }
         named = list(AutoModelForCausalLM.from_pretrained(model_b, dtype=torch.float32).named_parameters())
         async with httpx.AsyncClient(timeout=300) as http:
             report = await pusher.push(named, 1, generators, http)
@@ -85,8 +89,12 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
                     assert fingerprint[name] == pytest.approx(reference[name], rel=1e-6), (service.name, name)
 
             # 40 prompts through both replicas; kill one while it holds prompts.
-            tasks = [PromptTask(prompt=f"item {i}:", group_size=4, policy_version=1,
-                                sampling=SamplingSpec(max_tokens=48)) for i in range(40)]
+            tasks = [
+                PromptTask(
+                    prompt=f"item {i}:", group_size=4, policy_version=1, sampling=SamplingSpec(max_tokens=48)
+                )
+                for i in range(40)
+            ]
             await StreamProducer(redis_client, keys.prompts).add_many([(t.task_id, encode(t)) for t in tasks])
             deadline = time.monotonic() + 240
             while True:
@@ -95,8 +103,11 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
                     break
                 assert time.monotonic() < deadline, victim.output()[-3000:]
                 await asyncio.sleep(0.1)
-            held = [c for c in (await redis_client.xpending_range(keys.prompts, "generators", "-", "+", 100))
-                    if c["consumer"] == b"gen-b"]
+            held = [
+                c
+                for c in (await redis_client.xpending_range(keys.prompts, "generators", "-", "+", 100))
+                if c["consumer"] == b"gen-b"
+            ]
             victim.kill()
             while await redis_client.xlen(keys.rollouts) < len(tasks):
                 assert time.monotonic() < deadline, survivor.output()[-3000:]
@@ -107,8 +118,10 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
             assert max(per_group.values()) == 1, "a prompt was processed twice"
             by_generator = Counter(r.generator_id for r in rollouts)
             assert (await redis_client.xpending(keys.prompts, "generators"))["pending"] == 0
-            print(f"\nrollouts={len(rollouts)} unique={len(per_group)} by_generator={dict(by_generator)} "
-                  f"held_by_killed_replica={len(held)}")
+            print(
+                f"\nrollouts={len(rollouts)} unique={len(per_group)} by_generator={dict(by_generator)} "
+                f"held_by_killed_replica={len(held)}"
+            )
 
             # The dead replica drops out when its heartbeat expires; the next push goes to the survivor only.
             await asyncio.sleep(3.5)

@@ -1,0 +1,140 @@
+"""Turning one ``Rollout`` into one ``ScoredGroup``: reward inputs, combination, advantages, metrics.
+
+The reward functions see what TRL would pass them: for a chat prompt, ``prompts`` are the message lists and
+``completions`` one-message lists ``[{"role": "assistant", "content": ...}]``; for a text prompt, strings.
+When the task prefills the assistant turn (its last message is the assistant's start, e.g. ``<think>``),
+the completion text the rewards judge is that prefill followed by the sampled text, since that is the
+answer the model gave.
+
+Advantages are computed here over the group. When the configured normalisation needs the whole training
+batch (``scale_rewards="batch"`` or BNPO) the learner recomputes them over exactly its batch with the same
+functions (see :mod:`services.scorer.advantages`), using the ``advantage_spec`` carried in the record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import httpx
+import numpy as np
+import torch
+
+from services.scorer.advantages import bnpo_advantages, combine_rewards, group_advantages, zero_std_groups
+from services.scorer.rewards.builtin import BUILTINS
+from services.scorer.rewards.functions import RewardBatch, RewardFunction, load_python_plugin, trl_style
+from services.scorer.rewards.http_plugin import HttpRewardPlugin
+from services.scorer.settings import RewardSpec
+from shared.records import AdvantageSpec, Rollout, ScoredGroup
+
+
+def reward_batch(rollout: Rollout) -> RewardBatch:
+    """TRL-style reward inputs for one group (see the module docstring)."""
+    task = rollout.task
+    size = rollout.group_size
+    texts = [c.text for c in rollout.completions]
+    if isinstance(task.prompt, str):
+        prompts: list = [task.prompt] * size
+        completions: list = texts
+    else:
+        messages = [m.model_dump() for m in task.prompt]
+        prefill = messages[-1]["content"] if messages[-1]["role"] == "assistant" else ""
+        prompts = [messages] * size
+        completions = [[{"role": "assistant", "content": prefill + text}] for text in texts]
+    columns = {key: [value] * size for key, value in task.columns.items()}
+    columns.setdefault("max_completion_length", [task.sampling.max_tokens] * size)
+    return RewardBatch(prompts, completions, [c.token_ids.tolist() for c in rollout.completions], columns)
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, spec: AdvantageSpec) -> torch.Tensor:
+    """Advantages [N] for rewards [N] of N/G groups, as ``spec`` says."""
+    if spec.estimator == "bnpo":
+        return bnpo_advantages(rewards, group_size, reward_min=spec.reward_min, reward_max=spec.reward_max)
+    return group_advantages(
+        rewards, group_size, scale_rewards=spec.scale_rewards, eps=spec.eps, std_unbiased=spec.std_unbiased
+    )
+
+
+def group_metrics(
+    rollout: Rollout, names: Sequence[str], per_func: np.ndarray, rewards: np.ndarray
+) -> dict[str, float]:
+    """TRL's per-batch figures, for one group."""
+    lengths = np.array([len(c.token_ids) for c in rollout.completions], dtype=np.float64)
+    present = rewards[~np.isnan(rewards)]
+    metrics = {
+        "reward": float(present.mean()) if present.size else math.nan,
+        "reward_std": float(present.std(ddof=1)) if present.size > 1 else 0.0,
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(
+            np.mean([c.finish_reason == "length" for c in rollout.completions])
+        ),
+    }
+    for index, name in enumerate(names):
+        column = per_func[:, index]
+        values = column[~np.isnan(column)]
+        metrics[f"rewards/{name}/mean"] = float(values.mean()) if values.size else math.nan
+        metrics[f"rewards/{name}/std"] = float(values.std(ddof=1)) if values.size > 1 else 0.0
+    return metrics
+
+
+def scored_group(
+    rollout: Rollout,
+    names: Sequence[str],
+    weights: Sequence[float],
+    per_func: np.ndarray,
+    spec: AdvantageSpec,
+    *,
+    drop_zero_std: bool,
+    scorer_id: str = "",
+) -> ScoredGroup:
+    """Combine [G, F] rewards, compute the group's advantages and metrics, and build the record."""
+    per_func_t = torch.from_numpy(per_func.astype(np.float64))
+    rewards = combine_rewards(per_func_t, torch.tensor(list(weights), dtype=torch.float64))
+    advantages = compute_advantages(rewards, rollout.group_size, spec)
+    zero = bool(zero_std_groups(rewards, rollout.group_size)[0])
+    metrics = group_metrics(rollout, names, per_func, rewards.numpy())
+    metrics["frac_reward_zero_std"] = float(zero)
+    return ScoredGroup(
+        rollout=rollout,
+        reward_names=tuple(names),
+        rewards_per_func=per_func.astype(np.float32),
+        rewards=rewards.numpy().astype(np.float32),
+        advantages=advantages.numpy().astype(np.float32),
+        advantage_spec=spec,
+        zero_std=zero,
+        dropped=zero and drop_zero_std,
+        metrics=metrics,
+        scorer_id=scorer_id,
+    )
+
+
+def build_functions(
+    specs: Sequence[RewardSpec], http: httpx.AsyncClient
+) -> tuple[list[RewardFunction], list[HttpRewardPlugin]]:
+    """Reward functions from the settings, in order; also the HTTP plugins (to probe at start)."""
+    functions, plugins = [], []
+    for spec in specs:
+        if spec.kind == "builtin":
+            functions.append(trl_style(spec.name, BUILTINS[spec.name](**spec.params), in_thread=False))
+        elif spec.kind == "python":
+            assert spec.function is not None
+            functions.append(trl_style(spec.name, load_python_plugin(spec.function), in_thread=True))
+        else:
+            assert spec.url is not None
+            plugin = HttpRewardPlugin(
+                spec.name,
+                spec.url,
+                http,
+                timeout_s=spec.timeout_s,
+                retries=spec.retries,
+                backoff_s=spec.backoff_s,
+                concurrency=spec.concurrency,
+                breaker_failures=spec.breaker_failures,
+                breaker_reset_s=spec.breaker_reset_s,
+                health_url=spec.health_url,
+            )
+            plugins.append(plugin)
+            functions.append(plugin.as_function())
+    return functions, plugins

@@ -1,0 +1,155 @@
+"""Scorer settings: ``[scorer]`` (and ``[[scorer.rewards]]``) in the TOML file, ``SCORER_*`` in the env."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.scorer.rewards.builtin import BUILTIN_PARAMS, BUILTIN_RANGES, BUILTINS
+from shared.records import AdvantageSpec
+from shared.settings import ServiceSettings
+
+
+class RewardSpec(BaseModel):
+    """One reward function: a built-in (by name), a Python plugin (``function``) or HTTP plugin (``url``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, description="Built-in name, or the label of a plugin.")
+    weight: float = Field(1.0, description="Multiplies this function's reward in the combined reward.")
+    function: str | None = Field(None, description="Python plugin 'module:function' (TRL's signature).")
+    url: str | None = Field(None, description="HTTP plugin endpoint (protocol asyncgrpo.reward/v1).")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Built-in parameters (overlong: buffer)."
+    )
+    timeout_s: float = Field(10.0, gt=0, description="HTTP plugin: seconds per attempt.")
+    retries: int = Field(2, ge=0, description="HTTP plugin: retries after a transport error or 5xx.")
+    backoff_s: float = Field(0.2, ge=0, description="HTTP plugin: first retry delay (doubles each time).")
+    concurrency: int = Field(8, ge=1, description="HTTP plugin: requests in flight at once.")
+    breaker_failures: int = Field(
+        5, ge=1, description="HTTP plugin: consecutive failures that open the breaker."
+    )
+    breaker_reset_s: float = Field(30.0, gt=0, description="HTTP plugin: seconds the breaker stays open.")
+    health_url: str | None = Field(
+        None, description="HTTP plugin: probed at start; default <url dir>/health."
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardSpec:
+        if self.function and self.url:
+            raise ValueError(
+                f"reward {self.name!r}: set either function (Python plugin) or url (HTTP), not both"
+            )
+        if self.url is not None:
+            for url in (self.url, self.health_url):
+                if url is not None and urlsplit(url).scheme not in ("http", "https"):
+                    raise ValueError(
+                        f"reward {self.name!r}: plugin URL {url!r} must start with http:// or https://"
+                    )
+        elif self.function is None and self.name not in BUILTINS:
+            raise ValueError(
+                f"unknown reward {self.name!r}: built-ins are {', '.join(sorted(BUILTINS))}; "
+                "for your own, set function = 'module:function' (Python) or url = 'http://...' (HTTP plugin)"
+            )
+        elif self.function is None:
+            allowed = BUILTIN_PARAMS.get(self.name, set())
+            unknown = sorted(set(self.params) - allowed)
+            if unknown:
+                raise ValueError(
+                    f"reward {self.name!r} takes no parameter {', '.join(unknown)}"
+                    f" (it takes: {', '.join(sorted(allowed)) or 'none'})"
+                )
+        elif ":" not in self.function:
+            raise ValueError(
+                f"reward {self.name!r}: function must be 'module:function', got {self.function!r}"
+            )
+        return self
+
+    @property
+    def kind(self) -> Literal["builtin", "python", "http"]:
+        return "http" if self.url else "python" if self.function else "builtin"
+
+
+class ScorerSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="SCORER_", extra="forbid", env_nested_delimiter="__")
+    toml_table = "scorer"
+
+    rewards: list[RewardSpec] = Field(
+        default_factory=lambda: [RewardSpec(name="correctness")],
+        min_length=1,
+        description="Reward functions.",
+    )
+    estimator: Literal["grpo", "bnpo"] = Field(
+        "grpo", description="Advantage estimator (BNPO for 0/1-like rewards)."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="GRPO std scaling: group (TRL default), batch, none (Dr. GRPO)."
+    )
+    std_unbiased: bool = Field(
+        True, description="Bessel-corrected std (TRL); False: population std (DeepSeek)."
+    )
+    advantage_eps: float = Field(1e-4, ge=0, description="Added to the std before dividing.")
+    reward_min: float = Field(0.0, description="BNPO: lowest possible combined reward.")
+    reward_max: float = Field(1.0, description="BNPO: highest possible combined reward.")
+    drop_zero_std_groups: bool = Field(
+        False,
+        description="DAPO dynamic sampling: mark groups whose rewards all agree so the learner skips them.",
+    )
+    scorer_id: str = Field(
+        default_factory=lambda: f"scorer-{socket.gethostname()}", description="Replica name."
+    )
+    max_groups_in_flight: int = Field(8, ge=1, description="Rollouts scored at once (plugins are I/O bound).")
+    claim_idle_ms: int = Field(
+        30_000, ge=100, description="Rollouts pending this long on a dead scorer move."
+    )
+    max_deliveries: int = Field(3, ge=1, description="Deliveries of a rollout before it is dead-lettered.")
+    max_scored_backlog: int = Field(
+        512, ge=1, description="Scored groups waiting for the learner before we wait."
+    )
+    host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
+    port: int = Field(8002, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
+
+    @field_validator("rewards")
+    @classmethod
+    def _unique_names(cls, rewards: list[RewardSpec]) -> list[RewardSpec]:
+        names = [r.name for r in rewards]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"reward names must be unique; repeated: {', '.join(duplicates)}")
+        return rewards
+
+    @model_validator(mode="after")
+    def _bnpo_bounds(self) -> ScorerSettings:
+        if self.estimator != "bnpo":
+            return self
+        if not self.reward_max > self.reward_min:
+            raise ValueError(f"reward_max ({self.reward_max}) must exceed reward_min ({self.reward_min})")
+        low = high = 0.0
+        for spec in self.rewards:
+            if spec.kind != "builtin":
+                continue  # a plugin's range is unknown; checked on every batch instead
+            lo, hi = BUILTIN_RANGES[spec.name]
+            low += min(lo * spec.weight, hi * spec.weight)
+            high += max(lo * spec.weight, hi * spec.weight)
+        if low < self.reward_min or high > self.reward_max:
+            raise ValueError(
+                f"BNPO needs the combined reward inside [reward_min, reward_max] = [{self.reward_min}, "
+                f"{self.reward_max}], but these rewards and weights span [{low}, {high}]; set reward_min/"
+                "reward_max to cover it or change the weights"
+            )
+        return self
+
+    @property
+    def advantage_spec(self) -> AdvantageSpec:
+        return AdvantageSpec(
+            estimator=self.estimator,
+            scale_rewards=self.scale_rewards,
+            eps=self.advantage_eps,
+            std_unbiased=self.std_unbiased,
+            reward_min=self.reward_min,
+            reward_max=self.reward_max,
+        )

@@ -1,0 +1,213 @@
+"""Built-in rewards on hand-written cases; plugins with TRL's convention; validation; the breaker."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from services.scorer.rewards.builtin import (
+    correctness,
+    digit,
+    extract_answer,
+    hard_format,
+    make_overlong,
+    mark,
+    overlong_penalty,
+    soft_format,
+)
+from services.scorer.rewards.functions import (
+    RewardBatch,
+    RewardError,
+    load_python_plugin,
+    score_batch,
+    trl_style,
+    validate_rewards,
+)
+from services.scorer.rewards.http_plugin import CircuitBreaker
+from services.scorer.scoring import reward_batch, scored_group
+from services.scorer.settings import RewardSpec, ScorerSettings
+from shared.records import AdvantageSpec, ChatMessage
+from tests.support.factories import make_rollout, make_task
+
+TAGGED = "<think>\n{reasoning}\n</think>\n<answer>\n{answer}\n</answer>"
+
+
+def _classic():
+    """Reference answer 72; completions answering 72, 60, 48 and 120, with and without correct tags."""
+    tagged = [TAGGED.format(reasoning="48/2 = 24, 48 + 24 = 72", answer=a) for a in ("72", "60", "48", "120")]
+    untagged = ["The answer is 72.", "#### 72", "<answer>60</answer>", "I think 48"]
+    return tagged + untagged
+
+
+def test_correctness_on_the_classic_example():
+    completions = _classic()
+    scores = correctness(prompts=[""] * 8, completions=completions, answer=["72"] * 8)
+    # Tagged: only 72 is right. Untagged: "#### 72" is GSM8K's format and counts; plain prose does not.
+    assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_correctness_is_numeric_aware_and_uses_math_verify():
+    completions = [
+        "<answer>72.0</answer>",
+        "<answer>1,000</answer>",
+        "<answer>\\frac{1}{2}</answer>",
+        "<answer>$72</answer>",
+        "<answer>seventy-two</answer>",
+    ]
+    answers = ["72", "1000", "0.5", "72", "72"]
+    assert correctness([""] * 5, completions, answer=answers) == [1.0, 1.0, 1.0, 1.0, 0.0]
+    # A GSM8K reference ("... #### 72") is reduced to its final answer; a missing reference gives None.
+    assert correctness([""] * 2, ["<answer>72</answer>"] * 2, answer=["so 48+24 #### 72", None]) == [
+        1.0,
+        None,
+    ]
+
+
+def test_digit_hard_soft_and_mark_on_the_classic_example():
+    completions = _classic()
+    assert digit([""] * 8, completions) == [1.0] * 4 + [0.0, 1.0, 1.0, 0.0]
+    assert hard_format([""] * 8, completions) == [1.0] * 4 + [0.0] * 4
+    assert (
+        soft_format([""] * 8, [*completions, "noise <think>a</think> x <answer>1</answer> tail"])[-1] == 1.0
+    )
+    assert hard_format([""], ["noise <think>a</think><answer>1</answer>"]) == [0.0]
+    assert mark([""] * 8, completions) == [1.0] * 4 + [0.0, 0.0, 0.5, 0.0]
+    assert mark([""], ["<think><think></think>"]) == [0.25]
+
+
+def test_rewards_accept_trl_conversational_completions():
+    chat = [[{"role": "assistant", "content": TAGGED.format(reasoning="r", answer="72")}]]
+    assert correctness([[]], chat, answer=["72"]) == [1.0]
+    assert hard_format([[]], chat) == [1.0]
+
+
+def test_extract_answer_takes_the_last_answer_tag():
+    assert extract_answer("<answer>1</answer> then <answer> 2 </answer>") == "2"
+    assert extract_answer("no answer") is None
+
+
+def test_overlong_penalty_is_dapo_soft_punishment():
+    assert overlong_penalty(80, 100, 20) == 0.0  # up to max - buffer: no penalty
+    assert overlong_penalty(85, 100, 20) == pytest.approx(-0.25)  # (80 - 85) / 20
+    assert overlong_penalty(95, 100, 20) == pytest.approx(-0.75)  # (80 - 95) / 20
+    assert overlong_penalty(100, 100, 20) == pytest.approx(-1.0)
+    assert overlong_penalty(101, 100, 20) == -1.0
+    overlong = make_overlong(buffer=20)
+    assert overlong([""] * 2, ["", ""], [[0] * 80, [0] * 90], max_completion_length=[100, 100]) == [0.0, -0.5]
+    with pytest.raises(ValueError, match="buffer"):
+        overlong_penalty(1, 10, 0)
+
+
+def test_validate_rewards():
+    values = validate_rewards("f", [1, None, 0.5, True], 4)
+    assert values[0] == 1.0 and math.isnan(values[1]) and values[2:] == [0.5, 1.0]
+    with pytest.raises(RewardError, match="returned 2 rewards for 3 completions"):
+        validate_rewards("f", [1.0, 2.0], 3)
+    with pytest.raises(RewardError, match="str among its rewards"):
+        validate_rewards("f", ["1"], 1)
+    with pytest.raises(RewardError, match="infinite"):
+        validate_rewards("f", [math.inf], 1)
+
+
+async def test_trl_documentation_functions_run_unchanged():
+    text_batch = RewardBatch(
+        prompts=["p", "p"],
+        completions=["\\boxed{4}", "short"],
+        completion_ids=[[1], [2]],
+        columns={"ground_truth": ["4", "4"]},
+    )
+    chat_batch = RewardBatch(
+        prompts=[[], []],
+        completions=[
+            [{"role": "assistant", "content": "<think>a</think><answer>b</answer>"}],
+            [{"role": "assistant", "content": "nope"}],
+        ],
+        completion_ids=[[1], []],
+        columns={},
+    )
+    functions = {
+        name: trl_style(name, load_python_plugin(f"tests.support.trl_doc_rewards:{name}"), in_thread=True)
+        for name in ("reward_len", "format_reward_func", "reward_func", "async_reward", "broken_reward")
+    }
+    text = await score_batch([functions["reward_len"], functions["reward_func"]], text_batch)
+    np.testing.assert_allclose(text, [[-11.0, 1.0], [-15.0, 0.0]])
+    chat = await score_batch(
+        [functions["format_reward_func"], functions["async_reward"], functions["broken_reward"]], chat_batch
+    )
+    assert chat[:, 0].tolist() == [1.0, 0.0]
+    assert chat[0, 1] == 0.5 and math.isnan(chat[1, 1])  # async; None -> NaN
+    assert np.isnan(chat[:, 2]).all()  # a failing function gives NaN, never 0
+    assert functions["broken_reward"].stats.errors == 1
+    assert "always fails" in functions["broken_reward"].stats.last_error
+
+
+def test_plugin_paths_are_checked():
+    with pytest.raises(ValueError, match="module:function"):
+        load_python_plugin("no_colon")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_python_plugin("no_such_module_xyz:f")
+    with pytest.raises(ValueError, match="no callable"):
+        load_python_plugin("tests.support.trl_doc_rewards:missing")
+
+
+def test_circuit_breaker_opens_half_opens_and_closes():
+    now = [0.0]
+    breaker = CircuitBreaker(threshold=2, reset_s=10, clock=lambda: now[0])
+    breaker.failure()
+    assert breaker.allow()
+    breaker.failure()
+    assert breaker.state == "open" and not breaker.allow()
+    now[0] = 10.0
+    assert breaker.state == "half_open" and breaker.allow()
+    breaker.failure()  # the trial call failed: open again
+    assert breaker.state == "open" and breaker.trips == 2
+    now[0] = 20.0
+    breaker.success()
+    assert breaker.state == "closed" and breaker.failures == 0
+
+
+def test_reward_spec_validation_messages():
+    with pytest.raises(ValidationError, match="unknown reward 'corectness': built-ins are correctness"):
+        RewardSpec(name="corectness")
+    with pytest.raises(ValidationError, match="must start with http:// or https://"):
+        RewardSpec(name="judge", url="ftp://host/score")
+    with pytest.raises(ValidationError, match="takes no parameter buffer"):
+        RewardSpec(name="mark", params={"buffer": 3})
+    with pytest.raises(ValidationError, match="repeated: mark"):
+        ScorerSettings(rewards=[RewardSpec(name="mark"), RewardSpec(name="mark")])
+    with pytest.raises(
+        ValidationError, match=r"BNPO needs the combined reward inside \[reward_min, reward_max\]"
+    ):
+        ScorerSettings(estimator="bnpo", rewards=[RewardSpec(name="mark"), RewardSpec(name="correctness")])
+    ScorerSettings(
+        estimator="bnpo", reward_max=2.0, rewards=[RewardSpec(name="mark"), RewardSpec(name="correctness")]
+    )
+
+
+def test_reward_batch_follows_trl_and_prepends_the_prefill():
+    task = make_task(
+        group_size=2,
+        prompt=(ChatMessage(role="user", content="2+3?"), ChatMessage(role="assistant", content="<think>")),
+    )
+    rollout = make_rollout(task)
+    batch = reward_batch(rollout)
+    assert batch.completions[0] == [{"role": "assistant", "content": "<think>" + rollout.completions[0].text}]
+    assert batch.columns["answer"] == ["5", "5"]
+    assert batch.columns["max_completion_length"] == [32, 32]
+    text_batch = reward_batch(make_rollout(make_task(group_size=2, prompt="plain")))
+    assert text_batch.prompts == ["plain", "plain"] and isinstance(text_batch.completions[0], str)
+
+
+def test_scored_group_combines_marks_zero_std_and_keeps_nan():
+    rollout = make_rollout(make_task(group_size=4))
+    per_func = np.array([[1, np.nan], [0, np.nan], [1, np.nan], [0, np.nan]], dtype=np.float32)
+    group = scored_group(rollout, ["a", "b"], [2.0, 1.0], per_func, AdvantageSpec(), drop_zero_std=True)
+    assert group.rewards.tolist() == [2.0, 0.0, 2.0, 0.0]
+    assert not group.zero_std and not group.dropped
+    assert group.metrics["rewards/a/mean"] == 0.5 and math.isnan(group.metrics["rewards/b/mean"])
+    flat = np.ones((4, 2), dtype=np.float32)
+    same = scored_group(rollout, ["a", "b"], [1.0, 1.0], flat, AdvantageSpec(), drop_zero_std=True)
+    assert same.zero_std and same.dropped and same.advantages.tolist() == [0.0] * 4
