@@ -25,9 +25,10 @@ async def serve(settings: GeneratorSettings) -> int:
 
     from services.generator.app import build_app
     from services.generator.engine import Engine
-    from services.generator.registry import GpuLease, latest_checkpoint, latest_weights_version
+    from services.generator.registry import GpuLease
     from services.generator.rollout_loop import RolloutLoop
     from services.generator.telemetry import GeneratorTelemetry
+    from shared.registry import latest_checkpoint, latest_weights_version
     from shared.streams import StreamConsumer, StreamProducer
 
     keys = Keys(settings.stream_prefix)

@@ -9,11 +9,12 @@ import time
 import redis.asyncio as aioredis
 
 from services.generator.engine import Engine
-from services.generator.registry import GpuLease, deregister, heartbeat_forever, register
+from services.generator.registry import GpuLease, heartbeat_forever
 from services.generator.rollout_loop import RolloutLoop
 from services.generator.settings import GeneratorSettings
 from shared.keys import Keys
 from shared.records import GeneratorRegistration
+from shared.registry import deregister, register
 from shared.streams import StreamConsumer, stream_backlog
 from shared.telemetry import CallbackCollector
 

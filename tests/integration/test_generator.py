@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.generator.registry import live_generators
 from services.learner.weight_push import WeightPusher
 from shared.codec import decode, encode
 from shared.records import ChatMessage, PromptTask, Rollout, SamplingSpec, WeightVersionAnnouncement
+from shared.registry import live_generators
 from shared.streams import StreamProducer
 from tests.support.processes import start_service, wait_http_ok
 from tests.support.redis_server import free_port

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.generator.registry import live_generators
 from services.learner.weight_push import WeightPusher
 from shared.codec import decode, encode
 from shared.keys import Keys
 from shared.records import PromptTask, Rollout, SamplingSpec
+from shared.registry import live_generators
 from shared.streams import StreamProducer
 from tests.support.processes import start_service
 from tests.support.redis_server import free_port

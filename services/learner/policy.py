@@ -1,0 +1,96 @@
+"""The trained model: loading (full or LoRA), per-token logprobs of completions, weights to push.
+
+Logprobs are computed as the generator sampled them: logits divided by the sampling temperature, then a
+log-softmax in float32 (also when the model runs in bf16), for the completion positions only
+(``logits_to_keep`` skips the prompt's logits).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from services.learner.batch import TrainBatch
+from services.learner.settings import LearnerSettings
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_policy(settings: LearnerSettings, path: str, adapter_path: str | None = None):
+    """The model to train (with LoRA adapters when ``lora_rank`` > 0) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[settings.dtype])
+    model.to(settings.device)
+    model.config.use_cache = False
+    if settings.lora_rank:
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if adapter_path:
+            model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
+        else:
+            config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha,
+                                target_modules=settings.lora_target_modules, lora_dropout=0.0, bias="none")
+            model = get_peft_model(model, config)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def reference_model(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of the initial policy (for the KL term)."""
+    reference = copy.deepcopy(model)
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def completion_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """log pi(token | prefix) of each completion token, [B, T] float32 (0 where masked)."""
+    steps = batch.completion_length
+    output = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=steps + 1,
+        use_cache=False,
+    )
+    dtype = torch.promote_types(output.logits.dtype, torch.float32)  # bf16 -> float32; float64 stays
+    logits = output.logits[:, :-1].to(dtype) / batch.temperatures.to(output.logits.device, dtype).view(-1, 1, 1)
+    chosen = logits.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    logprobs = chosen - torch.logsumexp(logits, dim=-1)
+    return logprobs * batch.completion_mask.to(dtype)
+
+
+@torch.no_grad()
+def logprobs_no_grad(model: torch.nn.Module, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+    """:func:`completion_logprobs` without gradients, in micro-batches (the training micro-batch size)."""
+    was_training = model.training
+    model.eval()
+    try:
+        parts = [completion_logprobs(model, mb) for mb in batch.micro_batches(micro_batch_size)]
+    finally:
+        model.train(was_training)
+    return torch.cat(parts)
+
+
+@contextmanager
+def merged_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """(name, tensor) of the full model as vLLM and transformers name them; LoRA adapters merged in
+    for the duration (then unmerged). Tied weights appear once."""
+    is_peft = hasattr(model, "merge_adapter")
+    if is_peft:
+        model.merge_adapter()
+    try:
+        base = model.get_base_model() if is_peft else model
+        named = []
+        for name, param in base.named_parameters():
+            if "lora_" in name:
+                continue
+            named.append((name.replace(".base_layer", ""), param.detach()))
+        yield named
+    finally:
+        if is_peft:
+            model.unmerge_adapter()

@@ -1,0 +1,166 @@
+"""Learner settings: ``[learner]`` and ``[data]`` in the TOML file, ``LEARNER_*`` in the environment.
+
+Batch vocabulary (the README's "Batch arithmetic" section draws it):
+
+* ``groups_per_step`` prompts per optimizer step, each sampled ``group_size`` (G) times, so
+  ``completions per step = groups_per_step * G``;
+* ``micro_batch_size`` completions per forward/backward; gradient accumulation is derived:
+  ``completions per step / micro_batch_size`` micro-batches;
+* ``num_iterations`` optimizer steps on each batch (TRL's mu), ``sync_every`` steps between weight pushes;
+* ``max_staleness``: groups sampled more than this many policy versions ago are dropped;
+* admission: at most ``(max_staleness + 1) * groups_per_step`` groups in flight.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from shared.records import ChatMessage
+from shared.settings import ServiceSettings
+
+
+class DataSettings(BaseModel):
+    """Where prompts come from (``[data]``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(
+        "builtin:arithmetic",
+        description="A JSONL/Parquet file or a directory of them, or builtin:arithmetic.",
+    )
+    split: str = Field("train", description="Split to read when the source has several.")
+    prompt_column: str = Field("question", description="Column holding the user's question.")
+    answer_column: str = Field("answer", description="Column holding the reference answer (passed as 'answer').")
+    extra_columns: list[str] = Field(default_factory=list, description="More columns to hand to reward functions.")
+    system_prompt: str = Field("", description="System message put before every question ('' for none).")
+    examples: list[ChatMessage] = Field(
+        default_factory=list, description="Few-shot turns put between the system prompt and the question."
+    )
+    assistant_prefill: str = Field("", description="Start of the assistant's answer (e.g. '<think>').")
+    shuffle_seed: int = Field(0, description="Seed of the per-epoch shuffle.")
+    epochs: int = Field(1, ge=0, description="Passes over the data (0: no limit).")
+    builtin_size: int = Field(2000, ge=1, description="builtin:arithmetic: number of problems.")
+    builtin_max_operand: int = Field(50, ge=1, description="builtin:arithmetic: largest operand.")
+
+
+class LearnerSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="LEARNER_", extra="forbid", env_nested_delimiter="__")
+    toml_table = "learner"
+    extra_toml_tables = {"data": "data"}
+
+    data: DataSettings = Field(default_factory=DataSettings)
+    model: str = Field("", description="Path of the initial model (transformers checkpoint directory).")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training dtype (bf16: ~7x faster on CPU).")
+    device: str = Field("cpu", description="Torch device: cpu or cuda.")
+    threads: int = Field(0, ge=0, description="Torch CPU threads (0: torch's default).")
+
+    # Batch arithmetic.
+    group_size: int = Field(8, ge=2, description="G: completions per prompt.")
+    groups_per_step: int = Field(4, ge=1, description="Prompts (groups) per optimizer step.")
+    micro_batch_size: int = Field(8, ge=1, description="Completions per forward/backward pass.")
+    num_iterations: int = Field(1, ge=1, description="Optimizer steps per batch (TRL's num_iterations, mu).")
+    sync_every: int = Field(1, ge=1, description="Optimizer steps between weight pushes to the generators.")
+    max_staleness: int = Field(1, ge=0, description="Oldest trainable group, in policy versions behind.")
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
+
+    # Sampling (sent with every prompt; generators apply it).
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (logprobs use the same).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1: off).")
+    max_completion_length: int = Field(256, ge=1, description="Most tokens per completion.")
+    max_prompt_length: int = Field(512, ge=1, description="Longer prompts are skipped (counted).")
+    model_context: int = Field(0, ge=0, description="Model context (0: read from the model's config).")
+
+    # Objective.
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field("grpo", description="Loss aggregation.")
+    epsilon_low: float = Field(0.2, ge=0, description="Lower clip: ratio >= 1 - epsilon_low.")
+    epsilon_high: float = Field(0.2, ge=0, description="Upper clip: ratio <= 1 + epsilon_high (DAPO: 0.28).")
+    delta: float | None = Field(None, description="Two-sided clipping bound on the unclipped ratio (None: off).")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the initial model (0: no reference model).")
+    importance_correction: bool = Field(True, description="Weight tokens by pi_old/pi_behaviour (AReaL).")
+    importance_level: Literal["token", "sequence"] = Field("token", description="Importance weight per token or sequence.")
+    importance_mode: Literal["truncate", "mask"] = Field("truncate", description="Truncate or mask large weights.")
+    importance_cap: float = Field(2.0, gt=0, description="Largest importance weight kept.")
+    importance_cap_min: float | None = Field(None, description="Smallest importance weight kept (None: no floor).")
+
+    # Optimizer.
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps, then cosine decay to min_lr_ratio.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a share of lr.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    seed: int = Field(0, description="Torch seed.")
+
+    # LoRA.
+    lora_rank: int = Field(0, ge=0, description="LoRA rank (0: full fine-tuning).")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA alpha.")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Modules LoRA adapts.",
+    )
+
+    # Checkpoints, weight sync, observability.
+    checkpoint_dir: str = Field("runs/checkpoints", description="Where checkpoints go (shared with generators).")
+    checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints (groups are acked then).")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
+    resume: bool = Field(True, description="Resume from the latest checkpoint in checkpoint_dir if any.")
+    weight_sync_host: str = Field(
+        default_factory=socket.gethostname, description="Address generators reach the learner's store at."
+    )
+    weight_sync_port: int = Field(29500, ge=0, le=65535, description="Port of the learner's store (0: free).")
+    weight_bucket_mb: int = Field(256, ge=1, description="Size of a weight-push bucket.")
+    weight_push_timeout_s: float = Field(300.0, gt=0, description="Longest one weight push may take.")
+    min_generators: int = Field(1, ge=0, description="Wait for this many live generators before training.")
+    log_dir: str = Field("runs/logs", description="JSONL metrics and TensorBoard events.")
+    progress: Literal["auto", "on", "off"] = Field("auto", description="Rich progress bar (auto: in a terminal).")
+    host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
+    port: int = Field(8003, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
+    claim_idle_ms: int = Field(600_000, ge=100, description="Learner entries are claimed only after this.")
+    max_deliveries: int = Field(5, ge=1, description="Deliveries of a scored group before dead-lettering.")
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.groups_per_step * self.group_size
+
+    @property
+    def admission_bound(self) -> int:
+        return (self.max_staleness + 1) * self.groups_per_step
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerSettings:
+        if not self.model:
+            raise ValueError("learner.model is required: set LEARNER_MODEL to a checkpoint directory")
+        if self.micro_batch_size > self.completions_per_step:
+            raise ValueError(
+                f"micro_batch_size ({self.micro_batch_size}) exceeds the completions per step "
+                f"({self.groups_per_step} groups x G={self.group_size} = {self.completions_per_step}); lower it"
+            )
+        if self.completions_per_step % self.micro_batch_size:
+            raise ValueError(
+                f"completions per step ({self.completions_per_step}) must be a multiple of micro_batch_size "
+                f"({self.micro_batch_size}); e.g. micro_batch_size = {_divisor_below(self.completions_per_step, self.micro_batch_size)}"
+            )
+        if self.sync_every % self.num_iterations and self.num_iterations % self.sync_every:
+            raise ValueError(
+                f"sync_every ({self.sync_every}) and num_iterations ({self.num_iterations}) must divide one another"
+            )
+        if self.model_context and self.max_prompt_length + self.max_completion_length > self.model_context:
+            raise ValueError(
+                f"max_prompt_length ({self.max_prompt_length}) + max_completion_length "
+                f"({self.max_completion_length}) exceeds the model's context ({self.model_context}); lower either"
+            )
+        if self.importance_cap_min is not None and self.importance_cap_min > self.importance_cap:
+            raise ValueError("importance_cap_min must not exceed importance_cap")
+        if self.delta is not None and self.delta <= 1 + self.epsilon_high:
+            raise ValueError(f"delta ({self.delta}) must exceed 1 + epsilon_high ({1 + self.epsilon_high})")
+        return self
+
+
+def _divisor_below(n: int, limit: int) -> int:
+    return max(d for d in range(1, limit + 1) if n % d == 0)

@@ -1,0 +1,128 @@
+"""The learner's batch, logprobs and step on a tiny Llama: padding is invisible, and a learner step equals
+the synchronous GRPO step computed directly on the batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.learner.batch import collate
+from services.learner.loss import policy_loss
+from services.learner.policy import completion_logprobs, load_policy, logprobs_no_grad
+from services.learner.settings import LearnerSettings
+from services.learner.trainer import Trainer, lr_lambda
+from services.scorer.advantages import group_advantages
+from shared.records import Completion, PromptTask, Rollout, RolloutTimings, SamplingSpec, ScoredGroup
+from tests.support.tiny_model import build_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "m", seed=3)
+
+
+def _settings(model_path, **overrides) -> LearnerSettings:
+    fields = dict(model=str(model_path), group_size=4, groups_per_step=2, micro_batch_size=2, lr=1e-3,
+                  max_completion_length=12, max_steps=10, api_token="t")
+    fields.update(overrides)
+    return LearnerSettings(**fields)
+
+
+def _groups(model, temperature=0.8, seed=0) -> list[ScoredGroup]:
+    """Two groups with prompts and completions of different lengths; behaviour logprobs from the model."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g, prompt_len in enumerate((5, 9)):
+        task = PromptTask(prompt="x", group_size=4, policy_version=0, sampling=SamplingSpec(temperature=temperature))
+        prompt = rng.integers(5, 90, size=prompt_len).astype(np.int32)
+        completions = []
+        for i in range(4):
+            ids = rng.integers(5, 90, size=3 + 2 * i + g).astype(np.int32)
+            with torch.no_grad():
+                full = torch.tensor([list(prompt) + list(ids)])
+                logits = model(full).logits[0, prompt_len - 1 : -1].float() / temperature
+                lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids, dtype=torch.long)[:, None])[:, 0]
+            completions.append(Completion(text="", token_ids=ids, behaviour_logprobs=lp.numpy(), finish_reason="stop"))
+        rollout = Rollout(group_id=task.task_id, task=task, prompt_token_ids=prompt, completions=tuple(completions),
+                          policy_version=0, finished_policy_version=0, generator_id="g",
+                          timings=RolloutTimings(received_at=0, started_at=0, finished_at=0))
+        rewards = rng.random(4).astype(np.float32)
+        groups.append(ScoredGroup(rollout=rollout, reward_names=("r",), rewards_per_func=rewards[:, None],
+                                  rewards=rewards, advantages=group_advantages(torch.from_numpy(rewards), 4).numpy()))
+    return groups
+
+
+def _batch(groups):
+    return collate(groups, [torch.from_numpy(g.advantages.copy()) for g in groups], pad_id=4)
+
+
+def test_padded_batch_logprobs_equal_unpadded_per_sequence(tiny):
+    settings = _settings(tiny)
+    model, _ = load_policy(settings, str(tiny))
+    groups = _groups(model)
+    batch = _batch(groups)
+    got = logprobs_no_grad(model, batch, micro_batch_size=3)
+    row = 0
+    for group in groups:
+        for completion in group.rollout.completions:
+            n = len(completion.token_ids)
+            np.testing.assert_allclose(got[row, :n].numpy(), completion.behaviour_logprobs, atol=1e-5)
+            assert torch.all(got[row, n:] == 0)
+            row += 1
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_learner_step_gradient_equals_direct_synchronous_grpo_gradient(tiny, loss_type):
+    settings = _settings(tiny, loss_type=loss_type, max_staleness=0)
+    model, _ = load_policy(settings, str(tiny))
+    model.double()  # float64 so that "equal" can mean equal to 1e-8, not float32 rounding
+    groups = _groups(model)
+    batch = _batch(groups)
+    trainer = Trainer(model, settings)
+    prepared = trainer.prepare(batch)
+    # Behaviour logprobs came from these weights: every importance weight is 1.
+    torch.testing.assert_close(prepared["importance_weights"], torch.ones_like(prepared["old_logprobs"]),
+                               atol=1e-5, rtol=0)
+    model.zero_grad()
+    trainer.accumulate_gradients(batch, prepared)
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    # The same objective computed directly on the whole batch, in one piece.
+    model.zero_grad()
+    logprobs = completion_logprobs(model, batch)
+    loss, _ = policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.completion_mask, loss_type=loss_type,
+                          importance_weights=prepared["importance_weights"], max_completion_length=12,
+                          num_items_in_batch=batch.completion_mask.sum())
+    loss.backward()
+    direct = {n: p.grad.clone() for n, p in model.named_parameters()}
+    # TRL's on-policy step: no importance weights (they are 1 up to the float32 behaviour logprobs).
+    model.zero_grad()
+    logprobs = completion_logprobs(model, batch)
+    loss, _ = policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.completion_mask, loss_type=loss_type,
+                          max_completion_length=12, num_items_in_batch=batch.completion_mask.sum())
+    loss.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(ours[name], direct[name], atol=1e-12, rtol=1e-9, msg=name)
+        scale = float(param.grad.abs().max())
+        assert float((ours[name] - param.grad).abs().max()) <= 1e-5 * scale, name
+
+
+def test_train_takes_num_iterations_steps_and_changes_the_weights(tiny):
+    settings = _settings(tiny, num_iterations=2, warmup_steps=1)
+    model, _ = load_policy(settings, str(tiny))
+    batch = _batch(_groups(model))
+    before = model.lm_head.weight.detach().clone()
+    trainer = Trainer(model, settings)
+    results = trainer.train(batch)
+    assert len(results) == 2 and trainer.step == 2
+    assert not torch.equal(before, model.lm_head.weight)
+    assert results[0]["clip_ratio/region_mean"] == 0.0  # first iteration is on-policy
+    assert {"loss", "grad_norm", "learning_rate", "sampling/importance_sampling_ratio/mean"} <= set(results[0])
+
+
+def test_lr_schedule_warms_up_then_decays():
+    assert lr_lambda(0, 2, 10, 0.1) == 0.5
+    assert lr_lambda(1, 2, 10, 0.1) == 1.0
+    assert lr_lambda(2, 2, 10, 0.1) == pytest.approx(1.0)
+    assert lr_lambda(10, 2, 10, 0.1) == pytest.approx(0.1)
