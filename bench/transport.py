@@ -41,10 +41,7 @@ GROUP = "bench"
 
 
 def _rollouts(args) -> list[Rollout]:
-    return [
-        make_rollout(make_task(group_size=args.group_size), tokens=args.tokens, seed=i)
-        for i in range(args.groups)
-    ]
+    return [make_rollout(make_task(group_size=args.group_size), tokens=args.tokens, seed=i) for i in range(args.groups)]
 
 
 async def _produce(mode: str, url: str, prefix: str, args, ready, go) -> None:
@@ -127,9 +124,7 @@ def run_once(mode: str, url: str, args) -> float:
         producer.join(600)
         consumer.join(600)
         if producer.exitcode != 0 or consumer.exitcode != 0:
-            raise RuntimeError(
-                f"benchmark process failed (producer {producer.exitcode}, consumer {consumer.exitcode})"
-            )
+            raise RuntimeError(f"benchmark process failed (producer {producer.exitcode}, consumer {consumer.exitcode})")
         return finished.value - start
     finally:
         for process in (producer, consumer):
@@ -167,9 +162,7 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=1000)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=1024)

@@ -74,9 +74,7 @@ def _unpack_ext(code: int, data: bytes) -> Any:
     for dim in shape:
         count *= dim
     if len(data) - offset != count * dtype.itemsize:
-        raise WireError(
-            f"array of shape {list(shape)} and dtype {dtype.name} needs {count * dtype.itemsize} bytes"
-        )
+        raise WireError(f"array of shape {list(shape)} and dtype {dtype.name} needs {count * dtype.itemsize} bytes")
     return np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
@@ -115,9 +113,7 @@ def decode(data: bytes, expected: type[R] | None = None) -> R:
     if expected is not None and cls is not expected:
         raise WireError(f"expected a {expected.kind} record, got {kind}", "kind")
     if version != SCHEMA_VERSION:
-        raise WireError(
-            f"schema version {version!r} is not supported (this build reads {SCHEMA_VERSION})", "v"
-        )
+        raise WireError(f"schema version {version!r} is not supported (this build reads {SCHEMA_VERSION})", "v")
     if not isinstance(body, dict):
         raise WireError("body must be a map", "body")
     try:

@@ -15,9 +15,7 @@ from fastapi.responses import Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-_bearer = HTTPBearer(
-    auto_error=False, description="The pipeline's API token (settings: api_token / API_TOKEN)."
-)
+_bearer = HTTPBearer(auto_error=False, description="The pipeline's API token (settings: api_token / API_TOKEN).")
 
 
 def require_token(

@@ -122,9 +122,7 @@ class Completion(BaseModel):
     def _lengths_agree(self) -> Completion:
         n = len(self.token_ids)
         if len(self.behaviour_logprobs) != n:
-            raise ValueError(
-                f"behaviour_logprobs has {len(self.behaviour_logprobs)} entries but token_ids has {n}"
-            )
+            raise ValueError(f"behaviour_logprobs has {len(self.behaviour_logprobs)} entries but token_ids has {n}")
         if self.token_versions is not None and len(self.token_versions) != n:
             raise ValueError(f"token_versions has {len(self.token_versions)} entries but token_ids has {n}")
         return self
@@ -159,8 +157,7 @@ class Rollout(WireModel):
     def _group_matches(self) -> Rollout:
         if len(self.completions) != self.task.group_size:
             raise ValueError(
-                f"completions has {len(self.completions)} entries but the task's group_size is "
-                f"{self.task.group_size}"
+                f"completions has {len(self.completions)} entries but the task's group_size is {self.task.group_size}"
             )
         if self.group_id != self.task.task_id:
             raise ValueError("group_id must equal task.task_id")
@@ -270,6 +267,8 @@ class WeightVersionAnnouncement(WireModel):
     namespace: str = ""
     ranks: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=dict)
     world_size: int = Field(1, ge=1)
+    # A restarted learner pushes its checkpoint's (older) version: generators accept it instead of refusing.
+    reset: bool = False
     created_at: float = Field(default_factory=_now)
 
     @model_validator(mode="after")

@@ -17,9 +17,7 @@ from shared.records import CheckpointAnnouncement, GeneratorRegistration, Weight
 log = logging.getLogger(__name__)
 
 
-async def register(
-    client: aioredis.Redis, keys: Keys, registration: GeneratorRegistration, ttl_s: float
-) -> None:
+async def register(client: aioredis.Redis, keys: Keys, registration: GeneratorRegistration, ttl_s: float) -> None:
     """Write (or refresh) a replica's registration and liveness key."""
     async with client.pipeline(transaction=True) as pipe:
         pipe.hset(keys.generators, registration.generator_id, encode(registration))

@@ -50,9 +50,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
         with path.open("rb") as handle:
             return tomllib.load(handle)
     except FileNotFoundError:
-        raise ConfigFileError(
-            f"configuration file {path} does not exist (set {CONFIG_ENV} or --config)"
-        ) from None
+        raise ConfigFileError(f"configuration file {path} does not exist (set {CONFIG_ENV} or --config)") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"configuration file {path} is not valid TOML: {exc}") from None
 
@@ -103,9 +101,7 @@ class ServiceSettings(BaseSettings):
         "redis://127.0.0.1:6379/0",
         description="Redis to use: redis://[:password@]host:port/db, or rediss:// for TLS.",
     )
-    stream_prefix: str = Field(
-        "grpo", min_length=1, description="Prefix of every Redis key this pipeline uses."
-    )
+    stream_prefix: str = Field("grpo", min_length=1, description="Prefix of every Redis key this pipeline uses.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Logging level.")
     api_token: SecretStr = Field(
         SecretStr(""),
@@ -118,9 +114,7 @@ class ServiceSettings(BaseSettings):
     def _redis_scheme(cls, value: str) -> str:
         scheme = urlsplit(value).scheme
         if scheme not in {"redis", "rediss", "unix"}:
-            raise ValueError(
-                f"redis_url must start with redis://, rediss:// or unix://, got {scheme or value!r}"
-            )
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {scheme or value!r}")
         return value
 
     @classmethod

@@ -121,6 +121,26 @@ async def stream_backlog(client: aioredis.Redis, stream: str) -> int:
     return worst
 
 
+async def group_backlog(client: aioredis.Redis, stream: str, group: str, *, include_pending: bool = True) -> int:
+    """Entries of ``stream`` that ``group`` has not finished: undelivered (lag), plus pending if asked.
+
+    A stream or group that does not exist yet counts every entry as undelivered.
+    """
+    try:
+        groups = await client.xinfo_groups(stream)
+    except ResponseError as exc:
+        if "no such key" in str(exc).lower():
+            return 0
+        raise
+    for info in groups:
+        if _text(info["name"]) == group:
+            lag = info.get("lag")
+            if lag is None:
+                lag = int(await client.xlen(stream))
+            return int(lag) + (int(info.get("pending", 0)) if include_pending else 0)
+    return int(await client.xlen(stream))
+
+
 async def trim_processed(client: aioredis.Redis, stream: str) -> int:
     """Remove entries every consumer group is done with; returns how many were removed.
 
@@ -179,9 +199,7 @@ class StreamProducer:
         if self.max_backlog is None:
             return
         if count > self.max_backlog:
-            raise ValueError(
-                f"cannot add {count} entries at once under a backlog bound of {self.max_backlog}"
-            )
+            raise ValueError(f"cannot add {count} entries at once under a backlog bound of {self.max_backlog}")
         waited = False
         while self._credit < count:
             if self.trim:
@@ -356,9 +374,7 @@ class StreamConsumer:
             reason = self._state.last_error.pop(entry_id, None) or (
                 "not acknowledged after delivery (its consumer died or kept failing)"
             )
-            await self.dead_letter(
-                delivery, f"delivered {deliveries} times (limit {self.max_deliveries}): {reason}"
-            )
+            await self.dead_letter(delivery, f"delivered {deliveries} times (limit {self.max_deliveries}): {reason}")
             return None
         self.stats.delivered += 1
         self._state.in_flight[entry_id] = delivery

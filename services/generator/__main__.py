@@ -83,9 +83,7 @@ async def serve(settings: GeneratorSettings) -> int:
         await consumer.start()
         rollouts = StreamProducer(client, keys.rollouts, max_backlog=settings.max_rollout_backlog)
         loop = RolloutLoop(engine, consumer, rollouts, settings.generator_id, settings.max_prompts_in_flight)
-        telemetry = GeneratorTelemetry(
-            client, keys, settings, engine, loop, consumer, lease, settings.url(port)
-        )
+        telemetry = GeneratorTelemetry(client, keys, settings, engine, loop, consumer, lease, settings.url(port))
         registry.register(telemetry.collector())
         background = [
             asyncio.create_task(telemetry.run(stop)),
@@ -112,9 +110,7 @@ async def serve(settings: GeneratorSettings) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.generator", description=__doc__)
-    parser.add_argument(
-        "--config", help="TOML file (else $ASYNCGRPO_CONFIG); [generator] and [common] are read"
-    )
+    parser.add_argument("--config", help="TOML file (else $ASYNCGRPO_CONFIG); [generator] and [common] are read")
     args = parser.parse_args(argv)
     settings = GeneratorSettings.load(args.config)
     setup_logging("generator", settings.log_level)

@@ -101,9 +101,7 @@ async def metrics(request: Request):
     return metrics_response(request.app.state.registry)
 
 
-@router.post(
-    "/generate", response_model=GenerateResponse, dependencies=[Authorized], summary="Ad-hoc sampling"
-)
+@router.post("/generate", response_model=GenerateResponse, dependencies=[Authorized], summary="Ad-hoc sampling")
 async def generate(body: GenerateRequest, engine: EngineDep) -> GenerateResponse:
     async def one(prompt: str | list[ChatMessage]) -> GeneratedPrompt:
         ids = engine.tokenize(prompt if isinstance(prompt, str) else tuple(prompt))
@@ -130,9 +128,7 @@ async def generate(body: GenerateRequest, engine: EngineDep) -> GenerateResponse
     return GenerateResponse(policy_version=engine.policy_version, results=list(results))
 
 
-@router.post(
-    "/pause", response_model=Status, dependencies=[Authorized], summary="Stop sampling (in-flight kept)"
-)
+@router.post("/pause", response_model=Status, dependencies=[Authorized], summary="Stop sampling (in-flight kept)")
 async def pause(engine: EngineDep) -> Status:
     await engine.pause()
     return Status(status="paused", policy_version=engine.policy_version)
@@ -160,14 +156,10 @@ async def resume(engine: EngineDep) -> Status:
     summary="Receive a weight push from the learner and serve the new version",
     responses={409: {"description": "Version older than the one served"}, 422: {"description": "Bad layout"}},
 )
-async def update_weights(
-    body: WeightVersionAnnouncement, request: Request, engine: EngineDep
-) -> WeightUpdateResult:
+async def update_weights(body: WeightVersionAnnouncement, request: Request, engine: EngineDep) -> WeightUpdateResult:
     generator_id = request.app.state.generator_id
-    if body.policy_version < engine.policy_version:
-        raise HTTPException(
-            409, f"serving version {engine.policy_version}; refusing older {body.policy_version}"
-        )
+    if body.policy_version < engine.policy_version and not body.reset:
+        raise HTTPException(409, f"serving version {engine.policy_version}; refusing older {body.policy_version}")
     if generator_id not in body.ranks:
         raise HTTPException(422, f"the push names no rank for {generator_id}")
     result = await engine.update_weights(body, generator_id)
@@ -185,9 +177,7 @@ async def shutdown(request: Request) -> Status:
     return Status(status="stopping")
 
 
-def build_app(
-    *, api_token: str, generator_id: str, registry, stop: asyncio.Event, announced_version
-) -> FastAPI:
+def build_app(*, api_token: str, generator_id: str, registry, stop: asyncio.Event, announced_version) -> FastAPI:
     app = FastAPI(
         title="asyncgrpo generator",
         description="Samples G completions per prompt with vLLM and takes new weights without a restart.",

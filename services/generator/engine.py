@@ -150,9 +150,7 @@ class Engine:
         params = sampling_params(spec, n, max_tokens=min(spec.max_tokens, budget))
         started_at, version = time.time(), self.policy_version
         final = None
-        async for output in self.llm.generate(
-            TokensPrompt(prompt_token_ids=prompt_ids), params, uuid.uuid4().hex
-        ):
+        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, uuid.uuid4().hex):
             final = output
         if final is None or len(final.outputs) != n:
             got = 0 if final is None else len(final.outputs)
@@ -162,9 +160,7 @@ class Engine:
 
     # Weights -------------------------------------------------------------------------------------------
 
-    async def update_weights(
-        self, announcement: WeightVersionAnnouncement, generator_id: str
-    ) -> dict[str, float]:
+    async def update_weights(self, announcement: WeightVersionAnnouncement, generator_id: str) -> dict[str, float]:
         """Pause (in-flight requests kept), receive and load the pushed weights, reset the prefix cache,
         take the new version, resume. A failure leaves sampling paused and ``weights_ok`` False."""
         if generator_id not in announcement.ranks or not announcement.rendezvous:
@@ -194,9 +190,7 @@ class Engine:
                 # In-flight requests are preempted and recomputed under the new weights.
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
             except BaseException:
-                log.exception(
-                    "weight update to version %d failed; sampling stays paused", announcement.policy_version
-                )
+                log.exception("weight update to version %d failed; sampling stays paused", announcement.policy_version)
                 raise
             self.policy_version = announcement.policy_version
             self.weights_ok = True

@@ -35,9 +35,7 @@ class GpuLease:
         for index in range(gpu_count):
             if len(self.indices) == needed:
                 break
-            if await self.client.set(
-                self.keys.gpu_lease(self.host, index), self.owner, nx=True, px=self.ttl_ms
-            ):
+            if await self.client.set(self.keys.gpu_lease(self.host, index), self.owner, nx=True, px=self.ttl_ms):
                 self.indices.append(index)
         if len(self.indices) < needed:
             await self.release()

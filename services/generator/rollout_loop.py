@@ -109,9 +109,7 @@ class RolloutLoop:
                 log.critical("the vLLM engine died: %s", exc)
                 return
             self.stats.failures += 1
-            log.exception(
-                "prompt %s failed (delivery %d); it will be retried", delivery.record_id, delivery.deliveries
-            )
+            log.exception("prompt %s failed (delivery %d); it will be retried", delivery.record_id, delivery.deliveries)
             await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
             return
         rollout = Rollout(
@@ -122,9 +120,7 @@ class RolloutLoop:
             policy_version=group.policy_version,
             finished_policy_version=group.finished_policy_version,
             generator_id=self.generator_id,
-            timings=RolloutTimings(
-                received_at=received_at, started_at=group.started_at, finished_at=group.finished_at
-            ),
+            timings=RolloutTimings(received_at=received_at, started_at=group.started_at, finished_at=group.finished_at),
         )
         if await self.consumer.commit(delivery, [Output(self.rollouts, rollout.group_id, encode(rollout))]):
             self.stats.prompts_done += 1

@@ -15,21 +15,15 @@ class GeneratorSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="GENERATOR_", extra="forbid", env_nested_delimiter="__")
     toml_table = "generator"
 
-    model: str = Field(
-        "", description="Path of the initial model (a transformers/vLLM checkpoint directory)."
-    )
+    model: str = Field("", description="Path of the initial model (a transformers/vLLM checkpoint directory).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Engine dtype; 'auto' takes the checkpoint's (float32 is exact on CPU)."
     )
     max_model_len: int = Field(2048, ge=16, description="Longest prompt + completion the engine accepts.")
-    kv_cache_gib: float = Field(
-        1.0, gt=0, description="KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."
-    )
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1, description="Share of GPU memory vLLM may take.")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per replica (vLLM tensor parallelism).")
-    enforce_eager: bool = Field(
-        True, description="Skip torch.compile/CUDA graphs (faster start, slower decode)."
-    )
+    enforce_eager: bool = Field(True, description="Skip torch.compile/CUDA graphs (faster start, slower decode).")
     max_num_seqs: int = Field(64, ge=1, description="Sequences the engine batches at once.")
     max_prompts_in_flight: int = Field(
         16, ge=1, description="Prompts read from the stream and sampling at once (each is G sequences)."
@@ -43,9 +37,7 @@ class GeneratorSettings(ServiceSettings):
         "", description="URL the learner reaches this replica at; default http://<hostname>:<port>."
     )
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="A replica silent this long is considered gone.")
-    claim_idle_ms: int = Field(
-        60_000, ge=100, description="Prompts pending this long on a dead replica move."
-    )
+    claim_idle_ms: int = Field(60_000, ge=100, description="Prompts pending this long on a dead replica move.")
     max_deliveries: int = Field(3, ge=1, description="Deliveries of a prompt before it is dead-lettered.")
     max_rollout_backlog: int = Field(
         256, ge=1, description="Rollouts waiting for scorers before this replica stops generating."

@@ -75,9 +75,7 @@ class WeightReceiverExtension:
             self._weight_group = PyNcclCommunicator(group, device=self.device)
             self._weight_group_kind = "nccl"
         else:
-            store = torch.distributed.TCPStore(
-                host, port, is_master=False, timeout=timeout, wait_for_workers=False
-            )
+            store = torch.distributed.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
             self._weight_group = torch.distributed.ProcessGroupGloo(
                 torch.distributed.PrefixStore(prefix, store), rank, world_size, timeout
             )

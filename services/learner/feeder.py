@@ -14,6 +14,7 @@ Admission control (AReaL-style): the loop publishes tasks only while fewer than
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,9 @@ def load_rows(data: DataSettings) -> list[dict[str, Any]]:
 def _read_files(path: Path, split: str) -> list[dict[str, Any]]:
     if not path.exists():
         raise DataError(f"data source {path} does not exist")
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in {".jsonl", ".json", ".parquet"})
+    files = (
+        [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in {".jsonl", ".json", ".parquet"})
+    )
     if split and path.is_dir():
         in_split = [f for f in files if split in f.name]
         files = in_split or files
@@ -83,10 +86,21 @@ def build_prompt(question: str, data: DataSettings) -> tuple[ChatMessage, ...]:
 class PromptFeeder:
     """Turns rows into ``PromptTask``s in a seeded order, epoch after epoch, from a saved position."""
 
-    def __init__(self, rows: list[dict[str, Any]], data: DataSettings, sampling: SamplingSpec, group_size: int,
-                 position: DatasetPosition | None = None) -> None:
+    def __init__(
+        self,
+        rows: list[dict[str, Any]],
+        data: DataSettings,
+        sampling: SamplingSpec,
+        group_size: int,
+        position: DatasetPosition | None = None,
+        *,
+        prompt_length: Callable[[tuple[ChatMessage, ...]], int] | None = None,
+        max_prompt_length: int | None = None,
+    ) -> None:
         self.rows, self.data, self.sampling, self.group_size = rows, data, sampling, group_size
         self.position = position or DatasetPosition(epoch=0, index=0)
+        self.prompt_length, self.max_prompt_length = prompt_length, max_prompt_length
+        self.skipped_too_long = 0
         self._order_epoch = -1
         self._order: list[int] = []
 
@@ -102,9 +116,18 @@ class PromptFeeder:
         return self.data.epochs > 0 and self.position.epoch >= self.data.epochs
 
     def next_task(self, policy_version: int) -> PromptTask | None:
-        """The next task and the position after it; None once every epoch is done."""
-        if self.exhausted:
-            return None
+        """The next task (prompts over ``max_prompt_length`` tokens are skipped and counted); None once
+        every epoch is done."""
+        while not self.exhausted:
+            task = self._task_at_position(policy_version)
+            if self.prompt_length is None or self.max_prompt_length is None:
+                return task
+            if self.prompt_length(task.prompt) <= self.max_prompt_length:
+                return task
+            self.skipped_too_long += 1
+        return None
+
+    def _task_at_position(self, policy_version: int) -> PromptTask:
         epoch, index = self.position.epoch, self.position.index
         row = self.rows[self._order_for(epoch)[index]]
         columns = {"answer": row[self.data.answer_column]}

@@ -63,9 +63,7 @@ def aggregate(
         return masked.sum() / (per_token_loss.shape[0] * max_completion_length)
     if loss_type == "dapo":
         if num_items_in_batch is None:
-            raise ValueError(
-                "loss_type='dapo' needs num_items_in_batch (active tokens in the optimizer step)"
-            )
+            raise ValueError("loss_type='dapo' needs num_items_in_batch (active tokens in the optimizer step)")
         return masked.sum() / torch.as_tensor(num_items_in_batch, dtype=masked.dtype).clamp(min=1.0)
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 

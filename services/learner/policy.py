@@ -32,8 +32,13 @@ def load_policy(settings: LearnerSettings, path: str, adapter_path: str | None =
         if adapter_path:
             model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
         else:
-            config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha,
-                                target_modules=settings.lora_target_modules, lora_dropout=0.0, bias="none")
+            config = LoraConfig(
+                r=settings.lora_rank,
+                lora_alpha=settings.lora_alpha,
+                target_modules=settings.lora_target_modules,
+                lora_dropout=0.0,
+                bias="none",
+            )
             model = get_peft_model(model, config)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

@@ -14,7 +14,7 @@ Batch vocabulary (the README's "Batch arithmetic" section draws it):
 from __future__ import annotations
 
 import socket
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -50,7 +50,7 @@ class DataSettings(BaseModel):
 class LearnerSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="LEARNER_", extra="forbid", env_nested_delimiter="__")
     toml_table = "learner"
-    extra_toml_tables = {"data": "data"}
+    extra_toml_tables: ClassVar[dict[str, str]] = {"data": "data"}
 
     data: DataSettings = Field(default_factory=DataSettings)
     model: str = Field("", description="Path of the initial model (transformers checkpoint directory).")
@@ -82,7 +82,9 @@ class LearnerSettings(ServiceSettings):
     delta: float | None = Field(None, description="Two-sided clipping bound on the unclipped ratio (None: off).")
     beta: float = Field(0.0, ge=0, description="KL coefficient to the initial model (0: no reference model).")
     importance_correction: bool = Field(True, description="Weight tokens by pi_old/pi_behaviour (AReaL).")
-    importance_level: Literal["token", "sequence"] = Field("token", description="Importance weight per token or sequence.")
+    importance_level: Literal["token", "sequence"] = Field(
+        "token", description="Importance weight per token or sequence."
+    )
     importance_mode: Literal["truncate", "mask"] = Field("truncate", description="Truncate or mask large weights.")
     importance_cap: float = Field(2.0, gt=0, description="Largest importance weight kept.")
     importance_cap_min: float | None = Field(None, description="Smallest importance weight kept (None: no floor).")
@@ -142,13 +144,10 @@ class LearnerSettings(ServiceSettings):
                 f"({self.groups_per_step} groups x G={self.group_size} = {self.completions_per_step}); lower it"
             )
         if self.completions_per_step % self.micro_batch_size:
+            fitting = _divisor_below(self.completions_per_step, self.micro_batch_size)
             raise ValueError(
                 f"completions per step ({self.completions_per_step}) must be a multiple of micro_batch_size "
-                f"({self.micro_batch_size}); e.g. micro_batch_size = {_divisor_below(self.completions_per_step, self.micro_batch_size)}"
-            )
-        if self.sync_every % self.num_iterations and self.num_iterations % self.sync_every:
-            raise ValueError(
-                f"sync_every ({self.sync_every}) and num_iterations ({self.num_iterations}) must divide one another"
+                f"({self.micro_batch_size}); e.g. micro_batch_size = {fitting}"
             )
         if self.model_context and self.max_prompt_length + self.max_completion_length > self.model_context:
             raise ValueError(

@@ -42,7 +42,9 @@ class Trainer:
         self.reference = reference
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            params, lr=settings.lr, betas=(settings.adam_beta1, settings.adam_beta2),
+            params,
+            lr=settings.lr,
+            betas=(settings.adam_beta1, settings.adam_beta2),
             weight_decay=settings.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -52,7 +54,11 @@ class Trainer:
         self.step = 0
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "step": self.step}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -70,8 +76,13 @@ class Trainer:
             out["ref_logprobs"] = logprobs_no_grad(self.reference, batch, s.micro_batch_size)
         if s.importance_correction:
             out["importance_weights"] = importance_weights(
-                old, batch.behaviour_logprobs, batch.completion_mask, level=s.importance_level,
-                mode=s.importance_mode, cap=s.importance_cap, cap_min=s.importance_cap_min,
+                old,
+                batch.behaviour_logprobs,
+                batch.completion_mask,
+                level=s.importance_level,
+                mode=s.importance_mode,
+                cap=s.importance_cap,
+                cap_min=s.importance_cap_min,
             )
         return out
 
@@ -87,13 +98,19 @@ class Trainer:
             start += mb.size
             logprobs = completion_logprobs(self.model, mb)
             loss, metrics = policy_loss(
-                logprobs, prepared["old_logprobs"][rows], mb.advantages, mb.completion_mask,
-                loss_type=loss_type, epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high, delta=s.delta,
-                beta=s.beta, ref_logprobs=prepared["ref_logprobs"][rows] if "ref_logprobs" in prepared else None,
-                importance_weights=(
-                    prepared["importance_weights"][rows] if "importance_weights" in prepared else None
-                ),
-                max_completion_length=s.max_completion_length, num_items_in_batch=total_tokens,
+                logprobs,
+                prepared["old_logprobs"][rows],
+                mb.advantages,
+                mb.completion_mask,
+                loss_type=loss_type,
+                epsilon_low=s.epsilon_low,
+                epsilon_high=s.epsilon_high,
+                delta=s.delta,
+                beta=s.beta,
+                ref_logprobs=prepared["ref_logprobs"][rows] if "ref_logprobs" in prepared else None,
+                importance_weights=(prepared["importance_weights"][rows] if "importance_weights" in prepared else None),
+                max_completion_length=s.max_completion_length,
+                num_items_in_batch=total_tokens,
             )
             if loss_type in ("grpo", "dr_grpo"):
                 loss = loss * (mb.size / batch.size)

@@ -157,6 +157,8 @@ class WeightPusher:
         policy_version: int,
         generators: Sequence[GeneratorRegistration],
         http: httpx.AsyncClient,
+        *,
+        reset: bool = False,
     ) -> PushReport:
         """Broadcast ``named`` tensors to ``generators`` as ``policy_version``; raises WeightPushError."""
         if not generators:
@@ -175,6 +177,7 @@ class WeightPusher:
             namespace=namespace,
             ranks=ranks,
             world_size=next_rank,
+            reset=reset,
         )
         started = time.perf_counter()
         done: dict = {}
@@ -186,10 +189,7 @@ class WeightPusher:
         headers = {"Authorization": f"Bearer {self.api_token}"}
         timeout = self.timeout.total_seconds() + 30
         replies = await asyncio.gather(
-            *(
-                http.post(f"{g.url}/weights/update", json=body, headers=headers, timeout=timeout)
-                for g in generators
-            ),
+            *(http.post(f"{g.url}/weights/update", json=body, headers=headers, timeout=timeout) for g in generators),
             return_exceptions=True,
         )
         failed = [
@@ -203,9 +203,7 @@ class WeightPusher:
         await asyncio.to_thread(sender.join, self.timeout.total_seconds())
         if "error" in done or sender.is_alive():
             self.failures += 1
-            raise WeightPushError(
-                f"weight push {policy_version}: broadcast failed: {done.get('error')}", list(ranks)
-            )
+            raise WeightPushError(f"weight push {policy_version}: broadcast failed: {done.get('error')}", list(ranks))
         seconds = time.perf_counter() - started
         self.pushes += 1
         report = PushReport(policy_version, tuple(ranks), int(done.get("bytes", 0)), seconds)

@@ -56,9 +56,7 @@ def build_app(target_chars: int = 200) -> FastAPI:
     @app.post("/score", response_model=ScoreResponse, summary="One reward per item, in order")
     async def score(request: ScoreRequest) -> ScoreResponse:
         if request.protocol != PROTOCOL:
-            raise HTTPException(
-                400, f"unsupported protocol {request.protocol!r}; this plugin speaks {PROTOCOL}"
-            )
+            raise HTTPException(400, f"unsupported protocol {request.protocol!r}; this plugin speaks {PROTOCOL}")
         rewards = [score_item(item, target_chars) for item in request.items]
         return ScoreResponse(rewards=rewards, extra={"target_chars": target_chars})
 

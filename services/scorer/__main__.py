@@ -41,9 +41,7 @@ def _collector(loop: ScoringLoop, consumer: StreamConsumer) -> CallbackCollector
         return out
 
     def gauges() -> dict[str, float]:
-        return {
-            k: v for k, v in loop.stats.last_metrics.items() if v == v
-        }  # last group's figures, NaN left out
+        return {k: v for k, v in loop.stats.last_metrics.items() if v == v}  # last group's figures, NaN left out
 
     return CallbackCollector(counters, gauges)
 
@@ -57,12 +55,8 @@ async def serve(settings: ScorerSettings) -> int:
     async with httpx.AsyncClient() as http:
         functions, plugins = build_functions(settings.rewards, http)
         registry = CollectorRegistry()
-        app = build_app(
-            api_token=settings.api_token.get_secret_value(), registry=registry, stop=stop, plugins=plugins
-        )
-        server = uvicorn.Server(
-            uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
-        )
+        app = build_app(api_token=settings.api_token.get_secret_value(), registry=registry, stop=stop, plugins=plugins)
+        server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning"))
         server_task = asyncio.create_task(server.serve())
         try:
             await asyncio.gather(*(plugin.probe() for plugin in plugins))

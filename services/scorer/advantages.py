@@ -31,6 +31,8 @@ from typing import Literal
 
 import torch
 
+from shared.records import AdvantageSpec
+
 ScaleRewards = Literal["group", "batch", "none"]
 
 BNPO_MAX_WEIGHT = 1e6  # 1/pdf grows without bound where the fitted Beta density vanishes (p = 0 or 1)
@@ -44,8 +46,7 @@ def combine_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> to
     """
     if rewards_per_func.ndim != 2 or weights.shape != (rewards_per_func.shape[1],):
         raise ValueError(
-            f"expected rewards [N, F] and weights [F], got {tuple(rewards_per_func.shape)} and "
-            f"{tuple(weights.shape)}"
+            f"expected rewards [N, F] and weights [F], got {tuple(rewards_per_func.shape)} and {tuple(weights.shape)}"
         )
     weights = weights.to(rewards_per_func.dtype)
     missing = torch.isnan(rewards_per_func)
@@ -58,15 +59,12 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(
-            f"expected rewards [N] with N a multiple of group_size={group_size}, "
-            f"got shape {tuple(rewards.shape)}"
+            f"expected rewards [N] with N a multiple of group_size={group_size}, got shape {tuple(rewards.shape)}"
         )
     return rewards.view(-1, group_size)
 
 
-def _nan_mean_std(
-    values: torch.Tensor, unbiased: bool, dim: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _nan_mean_std(values: torch.Tensor, unbiased: bool, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and std over non-NaN entries (along ``dim``, or all). Std is NaN with too few entries."""
     present = ~torch.isnan(values)
     count = present.sum(dim=dim) if dim is not None else present.sum()
@@ -190,3 +188,12 @@ def reward_metrics(rewards: torch.Tensor, group_size: int, *, std_unbiased: bool
         "frac_reward_zero_std": float(zero.to(torch.float64).mean()),
         "frac_reward_nan": float(torch.isnan(rewards).to(torch.float64).mean()),
     }
+
+
+def compute_advantages(rewards: torch.Tensor, group_size: int, spec: AdvantageSpec) -> torch.Tensor:
+    """Advantages [N] for rewards [N] of N/G groups, with the estimator and scaling ``spec`` names."""
+    if spec.estimator == "bnpo":
+        return bnpo_advantages(rewards, group_size, reward_min=spec.reward_min, reward_max=spec.reward_max)
+    return group_advantages(
+        rewards, group_size, scale_rewards=spec.scale_rewards, eps=spec.eps, std_unbiased=spec.std_unbiased
+    )

@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 import torch
 
-from services.scorer.advantages import bnpo_advantages, combine_rewards, group_advantages, zero_std_groups
+from services.scorer.advantages import combine_rewards, compute_advantages, zero_std_groups
 from services.scorer.rewards.builtin import BUILTINS
 from services.scorer.rewards.functions import RewardBatch, RewardFunction, load_python_plugin, trl_style
 from services.scorer.rewards.http_plugin import HttpRewardPlugin
@@ -46,15 +46,6 @@ def reward_batch(rollout: Rollout) -> RewardBatch:
     return RewardBatch(prompts, completions, [c.token_ids.tolist() for c in rollout.completions], columns)
 
 
-def compute_advantages(rewards: torch.Tensor, group_size: int, spec: AdvantageSpec) -> torch.Tensor:
-    """Advantages [N] for rewards [N] of N/G groups, as ``spec`` says."""
-    if spec.estimator == "bnpo":
-        return bnpo_advantages(rewards, group_size, reward_min=spec.reward_min, reward_max=spec.reward_max)
-    return group_advantages(
-        rewards, group_size, scale_rewards=spec.scale_rewards, eps=spec.eps, std_unbiased=spec.std_unbiased
-    )
-
-
 def group_metrics(
     rollout: Rollout, names: Sequence[str], per_func: np.ndarray, rewards: np.ndarray
 ) -> dict[str, float]:
@@ -67,9 +58,7 @@ def group_metrics(
         "completions/mean_length": float(lengths.mean()),
         "completions/min_length": float(lengths.min()),
         "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(
-            np.mean([c.finish_reason == "length" for c in rollout.completions])
-        ),
+        "completions/clipped_ratio": float(np.mean([c.finish_reason == "length" for c in rollout.completions])),
     }
     for index, name in enumerate(names):
         column = per_func[:, index]

@@ -82,9 +82,7 @@ class ScoringLoop:
                 drop_zero_std=self.drop_zero_std,
                 scorer_id=self.consumer.consumer,
             )
-            committed = await self.consumer.commit(
-                delivery, [Output(self.scored, group.group_id, encode(group))]
-            )
+            committed = await self.consumer.commit(delivery, [Output(self.scored, group.group_id, encode(group))])
         except Exception as exc:
             self.stats.failures += 1
             log.exception("scoring group %s failed; it will be retried", delivery.record_id)

@@ -23,33 +23,23 @@ class RewardSpec(BaseModel):
     weight: float = Field(1.0, description="Multiplies this function's reward in the combined reward.")
     function: str | None = Field(None, description="Python plugin 'module:function' (TRL's signature).")
     url: str | None = Field(None, description="HTTP plugin endpoint (protocol asyncgrpo.reward/v1).")
-    params: dict[str, Any] = Field(
-        default_factory=dict, description="Built-in parameters (overlong: buffer)."
-    )
+    params: dict[str, Any] = Field(default_factory=dict, description="Built-in parameters (overlong: buffer).")
     timeout_s: float = Field(10.0, gt=0, description="HTTP plugin: seconds per attempt.")
     retries: int = Field(2, ge=0, description="HTTP plugin: retries after a transport error or 5xx.")
     backoff_s: float = Field(0.2, ge=0, description="HTTP plugin: first retry delay (doubles each time).")
     concurrency: int = Field(8, ge=1, description="HTTP plugin: requests in flight at once.")
-    breaker_failures: int = Field(
-        5, ge=1, description="HTTP plugin: consecutive failures that open the breaker."
-    )
+    breaker_failures: int = Field(5, ge=1, description="HTTP plugin: consecutive failures that open the breaker.")
     breaker_reset_s: float = Field(30.0, gt=0, description="HTTP plugin: seconds the breaker stays open.")
-    health_url: str | None = Field(
-        None, description="HTTP plugin: probed at start; default <url dir>/health."
-    )
+    health_url: str | None = Field(None, description="HTTP plugin: probed at start; default <url dir>/health.")
 
     @model_validator(mode="after")
     def _one_kind(self) -> RewardSpec:
         if self.function and self.url:
-            raise ValueError(
-                f"reward {self.name!r}: set either function (Python plugin) or url (HTTP), not both"
-            )
+            raise ValueError(f"reward {self.name!r}: set either function (Python plugin) or url (HTTP), not both")
         if self.url is not None:
             for url in (self.url, self.health_url):
                 if url is not None and urlsplit(url).scheme not in ("http", "https"):
-                    raise ValueError(
-                        f"reward {self.name!r}: plugin URL {url!r} must start with http:// or https://"
-                    )
+                    raise ValueError(f"reward {self.name!r}: plugin URL {url!r} must start with http:// or https://")
         elif self.function is None and self.name not in BUILTINS:
             raise ValueError(
                 f"unknown reward {self.name!r}: built-ins are {', '.join(sorted(BUILTINS))}; "
@@ -64,9 +54,7 @@ class RewardSpec(BaseModel):
                     f" (it takes: {', '.join(sorted(allowed)) or 'none'})"
                 )
         elif ":" not in self.function:
-            raise ValueError(
-                f"reward {self.name!r}: function must be 'module:function', got {self.function!r}"
-            )
+            raise ValueError(f"reward {self.name!r}: function must be 'module:function', got {self.function!r}")
         return self
 
     @property
@@ -83,15 +71,11 @@ class ScorerSettings(ServiceSettings):
         min_length=1,
         description="Reward functions.",
     )
-    estimator: Literal["grpo", "bnpo"] = Field(
-        "grpo", description="Advantage estimator (BNPO for 0/1-like rewards)."
-    )
+    estimator: Literal["grpo", "bnpo"] = Field("grpo", description="Advantage estimator (BNPO for 0/1-like rewards).")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="GRPO std scaling: group (TRL default), batch, none (Dr. GRPO)."
     )
-    std_unbiased: bool = Field(
-        True, description="Bessel-corrected std (TRL); False: population std (DeepSeek)."
-    )
+    std_unbiased: bool = Field(True, description="Bessel-corrected std (TRL); False: population std (DeepSeek).")
     advantage_eps: float = Field(1e-4, ge=0, description="Added to the std before dividing.")
     reward_min: float = Field(0.0, description="BNPO: lowest possible combined reward.")
     reward_max: float = Field(1.0, description="BNPO: highest possible combined reward.")
@@ -99,17 +83,11 @@ class ScorerSettings(ServiceSettings):
         False,
         description="DAPO dynamic sampling: mark groups whose rewards all agree so the learner skips them.",
     )
-    scorer_id: str = Field(
-        default_factory=lambda: f"scorer-{socket.gethostname()}", description="Replica name."
-    )
+    scorer_id: str = Field(default_factory=lambda: f"scorer-{socket.gethostname()}", description="Replica name.")
     max_groups_in_flight: int = Field(8, ge=1, description="Rollouts scored at once (plugins are I/O bound).")
-    claim_idle_ms: int = Field(
-        30_000, ge=100, description="Rollouts pending this long on a dead scorer move."
-    )
+    claim_idle_ms: int = Field(30_000, ge=100, description="Rollouts pending this long on a dead scorer move.")
     max_deliveries: int = Field(3, ge=1, description="Deliveries of a rollout before it is dead-lettered.")
-    max_scored_backlog: int = Field(
-        512, ge=1, description="Scored groups waiting for the learner before we wait."
-    )
+    max_scored_backlog: int = Field(512, ge=1, description="Scored groups waiting for the learner before we wait.")
     host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
     port: int = Field(8002, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
 

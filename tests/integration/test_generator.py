@@ -77,9 +77,7 @@ def _reference_logprobs(model_dir, prompt_ids, completion_ids, temperature) -> t
     return logprobs.gather(1, torch.tensor(completion_ids, dtype=torch.long).unsqueeze(1)).squeeze(1)
 
 
-async def test_prompts_become_rollouts_with_exact_behaviour_logprobs(
-    generator, models, redis_client, keys, prefix
-):
+async def test_prompts_become_rollouts_with_exact_behaviour_logprobs(generator, models, redis_client, keys, prefix):
     keys = type(keys)(prefix)
     producer = StreamProducer(redis_client, keys.prompts)
     tasks = [
@@ -109,9 +107,7 @@ async def test_prompts_become_rollouts_with_exact_behaviour_logprobs(
             reference = _reference_logprobs(
                 models[0], rollout.prompt_token_ids.tolist(), completion.token_ids.tolist(), 0.7
             )
-            worst = max(
-                worst, float((reference - torch.from_numpy(completion.behaviour_logprobs.copy())).abs().max())
-            )
+            worst = max(worst, float((reference - torch.from_numpy(completion.behaviour_logprobs.copy())).abs().max()))
     print(f"\nmax |vLLM behaviour logprob - transformers log_softmax(logits/T)| = {worst:.2e}")
     assert worst < 1e-3
     pending = await redis_client.xpending(keys.prompts, "generators")
@@ -132,10 +128,7 @@ def test_http_endpoints_and_auth(generator):
     for path in ("/generate", "/pause", "/resume", "/weights/update", "/shutdown"):
         assert httpx.post(f"{generator.url}{path}", json={}).status_code == 401, path
         assert (
-            httpx.post(
-                f"{generator.url}{path}", json={}, headers={"Authorization": "Bearer nope"}
-            ).status_code
-            == 401
+            httpx.post(f"{generator.url}{path}", json={}, headers={"Authorization": "Bearer nope"}).status_code == 401
         )
     metrics = httpx.get(f"{generator.url}/metrics").text
     for name in (
@@ -160,9 +153,7 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
     pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN, bucket_bytes=256 << 10)
     long_body = {"prompts": ["a", "b", "c"], "n": 4, "sampling": {"max_tokens": 200, "temperature": 1.0}}
     async with httpx.AsyncClient(timeout=300) as http:
-        in_flight = asyncio.create_task(
-            http.post(f"{generator.url}/generate", json=long_body, headers=_auth())
-        )
+        in_flight = asyncio.create_task(http.post(f"{generator.url}/generate", json=long_body, headers=_auth()))
         await asyncio.sleep(1.0)
         report = await pusher.push(list(model_b.named_parameters()), 1, [registration], http)
         assert report.bytes > 0
@@ -171,9 +162,7 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
         in_flight_results = finished.json()["results"]
         assert all(len(r["completions"]) == 4 for r in in_flight_results)
         # The push landed while these were being sampled: they started under version 0 and finished under 1.
-        assert [(r["policy_version"], r["finished_policy_version"]) for r in in_flight_results] == [
-            (0, 1)
-        ] * 3
+        assert [(r["policy_version"], r["finished_policy_version"]) for r in in_flight_results] == [(0, 1)] * 3
         await redis_client.set(keys.weights, encode(WeightVersionAnnouncement(policy_version=1)))
         ready = (await http.get(f"{generator.url}/ready")).json()
         assert ready == {"status": "ready", "policy_version": 1, "detail": ""}
@@ -185,9 +174,7 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
     result = reply["results"][0]
     assert reply["policy_version"] == 1
     prompt_ids = result["prompt_token_ids"]
-    expected = model_b.generate(torch.tensor([prompt_ids]), max_new_tokens=40, do_sample=False)[
-        0, len(prompt_ids) :
-    ]
+    expected = model_b.generate(torch.tensor([prompt_ids]), max_new_tokens=40, do_sample=False)[0, len(prompt_ids) :]
     got = result["completions"][0]["token_ids"]
     assert got == expected.tolist()[: len(got)] and len(got) >= 1
     print(f"\npush: {report.bytes / 1e6:.2f} MB in {report.seconds:.2f} s; greedy tokens equal: {len(got)}")

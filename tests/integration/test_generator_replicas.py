@@ -58,9 +58,7 @@ async def _fingerprint(http: httpx.AsyncClient, url: str) -> dict[str, float]:
     return reply.json()
 
 
-async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(
-    tmp_path, redis_url, redis_client, keys
-):
+async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_path, redis_url, redis_client, keys):
     model_a = build_tiny_llama(tmp_path / "A", seed=1)
     model_b = build_tiny_llama(tmp_path / "B", seed=2)
     keys = Keys(keys.prefix)
@@ -90,9 +88,7 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(
 
             # 40 prompts through both replicas; kill one while it holds prompts.
             tasks = [
-                PromptTask(
-                    prompt=f"item {i}:", group_size=4, policy_version=1, sampling=SamplingSpec(max_tokens=48)
-                )
+                PromptTask(prompt=f"item {i}:", group_size=4, policy_version=1, sampling=SamplingSpec(max_tokens=48))
                 for i in range(40)
             ]
             await StreamProducer(redis_client, keys.prompts).add_many([(t.task_id, encode(t)) for t in tasks])

@@ -52,9 +52,7 @@ async def _scored(client, keys: Keys) -> list[ScoredGroup]:
     return [decode(fields[b"data"], ScoredGroup) for _, fields in await client.xrange(keys.scored)]
 
 
-async def test_faulty_plugins_give_nan_and_counted_errors_and_every_group_is_scored(
-    fault_plugin, redis_client, keys
-):
+async def test_faulty_plugins_give_nan_and_counted_errors_and_every_group_is_scored(fault_plugin, redis_client, keys):
     keys = Keys(keys.prefix)
     specs = [RewardSpec(name="digit")] + [
         RewardSpec(
@@ -163,14 +161,10 @@ def test_example_plugin_speaks_the_protocol():
         service.stop()
 
 
-async def test_two_scorer_replicas_never_score_twice_and_finish_a_killed_ones_groups(
-    redis_url, redis_client, keys
-):
+async def test_two_scorer_replicas_never_score_twice_and_finish_a_killed_ones_groups(redis_url, redis_client, keys):
     keys = Keys(keys.prefix)
     group_ids = await _fill_rollouts(redis_client, keys, 30)
-    rewards = json.dumps(
-        [{"name": "slow_len", "function": "tests.support.trl_doc_rewards:slow_length_reward"}]
-    )
+    rewards = json.dumps([{"name": "slow_len", "function": "tests.support.trl_doc_rewards:slow_length_reward"}])
 
     def start(name: str):
         return start_service(

@@ -38,9 +38,7 @@ class ServiceProcess:
                 if needle in line:
                     return line
             if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.process.returncode}:\n{self.output()[-6000:]}"
-                )
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.output()[-6000:]}")
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} did not print {needle!r} in {timeout_s} s:\n{self.output()[-6000:]}")
 
@@ -61,9 +59,7 @@ class ServiceProcess:
             self.process.wait()
 
 
-def start_service(
-    name: str, module: str, env: dict[str, str], args: list[str] | None = None
-) -> ServiceProcess:
+def start_service(name: str, module: str, env: dict[str, str], args: list[str] | None = None) -> ServiceProcess:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
     process = subprocess.Popen(
         [sys.executable, "-m", module, *(args or [])],

@@ -40,8 +40,14 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_llama(path: str | Path, seed: int = 0, *, hidden: int = 128, layers: int = 2) -> Path:
-    """Write a random tiny Llama + tokenizer to ``path`` and return it."""
+def build_tiny_llama(
+    path: str | Path, seed: int = 0, *, hidden: int = 128, layers: int = 2, logit_scale: float = 20.0
+) -> Path:
+    """Write a random tiny Llama + tokenizer to ``path`` and return it.
+
+    ``logit_scale`` multiplies the output layer: 20 gives peaked, nearly deterministic text (good for
+    comparing engines); 1 gives near-uniform text (every character possible: good for learning tests).
+    """
     path = Path(path)
     tokenizer = build_tokenizer()
     config = LlamaConfig(
@@ -61,8 +67,8 @@ def build_tiny_llama(path: str | Path, seed: int = 0, *, hidden: int = 128, laye
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    with torch.no_grad():  # larger logits than the default init, so sampling is not uniform noise
-        model.lm_head.weight.mul_(20.0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path

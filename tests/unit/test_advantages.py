@@ -110,9 +110,7 @@ def test_hand_worked_group_of_four():
     np.testing.assert_allclose(got.numpy(), expected_unbiased, atol=1e-12)
     got = group_advantages(rewards, 4, std_unbiased=False)
     np.testing.assert_allclose(got.numpy(), expected_population, atol=1e-12)
-    np.testing.assert_allclose(
-        group_advantages(rewards, 4, scale_rewards="none").numpy(), [2.5, -0.5, -0.7, -1.3]
-    )
+    np.testing.assert_allclose(group_advantages(rewards, 4, scale_rewards="none").numpy(), [2.5, -0.5, -0.7, -1.3])
 
 
 def test_float32_works_and_nan_rows_get_zero():
@@ -176,9 +174,7 @@ def test_bnpo_single_group_and_zero_variance_use_uniform_beta():
     assert bnpo_beta_parameters(torch.tensor([0.5], dtype=torch.float64)) == (1.0, 1.0)
     np.testing.assert_allclose(bnpo_advantages(rewards, 4).numpy(), [0.5, -0.5, -0.5, 0.5])
     same_rates = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
-    np.testing.assert_allclose(
-        bnpo_advantages(same_rates, 4).numpy(), [0.5, -0.5, -0.5, 0.5, -0.5, 0.5, 0.5, -0.5]
-    )
+    np.testing.assert_allclose(bnpo_advantages(same_rates, 4).numpy(), [0.5, -0.5, -0.5, 0.5, -0.5, 0.5, 0.5, -0.5])
 
 
 def test_bnpo_hand_worked_parameters():

@@ -23,8 +23,16 @@ def tiny(tmp_path_factory):
 
 
 def _settings(model_path, **overrides) -> LearnerSettings:
-    fields = dict(model=str(model_path), group_size=4, groups_per_step=2, micro_batch_size=2, lr=1e-3,
-                  max_completion_length=12, max_steps=10, api_token="t")
+    fields = dict(
+        model=str(model_path),
+        group_size=4,
+        groups_per_step=2,
+        micro_batch_size=2,
+        lr=1e-3,
+        max_completion_length=12,
+        max_steps=10,
+        api_token="t",
+    )
     fields.update(overrides)
     return LearnerSettings(**fields)
 
@@ -44,12 +52,26 @@ def _groups(model, temperature=0.8, seed=0) -> list[ScoredGroup]:
                 logits = model(full).logits[0, prompt_len - 1 : -1].float() / temperature
                 lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids, dtype=torch.long)[:, None])[:, 0]
             completions.append(Completion(text="", token_ids=ids, behaviour_logprobs=lp.numpy(), finish_reason="stop"))
-        rollout = Rollout(group_id=task.task_id, task=task, prompt_token_ids=prompt, completions=tuple(completions),
-                          policy_version=0, finished_policy_version=0, generator_id="g",
-                          timings=RolloutTimings(received_at=0, started_at=0, finished_at=0))
+        rollout = Rollout(
+            group_id=task.task_id,
+            task=task,
+            prompt_token_ids=prompt,
+            completions=tuple(completions),
+            policy_version=0,
+            finished_policy_version=0,
+            generator_id="g",
+            timings=RolloutTimings(received_at=0, started_at=0, finished_at=0),
+        )
         rewards = rng.random(4).astype(np.float32)
-        groups.append(ScoredGroup(rollout=rollout, reward_names=("r",), rewards_per_func=rewards[:, None],
-                                  rewards=rewards, advantages=group_advantages(torch.from_numpy(rewards), 4).numpy()))
+        groups.append(
+            ScoredGroup(
+                rollout=rollout,
+                reward_names=("r",),
+                rewards_per_func=rewards[:, None],
+                rewards=rewards,
+                advantages=group_advantages(torch.from_numpy(rewards), 4).numpy(),
+            )
+        )
     return groups
 
 
@@ -82,8 +104,9 @@ def test_learner_step_gradient_equals_direct_synchronous_grpo_gradient(tiny, los
     trainer = Trainer(model, settings)
     prepared = trainer.prepare(batch)
     # Behaviour logprobs came from these weights: every importance weight is 1.
-    torch.testing.assert_close(prepared["importance_weights"], torch.ones_like(prepared["old_logprobs"]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        prepared["importance_weights"], torch.ones_like(prepared["old_logprobs"]), atol=1e-5, rtol=0
+    )
     model.zero_grad()
     trainer.accumulate_gradients(batch, prepared)
     ours = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -91,16 +114,30 @@ def test_learner_step_gradient_equals_direct_synchronous_grpo_gradient(tiny, los
     # The same objective computed directly on the whole batch, in one piece.
     model.zero_grad()
     logprobs = completion_logprobs(model, batch)
-    loss, _ = policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.completion_mask, loss_type=loss_type,
-                          importance_weights=prepared["importance_weights"], max_completion_length=12,
-                          num_items_in_batch=batch.completion_mask.sum())
+    loss, _ = policy_loss(
+        logprobs,
+        logprobs.detach(),
+        batch.advantages,
+        batch.completion_mask,
+        loss_type=loss_type,
+        importance_weights=prepared["importance_weights"],
+        max_completion_length=12,
+        num_items_in_batch=batch.completion_mask.sum(),
+    )
     loss.backward()
     direct = {n: p.grad.clone() for n, p in model.named_parameters()}
     # TRL's on-policy step: no importance weights (they are 1 up to the float32 behaviour logprobs).
     model.zero_grad()
     logprobs = completion_logprobs(model, batch)
-    loss, _ = policy_loss(logprobs, logprobs.detach(), batch.advantages, batch.completion_mask, loss_type=loss_type,
-                          max_completion_length=12, num_items_in_batch=batch.completion_mask.sum())
+    loss, _ = policy_loss(
+        logprobs,
+        logprobs.detach(),
+        batch.advantages,
+        batch.completion_mask,
+        loss_type=loss_type,
+        max_completion_length=12,
+        num_items_in_batch=batch.completion_mask.sum(),
+    )
     loss.backward()
     for name, param in model.named_parameters():
         torch.testing.assert_close(ours[name], direct[name], atol=1e-12, rtol=1e-9, msg=name)

@@ -92,9 +92,7 @@ def test_policy_loss_matches_reference(loss_type, beta, delta, weighted):
         num_items_in_batch=23.0,
     )
     loss, metrics = policy_loss(batch["logprobs"], batch["old"], batch["advantages"], batch["mask"], **kwargs)
-    expected = ref_loss(
-        batch, loss_type, 0.2, 0.28, delta, beta, None if weights is None else weights.numpy(), 9, 23.0
-    )
+    expected = ref_loss(batch, loss_type, 0.2, 0.28, delta, beta, None if weights is None else weights.numpy(), 9, 23.0)
     assert loss.dtype == torch.float64
     assert float(loss) == pytest.approx(expected, abs=TOL)
     assert ("kl" in metrics) == (beta > 0)
@@ -136,9 +134,7 @@ def test_on_policy_grpo_gradient_is_minus_advantage_over_length_and_batch():
 def test_dapo_over_micro_batches_equals_one_token_mean():
     batch = random_batch(seed=5, b=6, t=8)
     n_tokens = batch["mask"].sum()
-    whole, _ = policy_loss(
-        batch["logprobs"], batch["old"], batch["advantages"], batch["mask"], loss_type="bnpo"
-    )
+    whole, _ = policy_loss(batch["logprobs"], batch["old"], batch["advantages"], batch["mask"], loss_type="bnpo")
     parts = 0.0
     for rows in (slice(0, 2), slice(2, 6)):
         part, _ = policy_loss(

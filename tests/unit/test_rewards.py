@@ -70,9 +70,7 @@ def test_digit_hard_soft_and_mark_on_the_classic_example():
     completions = _classic()
     assert digit([""] * 8, completions) == [1.0] * 4 + [0.0, 1.0, 1.0, 0.0]
     assert hard_format([""] * 8, completions) == [1.0] * 4 + [0.0] * 4
-    assert (
-        soft_format([""] * 8, [*completions, "noise <think>a</think> x <answer>1</answer> tail"])[-1] == 1.0
-    )
+    assert soft_format([""] * 8, [*completions, "noise <think>a</think> x <answer>1</answer> tail"])[-1] == 1.0
     assert hard_format([""], ["noise <think>a</think><answer>1</answer>"]) == [0.0]
     assert mark([""] * 8, completions) == [1.0] * 4 + [0.0, 0.0, 0.5, 0.0]
     assert mark([""], ["<think><think></think>"]) == [0.25]
@@ -178,13 +176,9 @@ def test_reward_spec_validation_messages():
         RewardSpec(name="mark", params={"buffer": 3})
     with pytest.raises(ValidationError, match="repeated: mark"):
         ScorerSettings(rewards=[RewardSpec(name="mark"), RewardSpec(name="mark")])
-    with pytest.raises(
-        ValidationError, match=r"BNPO needs the combined reward inside \[reward_min, reward_max\]"
-    ):
+    with pytest.raises(ValidationError, match=r"BNPO needs the combined reward inside \[reward_min, reward_max\]"):
         ScorerSettings(estimator="bnpo", rewards=[RewardSpec(name="mark"), RewardSpec(name="correctness")])
-    ScorerSettings(
-        estimator="bnpo", reward_max=2.0, rewards=[RewardSpec(name="mark"), RewardSpec(name="correctness")]
-    )
+    ScorerSettings(estimator="bnpo", reward_max=2.0, rewards=[RewardSpec(name="mark"), RewardSpec(name="correctness")])
 
 
 def test_reward_batch_follows_trl_and_prepends_the_prefill():

@@ -44,9 +44,7 @@ def completion_text(completion: Any) -> str:
         return completion
     if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
         return str(completion[-1].get("content", ""))
-    raise TypeError(
-        f"a completion must be a string or a list of chat messages, got {type(completion).__name__}"
-    )
+    raise TypeError(f"a completion must be a string or a list of chat messages, got {type(completion).__name__}")
 
 
 def extract_answer(text: str) -> str | None:
@@ -97,9 +95,7 @@ def correctness(
     return scores
 
 
-def digit(
-    prompts: Sequence, completions: Sequence, completion_ids: Sequence = (), **columns
-) -> list[float | None]:
+def digit(prompts: Sequence, completions: Sequence, completion_ids: Sequence = (), **columns) -> list[float | None]:
     out: list[float | None] = []
     for completion in completions:
         given = extract_answer(completion_text(completion))
@@ -119,9 +115,7 @@ def soft_format(
     return [1.0 if _SOFT.search(completion_text(c)) else 0.0 for c in completions]
 
 
-def mark(
-    prompts: Sequence, completions: Sequence, completion_ids: Sequence = (), **columns
-) -> list[float | None]:
+def mark(prompts: Sequence, completions: Sequence, completion_ids: Sequence = (), **columns) -> list[float | None]:
     out: list[float | None] = []
     for completion in completions:
         text = completion_text(completion)
@@ -153,8 +147,7 @@ def make_overlong(buffer: int = 64) -> Callable[..., list[float | None]]:
         if not limits:
             raise ValueError("overlong needs max_completion_length (the scorer passes the task's max_tokens)")
         return [
-            overlong_penalty(len(ids), int(limit), buffer)
-            for ids, limit in zip(completion_ids, limits, strict=True)
+            overlong_penalty(len(ids), int(limit), buffer) for ids, limit in zip(completion_ids, limits, strict=True)
         ]
 
     return overlong

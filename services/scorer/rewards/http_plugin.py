@@ -151,9 +151,7 @@ class HttpRewardPlugin:
 
     async def _post(self, payload: dict, expected: int) -> list[float | None]:
         try:
-            reply = await self.client.post(
-                self.url, json=payload, timeout=self.timeout_s, headers=self.headers
-            )
+            reply = await self.client.post(self.url, json=payload, timeout=self.timeout_s, headers=self.headers)
         except (httpx.TransportError, httpx.TimeoutException) as exc:
             raise _Retryable(f"{self.name}: {type(exc).__name__}: {exc}") from exc
         if reply.status_code >= 500:

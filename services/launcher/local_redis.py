@@ -1,0 +1,89 @@
+"""A local ``redis-server`` for the launcher (when no Redis answers) and for tests (never a fake Redis)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def answers(url: str, timeout_s: float = 1.0) -> bool:
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        return bool(client.ping())
+    except (redis.ConnectionError, redis.TimeoutError, OSError):
+        return False
+    finally:
+        client.close()
+
+
+@dataclass
+class RedisServer:
+    """A redis-server process we started; only this pid is ever stopped."""
+
+    port: int
+    directory: Path
+    process: subprocess.Popen | None = None
+    appendonly: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed; install Redis 7 (apt-get install redis-server)")
+        args = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.directory),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "always",
+            "--logfile",
+            str(self.directory / "redis.log"),
+        ]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while not answers(self.url, 0.2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {self.port} did not start; see {self.directory}/redis.log")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+
+def start_redis(appendonly: bool = False) -> RedisServer:
+    server = RedisServer(
+        port=free_port(), directory=Path(tempfile.mkdtemp(prefix="redis-test-")), appendonly=appendonly
+    )
+    server.start()
+    return server

@@ -1,0 +1,58 @@
+"""Batch-level figures and advantage finalisation for the groups of one optimizer step (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from services.learner.importance import staleness
+from services.scorer.advantages import compute_advantages, reward_metrics
+from shared.records import ScoredGroup
+
+
+def finalize_advantages(groups: Sequence[ScoredGroup]) -> list[torch.Tensor]:
+    """Per-group advantages [G] for training. Groups normalised per group keep the scorer's values; when a
+    group's spec needs the whole batch (``scale_rewards="batch"``, BNPO) they are recomputed from the rewards
+    over exactly this batch, so they match a synchronous trainer's numbers."""
+    if not groups or not any(g.advantage_spec.needs_batch for g in groups):
+        return [torch.from_numpy(g.advantages.copy()) for g in groups]
+    spec = groups[0].advantage_spec
+    sizes = {g.rollout.group_size for g in groups}
+    if len(sizes) != 1 or any(g.advantage_spec != spec for g in groups):
+        raise ValueError("batch-level advantages need one group size and one advantage spec per batch")
+    rewards = torch.from_numpy(np.concatenate([g.rewards for g in groups]).astype(np.float64))
+    advantages = compute_advantages(rewards, sizes.pop(), spec).to(torch.float32)
+    return list(advantages.split([g.rollout.group_size for g in groups]))
+
+
+def batch_metrics(groups: Sequence[ScoredGroup], policy_version: int) -> dict[str, float]:
+    """TRL's reward and completion figures over the batch, plus staleness."""
+    size = groups[0].rollout.group_size
+    same_size = all(g.rollout.group_size == size for g in groups)
+    rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64)
+    metrics: dict[str, float] = {}
+    if same_size:
+        metrics.update(reward_metrics(torch.from_numpy(rewards), size))
+    else:
+        metrics["reward"] = float(np.nanmean(rewards))
+    names = groups[0].reward_names
+    if all(g.reward_names == names for g in groups):
+        per_func = np.concatenate([g.rewards_per_func for g in groups]).astype(np.float64)
+        for index, name in enumerate(names):
+            column = per_func[:, index]
+            present = column[~np.isnan(column)]
+            metrics[f"rewards/{name}/mean"] = float(present.mean()) if present.size else float("nan")
+            metrics[f"rewards/{name}/std"] = float(present.std(ddof=1)) if present.size > 1 else 0.0
+    completions = [c for g in groups for c in g.rollout.completions]
+    lengths = np.array([len(c.token_ids) for c in completions], dtype=np.float64)
+    metrics["completions/mean_length"] = float(lengths.mean())
+    metrics["completions/min_length"] = float(lengths.min())
+    metrics["completions/max_length"] = float(lengths.max())
+    metrics["completions/clipped_ratio"] = float(np.mean([c.finish_reason == "length" for c in completions]))
+    ages = [staleness(policy_version, g.rollout.policy_version) for g in groups]
+    metrics["staleness/mean"] = float(np.mean(ages))
+    metrics["staleness/max"] = float(max(ages))
+    metrics["num_tokens"] = float(lengths.sum())
+    return metrics

@@ -1,0 +1,96 @@
+"""Checkpoints a restarted learner resumes from without losing or repeating a group.
+
+``<checkpoint_dir>/step-<N>/`` holds:
+
+* ``config.json``, ``model.safetensors``, tokenizer files: the full model (LoRA merged in), which
+  transformers and vLLM load directly - late-joining generators start from it;
+* ``adapter/``: the LoRA adapter, when training one;
+* ``trainer.pt``: optimizer, scheduler and RNG states;
+* ``state.json``: step, policy version, the feeder's position, the ids of every group trained so far and
+  the run's counters.
+
+A checkpoint is written to ``step-<N>.tmp`` and renamed when complete, so a crash mid-write leaves the
+previous one intact; only the newest ``keep`` are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from services.learner.policy import merged_weights
+
+_PREFIX = "step-"
+
+
+@dataclass
+class LearnerState:
+    step: int = 0
+    policy_version: int = 0
+    feeder_epoch: int = 0
+    feeder_index: int = 0
+    trained_group_ids: list[str] = field(default_factory=list)
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def save_checkpoint(directory: Path, model, tokenizer, trainer_state: dict, state: LearnerState, keep: int) -> Path:
+    """Write ``step-<N>`` atomically and prune older checkpoints; returns its path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"{_PREFIX}{state.step}"
+    staging = directory / f"{_PREFIX}{state.step}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    with merged_weights(model) as named:
+        tensors = {name: tensor.contiguous().clone() for name, tensor in named}
+    from safetensors.torch import save_file
+
+    config = base.config.to_dict()
+    config.pop("quantization_config", None)
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(staging)
+    save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save_pretrained(staging)
+    if hasattr(model, "peft_config"):
+        model.save_pretrained(staging / "adapter")
+    torch.save({"trainer": trainer_state, "rng": _rng_state()}, staging / "trainer.pt")
+    (staging / "state.json").write_text(json.dumps(asdict(state)))
+    shutil.rmtree(final, ignore_errors=True)
+    staging.rename(final)
+    for old in list_checkpoints(directory)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not directory.exists():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def load_state(path: Path) -> tuple[LearnerState, dict]:
+    """The learner state and trainer state of a checkpoint; restores the RNG states."""
+    state = LearnerState(**json.loads((path / "state.json").read_text()))
+    saved = torch.load(path / "trainer.pt", weights_only=False)
+    _set_rng_state(saved["rng"])
+    return state, saved["trainer"]

@@ -1,0 +1,293 @@
+"""The learner's I/O loop: admit prompts, assemble batches, train, push weights, checkpoint.
+
+Per optimizer step:
+
+1. **Admit** prompts while fewer than ``(max_staleness + 1) * groups_per_step`` groups are in flight
+   (prompts not yet sampled + rollouts not yet scored + scored groups not yet read + read but not trained).
+   Each task is added in one MULTI/EXEC with the feeder's new position, so a restart resumes exactly after
+   the last admitted prompt.
+2. **Assemble** ``groups_per_step`` groups from the scored stream. Groups older than ``max_staleness``
+   versions, groups the scorer marked (zero-std, with dynamic sampling), and groups already trained before
+   a restart are acknowledged and counted, not trained.
+3. **Train** (in a worker thread, so admission, heartbeats and HTTP keep running).
+4. **Push** weights every ``sync_every`` steps to every live generator.
+5. **Checkpoint** every ``checkpoint_every`` steps; only then are the trained groups acknowledged, so a
+   learner killed between checkpoints gets them back (its consumer name is stable) and trains them again
+   from the checkpoint's weights - nothing lost, nothing trained twice on top of itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import httpx
+import redis.asyncio as aioredis
+
+from services.learner.batch import collate
+from services.learner.batch_metrics import batch_metrics, finalize_advantages
+from services.learner.checkpoint import LearnerState, save_checkpoint
+from services.learner.feeder import PromptFeeder, admission_budget
+from services.learner.importance import is_stale
+from services.learner.observability import MetricsSink
+from services.learner.policy import merged_weights
+from services.learner.settings import LearnerSettings
+from services.learner.trainer import Trainer
+from services.learner.weight_push import WeightPusher, WeightPushError
+from shared.codec import WireError, decode, encode
+from shared.keys import Keys
+from shared.records import CheckpointAnnouncement, ScoredGroup, WeightVersionAnnouncement
+from shared.registry import live_generators
+from shared.streams import Delivery, StreamConsumer, StreamProducer, group_backlog
+
+log = logging.getLogger(__name__)
+
+FEEDER_POSITION = b"feeder_position"
+
+
+@dataclasses.dataclass
+class Counters:
+    groups_admitted: int = 0
+    groups_trained: int = 0
+    groups_stale_dropped: int = 0
+    groups_zero_std_dropped: int = 0
+    groups_from_lost_versions: int = 0
+    groups_already_trained: int = 0
+    groups_rejected: int = 0
+    weight_pushes: int = 0
+    weight_push_failures: int = 0
+
+
+class LearnerLoop:
+    def __init__(
+        self,
+        *,
+        settings: LearnerSettings,
+        client: aioredis.Redis,
+        keys: Keys,
+        trainer: Trainer,
+        tokenizer,
+        feeder: PromptFeeder,
+        consumer: StreamConsumer,
+        pusher: WeightPusher,
+        http: httpx.AsyncClient,
+        sink: MetricsSink,
+        state: LearnerState,
+    ) -> None:
+        self.settings, self.client, self.keys = settings, client, keys
+        self.trainer, self.tokenizer, self.feeder = trainer, tokenizer, feeder
+        self.consumer, self.pusher, self.http, self.sink = consumer, pusher, http, sink
+        self.prompts = StreamProducer(client, keys.prompts)
+        self.trained_ids = set(state.trained_group_ids)
+        self.trained_order = list(state.trained_group_ids)
+        self.counters = Counters(**{k: int(v) for k, v in state.counters.items() if hasattr(Counters, k)})
+        self.buffer: list[tuple[Delivery, ScoredGroup]] = []  # read, not yet trained
+        self.unacked: list[Delivery] = []  # trained, acknowledged at the next checkpoint
+        self.in_flight = 0
+        self.running = False
+        self.last_checkpoint: Path | None = None
+
+    @property
+    def policy_version(self) -> int:
+        return self.trainer.step
+
+    # Admission -----------------------------------------------------------------------------------------
+
+    async def measure_in_flight(self) -> int:
+        prompts = await group_backlog(self.client, self.keys.prompts, Keys.GENERATORS)
+        rollouts = await group_backlog(self.client, self.keys.rollouts, Keys.SCORERS)
+        scored = await group_backlog(self.client, self.keys.scored, Keys.LEARNER, include_pending=False)
+        self.in_flight = prompts + rollouts + scored + len(self.buffer)
+        return self.in_flight
+
+    async def admit(self) -> int:
+        """Publish tasks up to the admission bound; returns how many were admitted."""
+        budget = admission_budget(await self.measure_in_flight(), self.settings.admission_bound)
+        admitted = 0
+        for _ in range(budget):
+            task = self.feeder.next_task(self.policy_version)
+            if task is None:
+                break
+            position = json.dumps(self.feeder.position.model_dump()).encode()
+            async with self.client.pipeline(transaction=True) as pipe:
+                self.prompts.queue(pipe, task.task_id, encode(task))
+                pipe.hset(self.keys.learner_state, FEEDER_POSITION, position)
+                await pipe.execute()
+            admitted += 1
+        self.counters.groups_admitted += admitted
+        self.in_flight += admitted
+        return admitted
+
+    # Batches -------------------------------------------------------------------------------------------
+
+    async def _accept(self, delivery: Delivery) -> None:
+        try:
+            group = decode(delivery.payload, ScoredGroup)
+        except WireError as exc:
+            self.counters.groups_rejected += 1
+            await self.consumer.dead_letter(delivery, f"WireError: {exc}")
+            return
+        version = group.rollout.policy_version
+        reason = None
+        if group.group_id in self.trained_ids:
+            reason, self.counters.groups_already_trained = (
+                "already trained",
+                self.counters.groups_already_trained + 1,
+            )
+        elif group.dropped:
+            reason, self.counters.groups_zero_std_dropped = (
+                "zero std",
+                self.counters.groups_zero_std_dropped + 1,
+            )
+        elif version > self.policy_version:
+            # Sampled by weights a crashed learner pushed after its last checkpoint: they no longer exist.
+            reason, self.counters.groups_from_lost_versions = (
+                "lost version",
+                self.counters.groups_from_lost_versions + 1,
+            )
+        elif is_stale(self.policy_version, version, self.settings.max_staleness):
+            reason, self.counters.groups_stale_dropped = "stale", self.counters.groups_stale_dropped + 1
+        if reason is None:
+            self.buffer.append((delivery, group))
+        else:
+            log.debug("dropping group %s (%s)", group.group_id, reason)
+            await self.consumer.commit(delivery)
+
+    async def collect(self, stop: asyncio.Event) -> list[tuple[Delivery, ScoredGroup]] | None:
+        """The next batch; a partial one when the data ran out, None when nothing is left or on stop."""
+        wanted = self.settings.groups_per_step
+        while len(self.buffer) < wanted and not stop.is_set():
+            await self.admit()
+            for delivery in await self.consumer.read(count=wanted - len(self.buffer), block_ms=200):
+                await self._accept(delivery)
+            if (
+                self.feeder.exhausted
+                and len(self.buffer) < wanted
+                and await self.measure_in_flight() == len(self.buffer)
+            ):
+                break
+        if stop.is_set() or not self.buffer:
+            return None
+        batch, self.buffer = self.buffer[:wanted], self.buffer[wanted:]
+        return batch
+
+    def _train(self, groups: list[ScoredGroup]) -> list[dict[str, float]]:
+        advantages = finalize_advantages(groups)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        batch = collate(groups, advantages, pad).to(self.trainer.model.device)
+        return self.trainer.train(batch)
+
+    # Weights and checkpoints ---------------------------------------------------------------------------
+
+    async def push_weights(self, *, reset: bool = False) -> float:
+        """Push the current weights to every live generator (retried once); returns seconds spent."""
+        started = time.perf_counter()
+        for attempt in (1, 2):
+            generators = await live_generators(self.client, self.keys)
+            try:
+                with merged_weights(self.trainer.model) as named:
+                    await self.pusher.push(named, self.policy_version, generators, self.http, reset=reset)
+                self.counters.weight_pushes += 1
+                await self.client.set(
+                    self.keys.weights, encode(WeightVersionAnnouncement(policy_version=self.policy_version))
+                )
+                break
+            except WeightPushError as exc:
+                self.counters.weight_push_failures += 1
+                log.error("weight push attempt %d failed: %s", attempt, exc)
+        return time.perf_counter() - started
+
+    async def checkpoint(self) -> None:
+        state = LearnerState(
+            step=self.trainer.step,
+            policy_version=self.policy_version,
+            feeder_epoch=self.feeder.position.epoch,
+            feeder_index=self.feeder.position.index,
+            trained_group_ids=self.trained_order,
+            counters={k: float(v) for k, v in dataclasses.asdict(self.counters).items()},
+        )
+        path = await asyncio.to_thread(
+            save_checkpoint,
+            Path(self.settings.checkpoint_dir),
+            self.trainer.model,
+            self.tokenizer,
+            self.trainer.state_dict(),
+            state,
+            self.settings.keep_checkpoints,
+        )
+        if self.unacked:
+            await self.consumer.commit_many([(delivery, ()) for delivery in self.unacked])
+            self.unacked = []
+        announcement = CheckpointAnnouncement(
+            policy_version=self.policy_version, step=self.trainer.step, path=str(path.resolve())
+        )
+        await self.client.set(self.keys.checkpoint, encode(announcement))
+        self.last_checkpoint = path
+        log.info("checkpoint %s (step %d)", path, self.trainer.step)
+
+    # The loop ------------------------------------------------------------------------------------------
+
+    async def wait_for_generators(self, stop: asyncio.Event) -> None:
+        last_log = 0.0
+        while not stop.is_set():
+            live = await live_generators(self.client, self.keys)
+            if len(live) >= self.settings.min_generators:
+                return
+            if time.monotonic() - last_log > 10:
+                log.info("waiting for generators: %d of %d live", len(live), self.settings.min_generators)
+                last_log = time.monotonic()
+            await asyncio.sleep(0.5)
+
+    async def run(self, stop: asyncio.Event, *, resumed: bool) -> None:
+        await self.wait_for_generators(stop)
+        if resumed:
+            await self.push_weights(reset=True)
+        self.running = True
+        while self.trainer.step < self.settings.max_steps and not stop.is_set():
+            started = time.perf_counter()
+            collected = await self.collect(stop)
+            if collected is None:
+                break
+            waited = time.perf_counter() - started
+            deliveries = [d for d, _ in collected]
+            groups = [g for _, g in collected]
+            metrics = batch_metrics(groups, self.policy_version)
+            self.sink.write_batch(
+                self.trainer.step + 1,
+                [g.group_id for g in groups],
+                [g.rollout.policy_version for g in groups],
+            )
+            results = await asyncio.to_thread(self._train, groups)
+            for delivery, group in zip(deliveries, groups, strict=True):
+                self.trained_ids.add(group.group_id)
+                self.trained_order.append(group.group_id)
+                self.unacked.append(delivery)
+            self.counters.groups_trained += len(groups)
+            sync_seconds = 0.0
+            if self.trainer.step % self.settings.sync_every == 0:
+                sync_seconds = await self.push_weights()
+            if self.trainer.step % self.settings.checkpoint_every == 0 or self.trainer.step >= self.settings.max_steps:
+                await self.checkpoint()
+            step_seconds = time.perf_counter() - started
+            for offset, result in enumerate(results):
+                step = self.trainer.step - len(results) + offset + 1
+                record = {
+                    **metrics,
+                    **result,
+                    "seconds/wait": waited,
+                    "seconds/sync": sync_seconds,
+                    "seconds/step": step_seconds,
+                    "policy_version": step,
+                    "groups_in_flight": self.in_flight,
+                    "tokens_per_second": metrics["num_tokens"] / max(step_seconds, 1e-9),
+                    "train_tokens_per_second": metrics["num_tokens"] / max(result["seconds/train"], 1e-9),
+                }
+                record.update({f"counters/{k}": v for k, v in dataclasses.asdict(self.counters).items()})
+                self.sink.write(step, record)
+        if self.unacked or (self.trainer.step and self.last_checkpoint is None):
+            await self.checkpoint()
+        self.running = False
