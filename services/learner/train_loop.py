@@ -88,6 +88,7 @@ class LearnerLoop:
         self.buffer: list[tuple[Delivery, ScoredGroup]] = []  # read, not yet trained
         self.unacked: list[Delivery] = []  # trained, acknowledged at the next checkpoint
         self.in_flight = 0
+        self.in_training = 0  # groups of the batch being trained (consumed: not in flight any more)
         self.running = False
         self.last_checkpoint: Path | None = None
 
@@ -261,12 +262,14 @@ class LearnerLoop:
                 [g.group_id for g in groups],
                 [g.rollout.policy_version for g in groups],
             )
+            self.in_training = len(groups)
             results = await asyncio.to_thread(self._train, groups)
             for delivery, group in zip(deliveries, groups, strict=True):
                 self.trained_ids.add(group.group_id)
                 self.trained_order.append(group.group_id)
                 self.unacked.append(delivery)
             self.counters.groups_trained += len(groups)
+            self.in_training = 0
             sync_seconds = 0.0
             if self.trainer.step % self.settings.sync_every == 0:
                 sync_seconds = await self.push_weights()

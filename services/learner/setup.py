@@ -1,0 +1,139 @@
+"""Builds a ready-to-run :class:`LearnerLoop` from settings: resume, model, data, streams, weight store.
+
+Kept apart from ``__main__`` so tests can build the same learner in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import httpx
+import redis.asyncio as aioredis
+import torch
+from prometheus_client import CollectorRegistry
+
+from services.learner.checkpoint import LearnerState, list_checkpoints, load_state
+from services.learner.feeder import PromptFeeder, load_rows
+from services.learner.observability import MetricsSink
+from services.learner.policy import load_policy, reference_model
+from services.learner.settings import LearnerSettings
+from services.learner.train_loop import FEEDER_POSITION, LearnerLoop
+from services.learner.trainer import Trainer
+from services.learner.weight_push import WeightPusher
+from shared.keys import Keys
+from shared.records import ChatMessage, DatasetPosition, SamplingSpec
+from shared.streams import StreamConsumer
+from shared.telemetry import MetricsGauges
+
+log = logging.getLogger(__name__)
+
+
+def check_context(settings: LearnerSettings, model_config) -> None:
+    """max_prompt_length + max_completion_length must fit the model (a clear error names the fix)."""
+    context = settings.model_context or getattr(model_config, "max_position_embeddings", 0)
+    if context and settings.max_prompt_length + settings.max_completion_length > context:
+        raise ValueError(
+            f"max_prompt_length ({settings.max_prompt_length}) + max_completion_length "
+            f"({settings.max_completion_length}) exceeds the model's context ({context}); lower either"
+        )
+
+
+def prompt_length_counter(tokenizer):
+    """Tokens a chat prompt takes once templated, as the generator will tokenize it."""
+
+    def count(messages: tuple[ChatMessage, ...]) -> int:
+        prefill = messages[-1].role == "assistant"
+        encoded = tokenizer.apply_chat_template(
+            [m.model_dump() for m in messages],
+            tokenize=True,
+            continue_final_message=prefill,
+            add_generation_prompt=not prefill,
+        )
+        return len(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+    return count
+
+
+async def build_learner(
+    settings: LearnerSettings, client: aioredis.Redis, http: httpx.AsyncClient, registry: CollectorRegistry
+) -> tuple[LearnerLoop, bool]:
+    """The learner loop, and whether it resumed from a checkpoint."""
+    torch.manual_seed(settings.seed)
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    keys = Keys(settings.stream_prefix)
+    checkpoints = list_checkpoints(Path(settings.checkpoint_dir)) if settings.resume else []
+    state, trainer_state = LearnerState(), None
+    model_path, adapter = settings.model, None
+    if checkpoints:
+        state, trainer_state = load_state(checkpoints[-1])
+        if settings.lora_rank:
+            adapter = str(checkpoints[-1] / "adapter")
+        else:
+            model_path = str(checkpoints[-1])
+        log.info("resuming from %s (step %d)", checkpoints[-1], state.step)
+    model, tokenizer = load_policy(settings, model_path, adapter)
+    check_context(settings, model.config)
+    reference = None
+    if settings.beta > 0:
+        reference = reference_model(load_policy(settings, settings.model)[0] if checkpoints else model)
+    trainer = Trainer(model, settings, reference)
+    if trainer_state is not None:
+        trainer.load_state_dict(trainer_state)
+
+    saved_position = await client.hget(keys.learner_state, FEEDER_POSITION)
+    if saved_position:
+        position = DatasetPosition.model_validate(json.loads(saved_position))
+    else:
+        position = DatasetPosition(epoch=state.feeder_epoch, index=state.feeder_index)
+    sampling = SamplingSpec(
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        max_tokens=settings.max_completion_length,
+    )
+    feeder = PromptFeeder(
+        load_rows(settings.data),
+        settings.data,
+        sampling,
+        settings.group_size,
+        position,
+        prompt_length=prompt_length_counter(tokenizer),
+        max_prompt_length=settings.max_prompt_length,
+    )
+    consumer = StreamConsumer(
+        client,
+        keys,
+        keys.scored,
+        Keys.LEARNER,
+        "learner",
+        batch_size=settings.groups_per_step,
+        claim_idle_ms=settings.claim_idle_ms,
+        max_deliveries=settings.max_deliveries,
+    )
+    await consumer.start()
+    pusher = WeightPusher(
+        bind_port=settings.weight_sync_port,
+        advertise_host=settings.weight_sync_host,
+        api_token=settings.api_token.get_secret_value(),
+        bucket_bytes=settings.weight_bucket_mb << 20,
+        timeout_s=settings.weight_push_timeout_s,
+        device=torch.device(settings.device),
+    )
+    sink = MetricsSink(Path(settings.log_dir), MetricsGauges(registry), settings.max_steps, settings.progress)
+    loop = LearnerLoop(
+        settings=settings,
+        client=client,
+        keys=keys,
+        trainer=trainer,
+        tokenizer=tokenizer,
+        feeder=feeder,
+        consumer=consumer,
+        pusher=pusher,
+        http=http,
+        sink=sink,
+        state=state,
+    )
+    return loop, bool(checkpoints)

@@ -1,0 +1,172 @@
+"""The learner against real Redis with a stand-in generator/scorer: admission control, stale drops, and a
+checkpoint -> SIGKILL -> restart that resumes at the same step with the same next batch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.learner.settings import LearnerSettings
+from services.learner.setup import build_learner
+from shared.keys import Keys
+from tests.support.fake_pipeline import run_fake_pipeline
+from tests.support.processes import start_service
+from tests.support.tiny_model import build_tiny_llama
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "m", seed=7, logit_scale=1.0)
+
+
+def _settings(tiny: Path, tmp: Path, prefix: str, redis_url: str, **overrides) -> LearnerSettings:
+    fields = dict(
+        model=str(tiny),
+        redis_url=redis_url,
+        stream_prefix=prefix,
+        api_token="t",
+        group_size=4,
+        groups_per_step=2,
+        micro_batch_size=4,
+        max_steps=8,
+        max_staleness=1,
+        max_completion_length=8,
+        max_prompt_length=200,
+        checkpoint_dir=str(tmp / "ckpt"),
+        checkpoint_every=3,
+        log_dir=str(tmp / "logs"),
+        weight_sync_port=0,
+        min_generators=0,
+        progress="off",
+        lr=1e-3,
+    )
+    fields.update(overrides)
+    return LearnerSettings(**fields)
+
+
+async def test_admission_bounds_in_flight_and_stale_groups_are_dropped(tiny, tmp_path, redis_client, redis_url, keys):
+    settings = _settings(tiny, tmp_path, keys.prefix, redis_url)
+    keys = Keys(keys.prefix)
+    async with httpx.AsyncClient() as http:
+        loop, resumed = await build_learner(settings, redis_client, http, CollectorRegistry())
+        assert not resumed
+        stop = asyncio.Event()
+        served = Counter()
+
+        def version_of(task):
+            served["n"] += 1
+            # Every third group claims to come from a policy far older than max_staleness allows.
+            return (
+                max(0, loop.policy_version - 5)
+                if served["n"] % 3 == 0 and loop.policy_version >= 5
+                else loop.policy_version
+            )
+
+        fake = asyncio.create_task(run_fake_pipeline(redis_client, keys, stop, version_of))
+        observed = []
+
+        async def watch():
+            while not stop.is_set():
+                consumed = loop.counters.groups_trained + loop.counters.groups_stale_dropped + loop.in_training
+                observed.append(loop.counters.groups_admitted - consumed)
+                await asyncio.sleep(0.02)
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.wait_for(loop.run(stop, resumed=False), timeout=300)
+        stop.set()
+        await asyncio.gather(fake, watcher)
+        loop.sink.close()
+    bound = settings.admission_bound
+    assert loop.trainer.step == 8
+    assert loop.counters.groups_trained == 16
+    assert loop.counters.groups_stale_dropped >= 1
+    # Groups admitted but neither trained nor dropped never exceeded the admission bound.
+    assert max(observed) <= bound, (max(observed), bound)
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["staleness/max"] <= settings.max_staleness for r in records)
+    assert records[-1]["counters/groups_stale_dropped"] == loop.counters.groups_stale_dropped
+    print(
+        f"\nadmitted={loop.counters.groups_admitted} trained={loop.counters.groups_trained} "
+        f"stale_dropped={loop.counters.groups_stale_dropped} max_in_flight={max(observed)} bound={bound}"
+    )
+
+
+def _batches(log_dir: Path) -> dict[int, list[str]]:
+    path = log_dir / "batches.jsonl"
+    if not path.exists():
+        return {}
+    batches = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        batches.setdefault(record["step"], []).append(record["group_ids"])
+    return batches
+
+
+async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
+    tiny, tmp_path, redis_client, redis_url, keys
+):
+    keys = Keys(keys.prefix)
+    env = {
+        "LEARNER_MODEL": str(tiny),
+        "REDIS_URL": redis_url,
+        "STREAM_PREFIX": keys.prefix,
+        "API_TOKEN": "t",
+        "LEARNER_GROUP_SIZE": "4",
+        "LEARNER_GROUPS_PER_STEP": "2",
+        "LEARNER_MICRO_BATCH_SIZE": "4",
+        "LEARNER_MAX_STEPS": "9",
+        "LEARNER_MAX_COMPLETION_LENGTH": "8",
+        "LEARNER_MAX_PROMPT_LENGTH": "200",
+        "LEARNER_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+        "LEARNER_CHECKPOINT_EVERY": "3",
+        "LEARNER_LOG_DIR": str(tmp_path / "logs"),
+        "LEARNER_WEIGHT_SYNC_PORT": "0",
+        "LEARNER_PORT": "0",
+        "LEARNER_MIN_GENERATORS": "0",
+        "LEARNER_PROGRESS": "off",
+        "LEARNER_LR": "1e-3",
+    }
+    stop = asyncio.Event()
+    fake = asyncio.create_task(run_fake_pipeline(redis_client, keys, stop))
+    learner = start_service("learner", "services.learner", env)
+    try:
+        deadline = time.monotonic() + 240
+        while 5 not in _batches(tmp_path / "logs"):  # step 5 started: after the step-3 checkpoint
+            assert time.monotonic() < deadline and learner.process.poll() is None, learner.output()[-3000:]
+            await asyncio.sleep(0.05)
+        learner.kill()
+        first_run = _batches(tmp_path / "logs")
+        assert (tmp_path / "ckpt" / "step-3").exists() and not (tmp_path / "ckpt" / "step-6").exists()
+
+        restarted = start_service("learner-2", "services.learner", env)
+        line = await asyncio.to_thread(restarted.wait_for_line, "learner ready", 120)
+        assert "step 3" in line, line
+        await asyncio.to_thread(restarted.wait_for_line, "learner finished", 240)
+        assert restarted.stop() == 0
+    finally:
+        learner.kill()
+        stop.set()
+        await fake
+    second = _batches(tmp_path / "logs")
+    # The restarted learner trained steps 4 and 5 on exactly the batches the killed one had started.
+    for step in (4, 5):
+        assert second[step][-1] == first_run[step][0], step
+    state = json.loads((tmp_path / "ckpt" / "step-9" / "state.json").read_text())
+    trained = state["trained_group_ids"]
+    assert len(trained) == 18 and len(set(trained)) == 18, "a group was lost or trained twice"
+    assert state["step"] == 9
+    pending = await redis_client.xpending(keys.scored, Keys.LEARNER)
+    assert pending["pending"] == 0
+    print(
+        f"\nkilled during step 5 (checkpoint at 3); restarted at step 3; final step 9, trained {len(trained)} "
+        f"unique groups"
+    )
