@@ -16,7 +16,7 @@ from __future__ import annotations
 import socket
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.records import ChatMessage
@@ -59,7 +59,7 @@ class LearnerSettings(ServiceSettings):
     threads: int = Field(0, ge=0, description="Torch CPU threads (0: torch's default).")
 
     # Batch arithmetic.
-    group_size: int = Field(8, ge=2, description="G: completions per prompt.")
+    group_size: int = Field(8, description="G: completions per prompt (at least 2).")
     groups_per_step: int = Field(4, ge=1, description="Prompts (groups) per optimizer step.")
     micro_batch_size: int = Field(8, ge=1, description="Completions per forward/backward pass.")
     num_iterations: int = Field(1, ge=1, description="Optimizer steps per batch (TRL's num_iterations, mu).")
@@ -125,6 +125,16 @@ class LearnerSettings(ServiceSettings):
     port: int = Field(8003, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
     claim_idle_ms: int = Field(600_000, ge=100, description="Learner entries are claimed only after this.")
     max_deliveries: int = Field(5, ge=1, description="Deliveries of a scored group before dead-lettering.")
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_of_two(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(
+                f"group_size (G) is {value}; it must be at least 2: GRPO's advantage compares the completions "
+                "of one prompt with each other"
+            )
+        return value
 
     @property
     def completions_per_step(self) -> int:
