@@ -214,13 +214,15 @@ def test_from_verl_maps_fields_and_lists_the_rest():
 
 
 def test_cli_explain_and_translate(config_file, tmp_path):
-    run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "services.launcher", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "services.launcher", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
     explained = run("config", "explain", str(config_file))
     assert explained.returncode == 0, explained.stderr
     assert "groups admitted in flight at most" in explained.stdout
