@@ -65,6 +65,7 @@ class SamplingSpec(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     max_tokens: int = Field(256, ge=1)
+    min_tokens: int = Field(0, ge=0)
     stop: tuple[str, ...] = ()
     seed: int | None = None
 
@@ -74,6 +75,12 @@ class SamplingSpec(BaseModel):
         if value == 0:
             raise ValueError("top_k = 0 is ambiguous; use -1 to disable top-k filtering")
         return value
+
+    @model_validator(mode="after")
+    def _min_below_max(self) -> SamplingSpec:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
+        return self
 
 
 class DatasetPosition(BaseModel):

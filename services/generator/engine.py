@@ -59,6 +59,7 @@ def sampling_params(spec: SamplingSpec, n: int, max_tokens: int | None = None):
         min_p=spec.min_p,
         repetition_penalty=spec.repetition_penalty,
         max_tokens=max_tokens or spec.max_tokens,
+        min_tokens=min(spec.min_tokens, max_tokens or spec.max_tokens),
         stop=list(spec.stop) or None,
         seed=spec.seed,
         logprobs=0,
@@ -90,6 +91,7 @@ class Engine:
         self.policy_version = policy_version
         self.weights_ok = True  # False after a failed update: sampling stays paused until a good one
         self.paused_by_operator = False  # POST /pause; a weight update does not undo it
+        self.active_requests = 0  # prompts sampling in the engine now (rollouts and /generate)
         self._update_lock = asyncio.Lock()
 
     @classmethod
@@ -150,8 +152,12 @@ class Engine:
         params = sampling_params(spec, n, max_tokens=min(spec.max_tokens, budget))
         started_at, version = time.time(), self.policy_version
         final = None
-        async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, uuid.uuid4().hex):
-            final = output
+        self.active_requests += 1
+        try:
+            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, uuid.uuid4().hex):
+                final = output
+        finally:
+            self.active_requests -= 1
         if final is None or len(final.outputs) != n:
             got = 0 if final is None else len(final.outputs)
             raise RuntimeError(f"engine returned {got} completions, expected {n}")

@@ -86,6 +86,7 @@ class GeneratorTelemetry:
             return {
                 "generator/tokens_per_second": self.loop.stats.tokens_per_second(),
                 "generator/requests_in_flight": self.loop.in_flight,
+                "generator/engine_requests": self.engine.active_requests,
                 "generator/prompt_stream_lag": self.prompt_backlog,
                 "generator/policy_version": self.engine.policy_version,
                 "generator/weights_ok": float(self.engine.weights_ok),

@@ -81,6 +81,11 @@ class LearnerSettings(ServiceSettings):
     epsilon_high: float = Field(0.2, ge=0, description="Upper clip: ratio <= 1 + epsilon_high (DAPO: 0.28).")
     delta: float | None = Field(None, description="Two-sided clipping bound on the unclipped ratio (None: off).")
     beta: float = Field(0.0, ge=0, description="KL coefficient to the initial model (0: no reference model).")
+    old_logprobs: Literal["recompute", "reuse"] = Field(
+        "recompute",
+        description="recompute: a no-grad pass before the update; reuse: with num_iterations = 1 the training "
+        "forward's detached logprobs are the same numbers (TRL does this), saving a forward pass.",
+    )
     importance_correction: bool = Field(True, description="Weight tokens by pi_old/pi_behaviour (AReaL).")
     importance_level: Literal["token", "sequence"] = Field(
         "token", description="Importance weight per token or sequence."
@@ -164,6 +169,8 @@ class LearnerSettings(ServiceSettings):
                 f"max_prompt_length ({self.max_prompt_length}) + max_completion_length "
                 f"({self.max_completion_length}) exceeds the model's context ({self.model_context}); lower either"
             )
+        if self.old_logprobs == "reuse" and self.num_iterations > 1:
+            raise ValueError("old_logprobs = 'reuse' needs num_iterations = 1 (later iterations need the old policy)")
         if self.importance_cap_min is not None and self.importance_cap_min > self.importance_cap:
             raise ValueError("importance_cap_min must not exceed importance_cap")
         if self.delta is not None and self.delta <= 1 + self.epsilon_high:

@@ -92,6 +92,7 @@ class Trainer:
         total_tokens = float(batch.completion_mask.sum())
         loss_type = "dapo" if s.loss_type == "bnpo" else s.loss_type  # exact token mean across micro-batches
         totals: dict[str, float] = {"loss": 0.0}
+        reused_weights: list[torch.Tensor] = []
         start = 0
         for mb in batch.micro_batches(s.micro_batch_size):
             rows = slice(start, start + mb.size)
@@ -122,6 +123,8 @@ class Trainer:
         for name in list(totals):
             if name != "loss":
                 totals[name] /= max(total_tokens, 1.0)
+        if reused_weights:
+            prepared["importance_weights"] = torch.cat(reused_weights)
         return totals
 
     def train(self, batch: TrainBatch) -> list[dict[str, float]]:

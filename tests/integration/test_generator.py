@@ -151,10 +151,17 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
     assert registration.generator_id == "g1"
     model_b = AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32)
     pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN, bucket_bytes=256 << 10)
-    long_body = {"prompts": ["a", "b", "c"], "n": 4, "sampling": {"max_tokens": 200, "temperature": 1.0}}
+    long_body = {
+        "prompts": ["a", "b", "c"],
+        "n": 4,
+        "sampling": {"max_tokens": 480, "min_tokens": 480, "temperature": 1.0},
+    }
     async with httpx.AsyncClient(timeout=300) as http:
         in_flight = asyncio.create_task(http.post(f"{generator.url}/generate", json=long_body, headers=_auth()))
-        await asyncio.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while "asyncgrpo_generator_engine_requests 3.0" not in (await http.get(f"{generator.url}/metrics")).text:
+            assert time.monotonic() < deadline, "the three requests never reached the engine"
+            await asyncio.sleep(0.05)
         report = await pusher.push(list(model_b.named_parameters()), 1, [registration], http)
         assert report.bytes > 0
         finished = await in_flight

@@ -151,7 +151,7 @@ async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
         line = await asyncio.to_thread(restarted.wait_for_line, "learner ready", 120)
         assert "step 3" in line, line
         await asyncio.to_thread(restarted.wait_for_line, "learner finished", 240)
-        assert restarted.stop() == 0
+        assert await asyncio.to_thread(restarted.process.wait, 120) == 0, restarted.output()[-3000:]
     finally:
         learner.kill()
         stop.set()

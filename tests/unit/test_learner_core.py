@@ -163,3 +163,20 @@ def test_lr_schedule_warms_up_then_decays():
     assert lr_lambda(1, 2, 10, 0.1) == 1.0
     assert lr_lambda(2, 2, 10, 0.1) == pytest.approx(1.0)
     assert lr_lambda(10, 2, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_reusing_the_training_forward_gives_the_recomputed_old_logprobs_gradient(tiny):
+    grads = {}
+    for mode in ("recompute", "reuse"):
+        settings = _settings(tiny, old_logprobs=mode)
+        model, _ = load_policy(settings, str(tiny))
+        model.double()
+        batch = _batch(_groups(model, seed=4))
+        trainer = Trainer(model, settings)
+        model.zero_grad()
+        trainer.accumulate_gradients(batch, trainer.prepare(batch))
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, grad in grads["recompute"].items():
+        torch.testing.assert_close(grads["reuse"][name], grad, atol=1e-12, rtol=1e-9, msg=name)
+    with pytest.raises(ValueError, match="needs num_iterations = 1"):
+        _settings(tiny, old_logprobs="reuse", num_iterations=2)
