@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     config_commands = config.add_subparsers(dest="config_command", required=True)
     explain = config_commands.add_parser("explain", help="the batch arithmetic of one step, and TRL/verl equivalents")
     explain.add_argument("file", type=Path)
+    config_commands.add_parser("tables", help="print every setting as markdown tables (for the README)")
     for name in ("from-trl", "from-verl"):
         translate = config_commands.add_parser(name, help=f"translate a {name[5:].upper()} configuration")
         translate.add_argument("file", type=Path)

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from services.generator.settings import GeneratorSettings
 from services.launcher.supervisor import LauncherSettings
-from services.learner.settings import LearnerSettings
-from services.scorer.settings import ScorerSettings
-from shared.settings import read_config_file
+from services.learner.settings import DataSettings, LearnerSettings
+from services.scorer.settings import RewardSpec, ScorerSettings
+from shared.settings import COMMON_ENV, read_config_file
 
 _PLACEHOLDER_TOKEN = "not-needed-to-explain"
 
@@ -389,7 +389,43 @@ def _to_toml(tables: dict[str, Any], unmapped: list[str], source: Path, kind: st
     return "\n".join(header) + "\n\n" + tomli_w.dumps(tables)
 
 
+_COMPUTED_DEFAULTS = {"generator_id", "scorer_id", "gpu_host_key", "weight_sync_host"}
+
+
+def _default_text(name: str, field) -> str:
+    if name in _COMPUTED_DEFAULTS:
+        return "hostname-based"
+    if name == "api_token":
+        return "empty (required by the generator)"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if isinstance(value, BaseModel):
+        return "its own table"
+    text = json.dumps(value, default=str) if isinstance(value, list | dict) else str(value)
+    return f"`{text}`" if len(text) <= 48 else "see configs/"
+
+
+def settings_table(cls, prefix: str, table: str) -> str:
+    """A markdown table of a settings class: TOML key, environment variable, default, meaning."""
+    rows = ["| setting | environment | default | meaning |", "|---|---|---|---|"]
+    for name, field in cls.model_fields.items():
+        env = f"`{prefix}{name.upper()}`" if prefix else ""
+        if name in COMMON_ENV and prefix:
+            env += f" or `{COMMON_ENV[name]}`"
+        rows.append(f"| `{name}` | {env} | {_default_text(name, field)} | {field.description or ''} |")
+    return "\n".join(rows)
+
+
+def settings_tables() -> str:
+    tables = [(GeneratorSettings, "GENERATOR_", "generator"), (ScorerSettings, "SCORER_", "scorer"),
+              (LearnerSettings, "LEARNER_", "learner"), (DataSettings, "LEARNER_DATA__", "data"),
+              (RewardSpec, "", "scorer.rewards (each entry)"), (LauncherSettings, "", "launcher")]
+    return "\n\n".join(f"#### `[{table}]`\n\n{settings_table(cls, prefix, table)}" for cls, prefix, table in tables)
+
+
 def main(args) -> int:
+    if args.config_command == "tables":
+        print(settings_tables())
+        return 0
     try:
         if args.config_command == "explain":
             print(explain(load_pipeline(args.file)))

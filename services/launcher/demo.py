@@ -82,7 +82,7 @@ def run_demo(config: Path, cache: Path | None) -> int:
     run_dir = Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     run_config = _materialise(config, model, run_dir)
-    code, children = run(run_config)
+    code, _ = run(run_config)
     metrics = run_dir / "logs" / "metrics.jsonl"
     if not metrics.exists() or not metrics.read_text().strip():
         print(f"no training steps were recorded; see the logs in {run_dir / 'logs'}")

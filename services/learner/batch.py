@@ -7,7 +7,7 @@ right-padded to the longest completion T, so every completion starts at column P
     attention_mask [B, P + T]   1 on real tokens
     position_ids   [B, P + T]   0, 1, ... from each row's first real token (what the generator used)
     completion_ids [B, T], completion_mask [B, T], behaviour_logprobs [B, T]
-    advantages [B], temperatures [B], policy_versions [B]
+    advantages [B], temperatures [B], policy_versions [B], group_index [B]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class TrainBatch:
     advantages: torch.Tensor
     temperatures: torch.Tensor
     policy_versions: torch.Tensor
+    group_index: torch.Tensor  # [B] which group each row belongs to (rows of a group are contiguous)
 
     @property
     def size(self) -> int:
@@ -57,10 +58,11 @@ class TrainBatch:
 
 def collate(groups: Sequence[ScoredGroup], advantages: Sequence[torch.Tensor], pad_id: int) -> TrainBatch:
     """Stack the completions of ``groups`` (with the given per-group advantages [G]) into one batch."""
-    prompts, completions, behaviour, temps, versions = [], [], [], [], []
-    for group in groups:
+    prompts, completions, behaviour, temps, versions, group_index = [], [], [], [], [], []
+    for index, group in enumerate(groups):
         rollout = group.rollout
         for completion in rollout.completions:
+            group_index.append(index)
             prompts.append(torch.from_numpy(rollout.prompt_token_ids.astype("int64")))
             completions.append(torch.from_numpy(completion.token_ids.astype("int64")))
             behaviour.append(torch.from_numpy(completion.behaviour_logprobs.copy()))
@@ -93,4 +95,5 @@ def collate(groups: Sequence[ScoredGroup], advantages: Sequence[torch.Tensor], p
         advantages=torch.cat([a.to(torch.float32) for a in advantages]),
         temperatures=torch.tensor(temps, dtype=torch.float32),
         policy_versions=torch.tensor(versions, dtype=torch.long),
+        group_index=torch.tensor(group_index, dtype=torch.long),
     )

@@ -52,30 +52,72 @@ def reference_model(model: torch.nn.Module) -> torch.nn.Module:
     return reference
 
 
-def completion_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
-    """log pi(token | prefix) of each completion token, [B, T] float32 (0 where masked)."""
-    steps = batch.completion_length
+def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits / T)[target], in float32 (float64 stays float64). logits [B, T, V]."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> float32
+    scaled = logits.to(dtype) / temperatures.to(logits.device, dtype).view(-1, 1, 1)
+    return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+
+
+def _padded_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """One forward over left-padded prompts + right-padded completions."""
     output = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
-        logits_to_keep=steps + 1,
+        logits_to_keep=batch.completion_length + 1,
         use_cache=False,
     )
-    dtype = torch.promote_types(output.logits.dtype, torch.float32)  # bf16 -> float32; float64 stays
-    logits = output.logits[:, :-1].to(dtype) / batch.temperatures.to(output.logits.device, dtype).view(-1, 1, 1)
-    chosen = logits.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
-    logprobs = chosen - torch.logsumexp(logits, dim=-1)
-    return logprobs * batch.completion_mask.to(dtype)
+    return _token_logprobs(output.logits[:, :-1], batch.completion_ids, batch.temperatures)
+
+
+def _shared_prompt_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+    """Each group's prompt once, its completions on top of the prompt's KV cache (gradients flow into it).
+
+    The completions of one group share their prompt, so computing it once per group instead of once per
+    completion saves (G - 1) prompt passes. Completions are right-padded, so causal attention alone keeps
+    real tokens from seeing padding: no attention mask is needed.
+    """
+    prompt_end = batch.input_ids.shape[1] - batch.completion_length
+    parts = []
+    rows = batch.group_index.tolist()
+    start = 0
+    while start < len(rows):
+        end = start
+        while end < len(rows) and rows[end] == rows[start]:
+            end += 1
+        prompt_len = int(batch.attention_mask[start, :prompt_end].sum())
+        prompt = batch.input_ids[start : start + 1, prompt_end - prompt_len : prompt_end]
+        first = model(input_ids=prompt, use_cache=True)
+        cache = first.past_key_values
+        cache.batch_repeat_interleave(end - start)
+        completions = batch.completion_ids[start:end]
+        steps = completions.shape[1]
+        positions = torch.arange(prompt_len, prompt_len + steps, device=completions.device).expand(end - start, -1)
+        rest = model(input_ids=completions, position_ids=positions, past_key_values=cache, use_cache=True,
+                     logits_to_keep=steps)
+        logits = torch.cat([first.logits[:, -1:].expand(end - start, -1, -1), rest.logits[:, :-1]], dim=1)
+        parts.append(_token_logprobs(logits, completions, batch.temperatures[start:end]))
+        start = end
+    return torch.cat(parts)
+
+
+def completion_logprobs(model: torch.nn.Module, batch: TrainBatch, *, share_prompts: bool = True) -> torch.Tensor:
+    """log pi(token | prefix) of each completion token, [B, T] float32 (0 where masked)."""
+    logprobs = _shared_prompt_logprobs(model, batch) if share_prompts else _padded_logprobs(model, batch)
+    return logprobs * batch.completion_mask.to(logprobs.dtype)
 
 
 @torch.no_grad()
-def logprobs_no_grad(model: torch.nn.Module, batch: TrainBatch, micro_batch_size: int) -> torch.Tensor:
+def logprobs_no_grad(
+    model: torch.nn.Module, batch: TrainBatch, micro_batch_size: int, *, share_prompts: bool = True
+) -> torch.Tensor:
     """:func:`completion_logprobs` without gradients, in micro-batches (the training micro-batch size)."""
     was_training = model.training
     model.eval()
     try:
-        parts = [completion_logprobs(model, mb) for mb in batch.micro_batches(micro_batch_size)]
+        parts = [completion_logprobs(model, mb, share_prompts=share_prompts)
+                 for mb in batch.micro_batches(micro_batch_size)]
     finally:
         model.train(was_training)
     return torch.cat(parts)
