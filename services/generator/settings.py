@@ -34,7 +34,7 @@ class GeneratorSettings(ServiceSettings):
     host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
     port: int = Field(8001, ge=0, le=65535, description="HTTP port (0 picks a free one).")
     public_url: str = Field(
-        "", description="URL the learner reaches this replica at; default http://<hostname>:<port>."
+        "", description="URL the learner reaches this replica at; default http://<this host's IP>:<port>."
     )
     heartbeat_ttl_s: float = Field(15.0, gt=0, description="A replica silent this long is considered gone.")
     claim_idle_ms: int = Field(60_000, ge=100, description="Prompts pending this long on a dead replica move.")
@@ -65,4 +65,12 @@ class GeneratorSettings(ServiceSettings):
         return self
 
     def url(self, bound_port: int) -> str:
-        return self.public_url or f"http://{socket.gethostname()}:{bound_port}"
+        """Where the learner reaches this replica: ``public_url``, else this host's IP (a container's or a
+        pod's own address, which other containers resolve without DNS) and the bound port."""
+        if self.public_url:
+            return self.public_url
+        try:
+            address = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            address = "127.0.0.1"
+        return f"http://{address}:{bound_port}"

@@ -416,9 +416,14 @@ def settings_table(cls, prefix: str, table: str) -> str:
 
 
 def settings_tables() -> str:
-    tables = [(GeneratorSettings, "GENERATOR_", "generator"), (ScorerSettings, "SCORER_", "scorer"),
-              (LearnerSettings, "LEARNER_", "learner"), (DataSettings, "LEARNER_DATA__", "data"),
-              (RewardSpec, "", "scorer.rewards (each entry)"), (LauncherSettings, "", "launcher")]
+    tables = [
+        (GeneratorSettings, "GENERATOR_", "generator"),
+        (ScorerSettings, "SCORER_", "scorer"),
+        (LearnerSettings, "LEARNER_", "learner"),
+        (DataSettings, "LEARNER_DATA__", "data"),
+        (RewardSpec, "", "scorer.rewards (each entry)"),
+        (LauncherSettings, "", "launcher"),
+    ]
     return "\n\n".join(f"#### `[{table}]`\n\n{settings_table(cls, prefix, table)}" for cls, prefix, table in tables)
 
 

@@ -94,8 +94,9 @@ def _shared_prompt_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.
         completions = batch.completion_ids[start:end]
         steps = completions.shape[1]
         positions = torch.arange(prompt_len, prompt_len + steps, device=completions.device).expand(end - start, -1)
-        rest = model(input_ids=completions, position_ids=positions, past_key_values=cache, use_cache=True,
-                     logits_to_keep=steps)
+        rest = model(
+            input_ids=completions, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=steps
+        )
         logits = torch.cat([first.logits[:, -1:].expand(end - start, -1, -1), rest.logits[:, :-1]], dim=1)
         parts.append(_token_logprobs(logits, completions, batch.temperatures[start:end]))
         start = end
@@ -116,8 +117,9 @@ def logprobs_no_grad(
     was_training = model.training
     model.eval()
     try:
-        parts = [completion_logprobs(model, mb, share_prompts=share_prompts)
-                 for mb in batch.micro_batches(micro_batch_size)]
+        parts = [
+            completion_logprobs(model, mb, share_prompts=share_prompts) for mb in batch.micro_batches(micro_batch_size)
+        ]
     finally:
         model.train(was_training)
     return torch.cat(parts)

@@ -263,7 +263,9 @@ class LearnerLoop:
                 [g.rollout.policy_version for g in groups],
             )
             self.in_training = len(groups)
+            train_started = time.perf_counter()
             results = await asyncio.to_thread(self._train, groups)
+            train_wall = time.perf_counter() - train_started
             for delivery, group in zip(deliveries, groups, strict=True):
                 self.trained_ids.add(group.group_id)
                 self.trained_order.append(group.group_id)
