@@ -285,6 +285,7 @@ class LearnerLoop:
                     **result,
                     "seconds/wait": waited,
                     "seconds/sync": sync_seconds,
+                    "seconds/train_wall": train_wall,
                     "seconds/step": step_seconds,
                     "policy_version": step,
                     "groups_in_flight": self.in_flight,

@@ -65,25 +65,35 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
 
+    def _weights(self, old: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+        s = self.settings
+        return importance_weights(
+            old,
+            batch.behaviour_logprobs,
+            batch.completion_mask,
+            level=s.importance_level,
+            mode=s.importance_mode,
+            cap=s.importance_cap,
+            cap_min=s.importance_cap_min,
+        )
+
     def prepare(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
-        """Old logprobs, reference logprobs and importance weights of a batch (no gradient)."""
+        """Old logprobs, reference logprobs and importance weights of a batch (no gradient).
+
+        With ``old_logprobs = "reuse"`` the old logprobs (and the importance weights that need them) come
+        from the training forward instead: with one iteration the weights are the same, so are the numbers.
+        """
         s = self.settings
         started = time.perf_counter()
-        old = logprobs_no_grad(self.model, batch, s.micro_batch_size)
-        out = {"old_logprobs": old, "seconds/old_logprobs": torch.tensor(time.perf_counter() - started)}
+        out: dict[str, torch.Tensor] = {}
+        if s.old_logprobs == "recompute":
+            out["old_logprobs"] = logprobs_no_grad(self.model, batch, s.micro_batch_size)
+            if s.importance_correction:
+                out["importance_weights"] = self._weights(out["old_logprobs"], batch)
+        out["seconds/old_logprobs"] = torch.tensor(time.perf_counter() - started)
         if s.beta > 0:
             assert self.reference is not None, "beta > 0 needs a reference model"
             out["ref_logprobs"] = logprobs_no_grad(self.reference, batch, s.micro_batch_size)
-        if s.importance_correction:
-            out["importance_weights"] = importance_weights(
-                old,
-                batch.behaviour_logprobs,
-                batch.completion_mask,
-                level=s.importance_level,
-                mode=s.importance_mode,
-                cap=s.importance_cap,
-                cap_min=s.importance_cap_min,
-            )
         return out
 
     def accumulate_gradients(self, batch: TrainBatch, prepared: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -98,9 +108,17 @@ class Trainer:
             rows = slice(start, start + mb.size)
             start += mb.size
             logprobs = completion_logprobs(self.model, mb)
+            if "old_logprobs" in prepared:
+                old = prepared["old_logprobs"][rows]
+                weights = prepared["importance_weights"][rows] if "importance_weights" in prepared else None
+            else:
+                old = logprobs.detach()
+                weights = self._weights(old, mb) if s.importance_correction else None
+                if weights is not None:
+                    reused_weights.append(weights)
             loss, metrics = policy_loss(
                 logprobs,
-                prepared["old_logprobs"][rows],
+                old,
                 mb.advantages,
                 mb.completion_mask,
                 loss_type=loss_type,
@@ -109,7 +127,7 @@ class Trainer:
                 delta=s.delta,
                 beta=s.beta,
                 ref_logprobs=prepared["ref_logprobs"][rows] if "ref_logprobs" in prepared else None,
-                importance_weights=(prepared["importance_weights"][rows] if "importance_weights" in prepared else None),
+                importance_weights=weights,
                 max_completion_length=s.max_completion_length,
                 num_items_in_batch=total_tokens,
             )

@@ -172,7 +172,7 @@ def test_lr_schedule_warms_up_then_decays():
 
 
 def test_reusing_the_training_forward_gives_the_recomputed_old_logprobs_gradient(tiny):
-    grads = {}
+    grads, prepared = {}, {}
     for mode in ("recompute", "reuse"):
         settings = _settings(tiny, old_logprobs=mode)
         model, _ = load_policy(settings, str(tiny))
@@ -180,8 +180,13 @@ def test_reusing_the_training_forward_gives_the_recomputed_old_logprobs_gradient
         batch = _batch(_groups(model, seed=4))
         trainer = Trainer(model, settings)
         model.zero_grad()
-        trainer.accumulate_gradients(batch, trainer.prepare(batch))
+        prepared[mode] = trainer.prepare(batch)
+        trainer.accumulate_gradients(batch, prepared[mode])
         grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert "old_logprobs" in prepared["recompute"] and "old_logprobs" not in prepared["reuse"]  # no extra pass
+    torch.testing.assert_close(
+        prepared["reuse"]["importance_weights"], prepared["recompute"]["importance_weights"], atol=1e-9, rtol=0
+    )
     assert_grads_close(grads["reuse"], grads["recompute"], rel=1e-6)
     with pytest.raises(ValueError, match="needs num_iterations = 1"):
         _settings(tiny, old_logprobs="reuse", num_iterations=2)
