@@ -108,6 +108,13 @@ class PromptTask(WireModel):
     policy_version: int = Field(ge=0)
     created_at: float = Field(default_factory=_now)
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, value: str | tuple[ChatMessage, ...]) -> str | tuple[ChatMessage, ...]:
+        if not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
 
 FinishReason = Literal["stop", "length"]
 

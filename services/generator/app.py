@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.generator.engine import Engine, PromptTooLongError
+from services.generator.engine import Engine, InvalidPromptError, WeightUpdateError
 from shared.http import Authorized, metrics_response
 from shared.records import ChatMessage, SamplingSpec, WeightVersionAnnouncement
 
@@ -22,7 +22,9 @@ router = APIRouter()
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prompts: list[str | list[ChatMessage]] = Field(min_length=1, max_length=256, description="Text or chat.")
+    prompts: list[Annotated[str, Field(min_length=1)] | Annotated[list[ChatMessage], Field(min_length=1)]] = Field(
+        min_length=1, max_length=256, description="Text prompts, or chat prompts (lists of messages)."
+    )
     n: int = Field(1, ge=1, le=64, description="Completions per prompt.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
 
@@ -101,8 +103,22 @@ async def metrics(request: Request):
     return metrics_response(request.app.state.registry)
 
 
-@router.post("/generate", response_model=GenerateResponse, dependencies=[Authorized], summary="Ad-hoc sampling")
+@router.post(
+    "/generate",
+    response_model=GenerateResponse,
+    dependencies=[Authorized],
+    summary="Ad-hoc sampling",
+    responses={422: {"description": "Invalid request, a prompt too long, or over the token budget"}},
+)
 async def generate(body: GenerateRequest, engine: EngineDep) -> GenerateResponse:
+    asked = len(body.prompts) * body.n * body.sampling.max_tokens
+    if asked > engine.settings.generate_token_budget:
+        raise HTTPException(
+            422,
+            f"this request may generate {asked} tokens (prompts x n x max_tokens); the limit "
+            f"is {engine.settings.generate_token_budget} (generator.generate_token_budget)",
+        )
+
     async def one(prompt: str | list[ChatMessage]) -> GeneratedPrompt:
         ids = engine.tokenize(prompt if isinstance(prompt, str) else tuple(prompt))
         group = await engine.sample(ids, body.sampling, body.n)
@@ -123,7 +139,7 @@ async def generate(body: GenerateRequest, engine: EngineDep) -> GenerateResponse
 
     try:
         results = await asyncio.gather(*(one(p) for p in body.prompts))
-    except PromptTooLongError as exc:
+    except InvalidPromptError as exc:
         raise HTTPException(422, str(exc)) from None
     return GenerateResponse(policy_version=engine.policy_version, results=list(results))
 
@@ -154,7 +170,11 @@ async def resume(engine: EngineDep) -> Status:
     response_model=WeightUpdateResult,
     dependencies=[Authorized],
     summary="Receive a weight push from the learner and serve the new version",
-    responses={409: {"description": "Version older than the one served"}, 422: {"description": "Bad layout"}},
+    responses={
+        409: {"description": "Version older than the one served"},
+        422: {"description": "Not applied: no rank for this replica, or the learner's store is unreachable"},
+        502: {"description": "The transfer failed midway; sampling stays paused until a push succeeds"},
+    },
 )
 async def update_weights(body: WeightVersionAnnouncement, request: Request, engine: EngineDep) -> WeightUpdateResult:
     generator_id = request.app.state.generator_id
@@ -162,7 +182,10 @@ async def update_weights(body: WeightVersionAnnouncement, request: Request, engi
         raise HTTPException(409, f"serving version {engine.policy_version}; refusing older {body.policy_version}")
     if generator_id not in body.ranks:
         raise HTTPException(422, f"the push names no rank for {generator_id}")
-    result = await engine.update_weights(body, generator_id)
+    try:
+        result = await engine.update_weights(body, generator_id)
+    except WeightUpdateError as exc:
+        raise HTTPException(422 if exc.applied_nothing else 502, str(exc)) from None
     return WeightUpdateResult(policy_version=engine.policy_version, **result)
 
 

@@ -29,8 +29,29 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "services.generator.weight_receiver.WeightReceiverExtension"
 
 
-class PromptTooLongError(ValueError):
+class InvalidPromptError(ValueError):
+    """A prompt the engine cannot serve (empty, or rejected by vLLM's validation): never retried."""
+
+
+class PromptTooLongError(InvalidPromptError):
     """A prompt that cannot fit the engine's context with its completion budget (never retried)."""
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight push that could not be applied; ``applied_nothing`` says whether the engine was untouched."""
+
+    def __init__(self, message: str, *, applied_nothing: bool) -> None:
+        super().__init__(message)
+        self.applied_nothing = applied_nothing
+
+
+async def _reachable(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=timeout_s)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
 
 
 @dataclass(frozen=True)
@@ -129,14 +150,19 @@ class Engine:
         continued, which lets a task prefill the answer's start), plain text as is."""
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
+        if not prompt:
+            raise InvalidPromptError("a chat prompt needs at least one message")
         messages = [{"role": m.role, "content": m.content} for m in prompt]
         prefill = messages[-1]["role"] == "assistant"
-        encoded = self.tokenizer.apply_chat_template(
-            messages,
-            tokenize=True,
-            add_generation_prompt=not prefill,
-            continue_final_message=prefill,
-        )
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=True,
+                add_generation_prompt=not prefill,
+                continue_final_message=prefill,
+            )
+        except Exception as exc:  # the model's chat template rejects these messages (jinja raises many types)
+            raise InvalidPromptError(f"the chat template rejected the prompt: {exc}") from exc
         ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
         return list(ids)
 
@@ -144,18 +170,27 @@ class Engine:
         """Sample ``n`` completions of one prompt."""
         from vllm.inputs import TokensPrompt
 
+        if not prompt_ids:
+            raise InvalidPromptError("the prompt is empty after tokenization")
         budget = self.settings.max_model_len - len(prompt_ids)
         if budget < 1:
             raise PromptTooLongError(
                 f"prompt has {len(prompt_ids)} tokens; the engine's context is {self.settings.max_model_len}"
             )
-        params = sampling_params(spec, n, max_tokens=min(spec.max_tokens, budget))
+        from vllm.exceptions import VLLMClientError
+
+        try:
+            params = sampling_params(spec, n, max_tokens=min(spec.max_tokens, budget))
+        except (ValueError, VLLMClientError) as exc:
+            raise InvalidPromptError(f"invalid sampling parameters: {exc}") from exc
         started_at, version = time.time(), self.policy_version
         final = None
         self.active_requests += 1
         try:
             async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, uuid.uuid4().hex):
                 final = output
+        except (ValueError, VLLMClientError) as exc:  # vLLM's validation of the request
+            raise InvalidPromptError(f"vLLM rejected the request: {exc}") from exc
         finally:
             self.active_requests -= 1
         if final is None or len(final.outputs) != n:
@@ -170,8 +205,13 @@ class Engine:
         """Pause (in-flight requests kept), receive and load the pushed weights, reset the prefix cache,
         take the new version, resume. A failure leaves sampling paused and ``weights_ok`` False."""
         if generator_id not in announcement.ranks or not announcement.rendezvous:
-            raise ValueError(f"the announcement names no rank for {generator_id}")
+            raise WeightUpdateError(f"the announcement names no rank for {generator_id}", applied_nothing=True)
         host, _, port = announcement.rendezvous.rpartition(":")
+        if not port.isdigit() or not await _reachable(host, int(port), timeout_s=10.0):
+            # Checked before pausing, so a bad announcement leaves the engine serving as it was.
+            raise WeightUpdateError(
+                f"the learner's store at {announcement.rendezvous} is not reachable", applied_nothing=True
+            )
         layout = [spec.model_dump() for spec in announcement.layout]
         async with self._update_lock:
             started = time.perf_counter()
@@ -195,9 +235,13 @@ class Engine:
                 await self.llm.collective_rpc("weight_channel_close")
                 # In-flight requests are preempted and recomputed under the new weights.
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
-            except BaseException:
+            except Exception as exc:
                 log.exception("weight update to version %d failed; sampling stays paused", announcement.policy_version)
-                raise
+                raise WeightUpdateError(
+                    f"weight update to version {announcement.policy_version} failed ({type(exc).__name__}: {exc}); "
+                    "sampling stays paused until a push succeeds",
+                    applied_nothing=False,
+                ) from exc
             self.policy_version = announcement.policy_version
             self.weights_ok = True
             if not self.paused_by_operator:

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.generator.engine import Engine, PromptTooLongError
+from services.generator.engine import Engine, InvalidPromptError
 from shared.codec import WireError, decode, encode
 from shared.records import PromptTask, Rollout, RolloutTimings
 from shared.streams import Delivery, Output, StreamConsumer, StreamProducer
@@ -99,7 +99,7 @@ class RolloutLoop:
             task = decode(delivery.payload, PromptTask)
             prompt_ids = self.engine.tokenize(task.prompt)
             group = await self.engine.sample(prompt_ids, task.sampling, task.group_size)
-        except (WireError, PromptTooLongError) as exc:
+        except (WireError, InvalidPromptError) as exc:
             self.stats.rejected += 1
             await self.consumer.dead_letter(delivery, f"{type(exc).__name__}: {exc}")
             return

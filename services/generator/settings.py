@@ -43,6 +43,9 @@ class GeneratorSettings(ServiceSettings):
         256, ge=1, description="Rollouts waiting for scorers before this replica stops generating."
     )
     weight_timeout_s: float = Field(300.0, gt=0, description="Longest a weight push may take.")
+    generate_token_budget: int = Field(
+        65536, ge=1, description="POST /generate: most prompts x n x max_tokens one request may ask for."
+    )
     gpu_count: int = Field(
         0, ge=0, description="GPUs on this host to lease one from (0: CPU, no lease; see 'GPU leases')."
     )

@@ -50,6 +50,7 @@ def generator(models, redis_url, prefix):
             "GENERATOR_MAX_MODEL_LEN": "512",
             "GENERATOR_DTYPE": "float32",
             "GENERATOR_OMP_CPUS": "0",
+            "GENERATOR_GENERATE_TOKEN_BUDGET": "8192",
             "REDIS_URL": redis_url,
             "STREAM_PREFIX": prefix,
             "API_TOKEN": TOKEN,
@@ -185,3 +186,44 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
     got = result["completions"][0]["token_ids"]
     assert got == expected.tolist()[: len(got)] and len(got) >= 1
     print(f"\npush: {report.bytes / 1e6:.2f} MB in {report.seconds:.2f} s; greedy tokens equal: {len(got)}")
+
+
+def test_pause_and_resume_with_the_token(generator):
+    assert httpx.post(f"{generator.url}/pause", headers=_auth()).json()["status"] == "paused"
+    assert httpx.post(f"{generator.url}/resume", headers=_auth()).json()["status"] == "running"
+    too_big = {"prompts": ["x"] * 4, "n": 8, "sampling": {"max_tokens": 300}}
+    reply = httpx.post(f"{generator.url}/generate", json=too_big, headers=_auth())
+    assert reply.status_code == 422 and "limit is 8192" in reply.text
+
+
+def test_bad_weight_announcement_is_refused_before_touching_the_engine(generator):
+    body = {"policy_version": 99, "rendezvous": "127.0.0.1:1", "namespace": "x", "ranks": {"g1": 1}, "world_size": 2}
+    reply = httpx.post(f"{generator.url}/weights/update", json=body, headers=_auth(), timeout=30)
+    assert reply.status_code == 422 and "not reachable" in reply.text
+    assert httpx.get(f"{generator.url}/ready").json()["status"] == "ready"
+
+
+def test_fuzzed_requests_never_make_a_server_error(generator):
+    """Runs last: schemathesis against the real generator's OpenAPI document."""
+    import schemathesis
+
+
+    schema = schemathesis.openapi.from_url(f"{generator.url}/openapi.json")
+    schema.config.base_url = generator.url
+    try:
+        _fuzz(schema, generator)
+    except AssertionError:
+        print(generator.output()[-6000:])
+        raise
+
+
+def _fuzz(schema, generator):
+    from tests.support.api_fuzz import fuzz_operations
+
+    anonymous = fuzz_operations(schema, headers={}, max_examples=15)
+    for name, counts in anonymous.items():
+        if name.startswith("POST"):
+            assert set(counts) == {401}, (name, counts)
+    authorised = fuzz_operations(schema, headers=_auth(), max_examples=15, skip=("/shutdown", "/pause", "/resume"))
+    print("\nstatus codes per operation (authorised):", authorised)
+    assert httpx.get(f"{generator.url}/ready").status_code in (200, 503)

