@@ -114,6 +114,7 @@ async def our_push(named, model_dir: Path, receivers: int, repeats: int, redis_u
             for version in range(1, repeats + 1):
                 report = await pusher.push(named, version, generators, http)
                 best = min(best, report.seconds)
+                print(f"push {version} to {receivers}: {report.seconds:.2f} s, phases {report.phases}", flush=True)
         return best
     finally:
         for service in services:

@@ -58,6 +58,13 @@ class WeightUpdateResult(BaseModel):
     policy_version: int
     bytes: float
     seconds: float
+    pause_seconds: float = 0.0
+    join_seconds: float = 0.0
+    transfer_seconds: float = Field(0.0, description="receiving and loading, overlapped")
+    receive_wait_seconds: float = Field(0.0, description="part of transfer spent waiting for data")
+    load_seconds: float = Field(0.0, description="part of transfer spent loading into the engine")
+    reset_seconds: float = 0.0
+    resume_seconds: float = 0.0
 
 
 def get_engine(request: Request) -> Engine:

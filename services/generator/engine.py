@@ -213,9 +213,11 @@ class Engine:
                 f"the learner's store at {announcement.rendezvous} is not reachable", applied_nothing=True
             )
         layout = [spec.model_dump() for spec in announcement.layout]
+        phases: dict[str, float] = {}
         async with self._update_lock:
-            started = time.perf_counter()
+            started = mark = time.perf_counter()
             await self.llm.pause_generation(mode="keep", clear_cache=False)
+            phases["pause_seconds"], mark = time.perf_counter() - mark, time.perf_counter()
             self.weights_ok = False
             try:
                 await self.llm.collective_rpc(
@@ -229,12 +231,15 @@ class Engine:
                         self.settings.weight_timeout_s,
                     ),
                 )
+                phases["join_seconds"], mark = time.perf_counter() - mark, time.perf_counter()
                 results = await self.llm.collective_rpc(
                     "weight_channel_receive", args=(layout, announcement.num_buckets)
                 )
+                phases["transfer_seconds"], mark = time.perf_counter() - mark, time.perf_counter()
                 await self.llm.collective_rpc("weight_channel_close")
                 # In-flight requests are preempted and recomputed under the new weights.
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
+                phases["reset_seconds"], mark = time.perf_counter() - mark, time.perf_counter()
             except Exception as exc:
                 log.exception("weight update to version %d failed; sampling stays paused", announcement.policy_version)
                 raise WeightUpdateError(
@@ -246,10 +251,14 @@ class Engine:
             self.weights_ok = True
             if not self.paused_by_operator:
                 await self.llm.resume_generation()
+            phases["resume_seconds"] = time.perf_counter() - mark
         seconds = time.perf_counter() - started
         received = sum(r["bytes"] for r in results)
-        log.info("policy version %d loaded: %.1f MB in %.2f s", self.policy_version, received / 1e6, seconds)
-        return {"bytes": received, "seconds": seconds}
+        phases["receive_wait_seconds"] = max(r["receive_wait_seconds"] for r in results)
+        phases["load_seconds"] = max(r["load_seconds"] for r in results)
+        log.info("policy version %d loaded: %.1f MB in %.2f s (%s)", self.policy_version, received / 1e6, seconds,
+                 ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.items()))
+        return {"bytes": received, "seconds": seconds, **phases}
 
     async def pause(self) -> None:
         self.paused_by_operator = True

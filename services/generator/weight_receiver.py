@@ -53,6 +53,18 @@ def unpack_bucket(buffer: torch.Tensor, specs: list[dict[str, Any]]) -> list[tup
     return out
 
 
+class _PendingBucket:
+    """A bucket being received: ``result()`` waits for it."""
+
+    def __init__(self, buffer: torch.Tensor, work: Any) -> None:
+        self.buffer, self.work = buffer, work
+
+    def result(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.buffer
+
+
 class WeightReceiverExtension:
     """Mixed into vLLM's worker: ``self.model_runner``, ``self.device`` and ``self.vllm_config`` exist."""
 
@@ -82,7 +94,8 @@ class WeightReceiverExtension:
             self._weight_group_kind = "gloo"
 
     def weight_channel_receive(self, layout: list[dict[str, Any]], num_buckets: int) -> dict[str, float]:
-        """Receive every bucket from rank 0 and load it into the model; returns bytes and seconds."""
+        """Receive every bucket from rank 0 and load it into the model; returns bytes and seconds spent
+        waiting for data and loading. On gloo the next bucket is received while this one loads."""
         if self._weight_group is None:
             raise RuntimeError("weight_channel_open must be called before weight_channel_receive")
         from vllm.config import set_current_vllm_config
@@ -97,25 +110,35 @@ class WeightReceiverExtension:
             by_bucket[spec["bucket"]].append(spec)
         sizes = bucket_byte_sizes(layout, num_buckets)
         start = time.perf_counter()
-        received = 0
+        waiting = loading = 0.0
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-            for specs, nbytes in zip(by_bucket, sizes, strict=True):
-                buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                self._broadcast(buffer)
+            pending = self._post_receive(sizes[0]) if sizes else None
+            for index, specs in enumerate(by_bucket):
+                assert pending is not None
+                mark = time.perf_counter()
+                buffer = pending.result()
+                waiting += time.perf_counter() - mark
+                pending = self._post_receive(sizes[index + 1]) if index + 1 < len(sizes) else None
+                mark = time.perf_counter()
                 model.load_weights(weights=iter(unpack_bucket(buffer, specs)))
-                received += nbytes
+                loading += time.perf_counter() - mark
+            mark = time.perf_counter()
             finalize_layerwise_reload(model, self.vllm_config.model_config)
-        return {"bytes": float(received), "seconds": time.perf_counter() - start}
+            loading += time.perf_counter() - mark
+        return {"bytes": float(sum(sizes)), "seconds": time.perf_counter() - start, "receive_wait_seconds": waiting,
+                "load_seconds": loading}
 
-    def _broadcast(self, buffer: torch.Tensor) -> None:
+    def _post_receive(self, nbytes: int) -> _PendingBucket:
+        """Start receiving one bucket; gloo does it in the background, NCCL at once."""
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self._weight_group_kind == "nccl":
             self._weight_group.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
             torch.cuda.current_stream().synchronize()
-        else:
-            options = torch.distributed.BroadcastOptions()
-            options.rootRank = 0
-            self._weight_group.broadcast([buffer], options).wait()
+            return _PendingBucket(buffer, None)
+        options = torch.distributed.BroadcastOptions()
+        options.rootRank = 0
+        return _PendingBucket(buffer, self._weight_group.broadcast([buffer], options))
 
     def weight_channel_close(self) -> None:
         """Leave the push's process group (it is made anew for every push)."""

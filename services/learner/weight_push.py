@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import httpx
@@ -43,12 +43,17 @@ class WeightPushError(RuntimeError):
         self.failed = list(failed)
 
 
+_PHASES = ("pause_seconds", "join_seconds", "transfer_seconds", "receive_wait_seconds", "load_seconds",
+           "reset_seconds", "resume_seconds")
+
+
 @dataclass(frozen=True)
 class PushReport:
     policy_version: int
     generators: tuple[str, ...]
     bytes: int
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)  # the slowest generator's, per phase
 
     @property
     def gb_per_s(self) -> float:
@@ -136,8 +141,10 @@ class WeightPusher:
         )
 
     def _broadcast_all(self, namespace: str, world_size: int, named, buckets, done: dict) -> None:
+        """Form the push's group and broadcast every bucket; on gloo, bucket k+1 is packed while k is sent."""
         try:
             group = self._group(namespace, world_size)
+            in_flight = None
             for indices in buckets:
                 buffer = pack_bucket([named[i][1] for i in indices]).to(self.device)
                 if self.device.type == "cuda":
@@ -146,8 +153,13 @@ class WeightPusher:
                 else:
                     options = torch.distributed.BroadcastOptions()
                     options.rootRank = 0
-                    group.broadcast([buffer], options).wait()
+                    work = group.broadcast([buffer], options)
+                    if in_flight is not None:
+                        in_flight.wait()
+                    in_flight = work
                 done["bytes"] = done.get("bytes", 0) + buffer.numel()
+            if in_flight is not None:
+                in_flight.wait()
         except BaseException as exc:  # reported to the awaiting coroutine
             done["error"] = exc
 
@@ -206,15 +218,11 @@ class WeightPusher:
             raise WeightPushError(f"weight push {policy_version}: broadcast failed: {done.get('error')}", list(ranks))
         seconds = time.perf_counter() - started
         self.pushes += 1
-        report = PushReport(policy_version, tuple(ranks), int(done.get("bytes", 0)), seconds)
-        log.info(
-            "pushed version %d to %d generator(s): %.1f MB in %.2f s (%.3f GB/s)",
-            policy_version,
-            len(generators),
-            report.bytes / 1e6,
-            seconds,
-            report.gb_per_s,
-        )
+        phases = {k: max(r.json().get(k, 0.0) for r in replies) for k in _PHASES}
+        report = PushReport(policy_version, tuple(ranks), int(done.get("bytes", 0)), seconds, phases)
+        log.info("pushed version %d to %d generator(s): %.1f MB in %.2f s (%.3f GB/s; slowest generator: %s)",
+                 policy_version, len(generators), report.bytes / 1e6, seconds, report.gb_per_s,
+                 ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.items()))
         return report
 
 
