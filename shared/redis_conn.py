@@ -50,3 +50,34 @@ async def connect(url: str, *, timeout_s: float = 60.0) -> aioredis.Redis:
             log.warning("Redis at %s not answering (%s); retrying in %.1f s", mask_url(url), exc, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+class RedisRetry:
+    """Carries an I/O loop through a Redis outage (a restart, a failover, a network blip).
+
+    ``await retry.run(lambda: consumer.read(), "reading prompts")`` retries transient connection errors with
+    exponential backoff, logging and counting each retry, and gives up (re-raising) after ``give_up_s`` of
+    continuous failure. Only operations that are safe to repeat are wrapped: reads, and commits, which are
+    idempotent through their applied keys.
+    """
+
+    def __init__(self, give_up_s: float = 300.0) -> None:
+        self.give_up_s = give_up_s
+        self.retries = 0
+
+    async def run(self, operation, what: str):
+        delay = 0.2
+        deadline: float | None = None
+        while True:
+            try:
+                return await operation()
+            except TRANSIENT_ERRORS as exc:
+                self.retries += 1
+                now = time.monotonic()
+                deadline = deadline or now + self.give_up_s
+                if now > deadline:
+                    log.error("Redis unavailable for %.0f s during %s; giving up", self.give_up_s, what)
+                    raise
+                log.warning("Redis unavailable during %s (%s); retrying in %.1f s", what, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from services.generator.settings import GeneratorSettings
 from shared.keys import Keys
 from shared.redis_conn import connect
+from shared.settings import load_or_exit
 from shared.telemetry import setup_logging
 
 log = logging.getLogger("services.generator")
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.generator", description=__doc__)
     parser.add_argument("--config", help="TOML file (else $ASYNCGRPO_CONFIG); [generator] and [common] are read")
     args = parser.parse_args(argv)
-    settings = GeneratorSettings.load(args.config)
+    settings = load_or_exit(GeneratorSettings, args.config, "generator")
     setup_logging("generator", settings.log_level)
     log.info("settings: %s", settings.masked())
     return asyncio.run(serve(settings))

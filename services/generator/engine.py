@@ -216,10 +216,8 @@ class Engine:
         phases: dict[str, float] = {}
         async with self._update_lock:
             started = mark = time.perf_counter()
-            await self.llm.pause_generation(mode="keep", clear_cache=False)
-            phases["pause_seconds"], mark = time.perf_counter() - mark, time.perf_counter()
-            self.weights_ok = False
             try:
+                # Join first: if a member never arrives, the engine has not been touched.
                 await self.llm.collective_rpc(
                     "weight_channel_open",
                     args=(
@@ -228,10 +226,19 @@ class Engine:
                         announcement.namespace,
                         announcement.ranks[generator_id],
                         announcement.world_size,
+                        self.settings.weight_join_timeout_s,
                         self.settings.weight_timeout_s,
                     ),
                 )
-                phases["join_seconds"], mark = time.perf_counter() - mark, time.perf_counter()
+            except Exception as exc:
+                raise WeightUpdateError(
+                    f"could not join the push's group: {type(exc).__name__}: {exc}", applied_nothing=True
+                ) from exc
+            phases["join_seconds"], mark = time.perf_counter() - mark, time.perf_counter()
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            phases["pause_seconds"], mark = time.perf_counter() - mark, time.perf_counter()
+            self.weights_ok = False
+            try:
                 results = await self.llm.collective_rpc(
                     "weight_channel_receive", args=(layout, announcement.num_buckets)
                 )
@@ -256,8 +263,13 @@ class Engine:
         received = sum(r["bytes"] for r in results)
         phases["receive_wait_seconds"] = max(r["receive_wait_seconds"] for r in results)
         phases["load_seconds"] = max(r["load_seconds"] for r in results)
-        log.info("policy version %d loaded: %.1f MB in %.2f s (%s)", self.policy_version, received / 1e6, seconds,
-                 ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.items()))
+        log.info(
+            "policy version %d loaded: %.1f MB in %.2f s (%s)",
+            self.policy_version,
+            received / 1e6,
+            seconds,
+            ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.items()),
+        )
         return {"bytes": received, "seconds": seconds, **phases}
 
     async def pause(self) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from services.generator.engine import Engine, InvalidPromptError
 from shared.codec import WireError, decode, encode
 from shared.records import PromptTask, Rollout, RolloutTimings
+from shared.redis_conn import RedisRetry
 from shared.streams import Delivery, Output, StreamConsumer, StreamProducer
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class RolloutLoop:
         self.stats = GeneratorStats()
         self._tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
+        self.redis = RedisRetry()
 
     @property
     def in_flight(self) -> int:
@@ -79,7 +81,10 @@ class RolloutLoop:
             if room <= 0 or not self.accepting():
                 await self._wait_for_room(stop)
                 continue
-            for delivery in await self.consumer.read(count=room, block_ms=500):
+            deliveries = await self.redis.run(
+                lambda room=room: self.consumer.read(count=room, block_ms=500), "reading prompts"
+            )
+            for delivery in deliveries:
                 task = asyncio.create_task(self._handle(delivery, time.time()))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -101,7 +106,8 @@ class RolloutLoop:
             group = await self.engine.sample(prompt_ids, task.sampling, task.group_size)
         except (WireError, InvalidPromptError) as exc:
             self.stats.rejected += 1
-            await self.consumer.dead_letter(delivery, f"{type(exc).__name__}: {exc}")
+            reason = f"{type(exc).__name__}: {exc}"
+            await self.redis.run(lambda: self.consumer.dead_letter(delivery, reason), "dead-lettering a prompt")
             return
         except Exception as exc:
             if _engine_dead(exc):
@@ -122,7 +128,8 @@ class RolloutLoop:
             generator_id=self.generator_id,
             timings=RolloutTimings(received_at=received_at, started_at=group.started_at, finished_at=group.finished_at),
         )
-        if await self.consumer.commit(delivery, [Output(self.rollouts, rollout.group_id, encode(rollout))]):
+        output = Output(self.rollouts, rollout.group_id, encode(rollout))
+        if await self.redis.run(lambda: self.consumer.commit(delivery, [output]), "writing a rollout"):
             self.stats.prompts_done += 1
             self.stats.completions_done += len(group.completions)
             self.stats.tokens_generated += group.num_tokens

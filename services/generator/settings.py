@@ -43,6 +43,9 @@ class GeneratorSettings(ServiceSettings):
         256, ge=1, description="Rollouts waiting for scorers before this replica stops generating."
     )
     weight_timeout_s: float = Field(300.0, gt=0, description="Longest a weight push may take.")
+    weight_join_timeout_s: float = Field(
+        30.0, gt=0, description="Longest to wait for every member of a push's group (a dead peer aborts it)."
+    )
     generate_token_budget: int = Field(
         65536, ge=1, description="POST /generate: most prompts x n x max_tokens one request may ask for."
     )

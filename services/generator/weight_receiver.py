@@ -72,22 +72,33 @@ class WeightReceiverExtension:
     _weight_group_kind: str = ""
 
     def weight_channel_open(
-        self, host: str, port: int, prefix: str, rank: int, world_size: int, timeout_s: float
+        self,
+        host: str,
+        port: int,
+        prefix: str,
+        first_rank: int,
+        world_size: int,
+        join_timeout_s: float,
+        timeout_s: float,
     ) -> None:
-        """Join the learner's process group for one push, as ``rank`` of ``world_size``."""
+        """Join the learner's process group for one push. Engine worker k of this replica takes rank
+        ``first_rank + k``. Gives up after ``join_timeout_s`` if a member never arrives."""
         self.weight_channel_close()
+        rank = first_rank + int(getattr(self, "rank", 0))
         timeout = timedelta(seconds=timeout_s)
         if self.device.type == "cuda":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup
 
             group = StatelessProcessGroup.create(
-                host=host, port=port, rank=rank, world_size=world_size, store_timeout=int(timeout_s)
+                host=host, port=port, rank=rank, world_size=world_size, store_timeout=int(join_timeout_s)
             )
             self._weight_group = PyNcclCommunicator(group, device=self.device)
             self._weight_group_kind = "nccl"
         else:
-            store = torch.distributed.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+            store = torch.distributed.TCPStore(
+                host, port, is_master=False, timeout=timedelta(seconds=join_timeout_s), wait_for_workers=False
+            )
             self._weight_group = torch.distributed.ProcessGroupGloo(
                 torch.distributed.PrefixStore(prefix, store), rank, world_size, timeout
             )
@@ -126,8 +137,12 @@ class WeightReceiverExtension:
             mark = time.perf_counter()
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             loading += time.perf_counter() - mark
-        return {"bytes": float(sum(sizes)), "seconds": time.perf_counter() - start, "receive_wait_seconds": waiting,
-                "load_seconds": loading}
+        return {
+            "bytes": float(sum(sizes)),
+            "seconds": time.perf_counter() - start,
+            "receive_wait_seconds": waiting,
+            "load_seconds": loading,
+        }
 
     def _post_receive(self, nbytes: int) -> _PendingBucket:
         """Start receiving one bucket; gloo does it in the background, NCCL at once."""

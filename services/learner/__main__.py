@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from services.learner.settings import LearnerSettings
 from shared.redis_conn import connect
+from shared.settings import load_or_exit
 from shared.telemetry import setup_logging
 
 log = logging.getLogger("services.learner")
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.learner", description=__doc__)
     parser.add_argument("--config", help="TOML file (else $ASYNCGRPO_CONFIG); [learner], [data], [common] are read")
     args = parser.parse_args(argv)
-    settings = LearnerSettings.load(args.config)
+    settings = load_or_exit(LearnerSettings, args.config, "learner")
     setup_logging("learner", settings.log_level)
     log.info("settings: %s", settings.masked())
     return asyncio.run(serve(settings))

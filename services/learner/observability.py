@@ -64,6 +64,7 @@ class MetricsSink:
         self.path = log_dir / "metrics.jsonl"
         self._jsonl = self.path.open("a", encoding="utf-8")
         self._batches = (log_dir / "batches.jsonl").open("a", encoding="utf-8")
+        self._drops = (log_dir / "dropped.jsonl").open("a", encoding="utf-8")
         self._tensorboard: Any = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -93,9 +94,22 @@ class MetricsSink:
         self._batches.write(json.dumps(record) + "\n")
         self._batches.flush()
 
+    def write_drop(self, group_id: str, reason: str, group_version: int, learner_version: int) -> None:
+        """A group acknowledged without training, and why (stale, zero std, already trained...)."""
+        record = {
+            "time": time.time(),
+            "group_id": group_id,
+            "reason": reason,
+            "group_version": group_version,
+            "learner_version": learner_version,
+        }
+        self._drops.write(json.dumps(record) + "\n")
+        self._drops.flush()
+
     def close(self) -> None:
         self.progress.close()
         self._jsonl.close()
         self._batches.close()
+        self._drops.close()
         if self._tensorboard is not None:
             self._tensorboard.close()

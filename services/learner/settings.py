@@ -123,6 +123,9 @@ class LearnerSettings(ServiceSettings):
     weight_sync_port: int = Field(29500, ge=0, le=65535, description="Port of the learner's store (0: free).")
     weight_bucket_mb: int = Field(256, ge=1, description="Size of a weight-push bucket.")
     weight_push_timeout_s: float = Field(300.0, gt=0, description="Longest one weight push may take.")
+    weight_join_timeout_s: float = Field(
+        30.0, gt=0, description="Longest to wait for every generator to join a push's group."
+    )
     min_generators: int = Field(1, ge=0, description="Wait for this many live generators before training.")
     log_dir: str = Field("runs/logs", description="JSONL metrics and TensorBoard events.")
     progress: Literal["auto", "on", "off"] = Field("auto", description="Rich progress bar (auto: in a terminal).")

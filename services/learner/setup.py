@@ -120,6 +120,7 @@ async def build_learner(
         api_token=settings.api_token.get_secret_value(),
         bucket_bytes=settings.weight_bucket_mb << 20,
         timeout_s=settings.weight_push_timeout_s,
+        join_timeout_s=settings.weight_join_timeout_s,
         device=torch.device(settings.device),
     )
     sink = MetricsSink(Path(settings.log_dir), MetricsGauges(registry), settings.max_steps, settings.progress)

@@ -41,6 +41,7 @@ from services.learner.weight_push import WeightPusher, WeightPushError
 from shared.codec import WireError, decode, encode
 from shared.keys import Keys
 from shared.records import CheckpointAnnouncement, ScoredGroup, WeightVersionAnnouncement
+from shared.redis_conn import RedisRetry
 from shared.registry import live_generators
 from shared.streams import Delivery, StreamConsumer, StreamProducer, group_backlog
 
@@ -89,6 +90,7 @@ class LearnerLoop:
         self.unacked: list[Delivery] = []  # trained, acknowledged at the next checkpoint
         self.in_flight = 0
         self.in_training = 0  # groups of the batch being trained (consumed: not in flight any more)
+        self.redis = RedisRetry()
         self.running = False
         self.last_checkpoint: Path | None = None
 
@@ -99,10 +101,13 @@ class LearnerLoop:
     # Admission -----------------------------------------------------------------------------------------
 
     async def measure_in_flight(self) -> int:
-        prompts = await group_backlog(self.client, self.keys.prompts, Keys.GENERATORS)
-        rollouts = await group_backlog(self.client, self.keys.rollouts, Keys.SCORERS)
-        scored = await group_backlog(self.client, self.keys.scored, Keys.LEARNER, include_pending=False)
-        self.in_flight = prompts + rollouts + scored + len(self.buffer)
+        async def measure() -> int:
+            prompts = await group_backlog(self.client, self.keys.prompts, Keys.GENERATORS)
+            rollouts = await group_backlog(self.client, self.keys.rollouts, Keys.SCORERS)
+            scored = await group_backlog(self.client, self.keys.scored, Keys.LEARNER, include_pending=False)
+            return prompts + rollouts + scored
+
+        self.in_flight = await self.redis.run(measure, "measuring groups in flight") + len(self.buffer)
         return self.in_flight
 
     async def admit(self) -> int:
@@ -110,66 +115,73 @@ class LearnerLoop:
         budget = admission_budget(await self.measure_in_flight(), self.settings.admission_bound)
         admitted = 0
         for _ in range(budget):
+            before = self.feeder.position
             task = self.feeder.next_task(self.policy_version)
             if task is None:
                 break
-            position = json.dumps(self.feeder.position.model_dump()).encode()
-            async with self.client.pipeline(transaction=True) as pipe:
-                self.prompts.queue(pipe, task.task_id, encode(task))
-                pipe.hset(self.keys.learner_state, FEEDER_POSITION, position)
-                await pipe.execute()
+            try:
+                await self.redis.run(lambda task=task: self._publish(task), "admitting a prompt")
+            except BaseException:
+                self.feeder.position = before  # not admitted: the next attempt starts from the same row
+                raise
             admitted += 1
         self.counters.groups_admitted += admitted
         self.in_flight += admitted
         return admitted
 
+    async def _publish(self, task) -> None:
+        """The task and the feeder's position after it, in one transaction."""
+        position = json.dumps(self.feeder.position.model_dump()).encode()
+        async with self.client.pipeline(transaction=True) as pipe:
+            self.prompts.queue(pipe, task.task_id, encode(task))
+            pipe.hset(self.keys.learner_state, FEEDER_POSITION, position)
+            await pipe.execute()
+
     # Batches -------------------------------------------------------------------------------------------
+
+    def _drop_reason(self, group: ScoredGroup) -> str | None:
+        version = group.rollout.policy_version
+        if group.group_id in self.trained_ids:
+            return "already_trained"
+        if group.dropped:
+            return "zero_std_dropped"
+        if version > self.policy_version:
+            # Sampled by weights a crashed learner pushed after its last checkpoint: they no longer exist.
+            return "from_lost_versions"
+        if is_stale(self.policy_version, version, self.settings.max_staleness):
+            return "stale_dropped"
+        return None
 
     async def _accept(self, delivery: Delivery) -> None:
         try:
             group = decode(delivery.payload, ScoredGroup)
         except WireError as exc:
             self.counters.groups_rejected += 1
-            await self.consumer.dead_letter(delivery, f"WireError: {exc}")
+            reason = f"WireError: {exc}"
+            await self.redis.run(lambda: self.consumer.dead_letter(delivery, reason), "dead-lettering a group")
             return
-        version = group.rollout.policy_version
-        reason = None
-        if group.group_id in self.trained_ids:
-            reason, self.counters.groups_already_trained = (
-                "already trained",
-                self.counters.groups_already_trained + 1,
-            )
-        elif group.dropped:
-            reason, self.counters.groups_zero_std_dropped = (
-                "zero std",
-                self.counters.groups_zero_std_dropped + 1,
-            )
-        elif version > self.policy_version:
-            # Sampled by weights a crashed learner pushed after its last checkpoint: they no longer exist.
-            reason, self.counters.groups_from_lost_versions = (
-                "lost version",
-                self.counters.groups_from_lost_versions + 1,
-            )
-        elif is_stale(self.policy_version, version, self.settings.max_staleness):
-            reason, self.counters.groups_stale_dropped = "stale", self.counters.groups_stale_dropped + 1
+        reason = self._drop_reason(group)
         if reason is None:
             self.buffer.append((delivery, group))
-        else:
-            log.debug("dropping group %s (%s)", group.group_id, reason)
-            await self.consumer.commit(delivery)
+            return
+        counter = f"groups_{reason}"
+        setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+        self.sink.write_drop(group.group_id, reason, group.rollout.policy_version, self.policy_version)
+        await self.redis.run(lambda: self.consumer.commit(delivery), "acknowledging a dropped group")
 
     async def collect(self, stop: asyncio.Event) -> list[tuple[Delivery, ScoredGroup]] | None:
         """The next batch; a partial one when the data ran out, None when nothing is left or on stop."""
         wanted = self.settings.groups_per_step
         while len(self.buffer) < wanted and not stop.is_set():
             await self.admit()
-            for delivery in await self.consumer.read(count=wanted - len(self.buffer), block_ms=200):
+            count = wanted - len(self.buffer)
+            deliveries = await self.redis.run(
+                lambda count=count: self.consumer.read(count=count, block_ms=200), "reading groups"
+            )
+            for delivery in deliveries:
                 await self._accept(delivery)
-            if (
-                self.feeder.exhausted
-                and len(self.buffer) < wanted
-                and await self.measure_in_flight() == len(self.buffer)
-            ):
+            drained = self.feeder.exhausted and len(self.buffer) < wanted
+            if drained and await self.measure_in_flight() == len(self.buffer):
                 break
         if stop.is_set() or not self.buffer:
             return None
@@ -187,18 +199,23 @@ class LearnerLoop:
     async def push_weights(self, *, reset: bool = False) -> float:
         """Push the current weights to every live generator (retried once); returns seconds spent."""
         started = time.perf_counter()
+        failed: set[str] = set()
         for attempt in (1, 2):
-            generators = await live_generators(self.client, self.keys)
+            generators = await self.redis.run(lambda: live_generators(self.client, self.keys), "listing generators")
+            generators = [g for g in generators if g.generator_id not in failed]  # the retry skips them
             try:
                 with merged_weights(self.trainer.model) as named:
                     await self.pusher.push(named, self.policy_version, generators, self.http, reset=reset)
                 self.counters.weight_pushes += 1
-                await self.client.set(
-                    self.keys.weights, encode(WeightVersionAnnouncement(policy_version=self.policy_version))
+                announcement = encode(WeightVersionAnnouncement(policy_version=self.policy_version))
+                await self.redis.run(
+                    lambda announcement=announcement: self.client.set(self.keys.weights, announcement),
+                    "announcing weights",
                 )
                 break
             except WeightPushError as exc:
                 self.counters.weight_push_failures += 1
+                failed.update(exc.failed)
                 log.error("weight push attempt %d failed: %s", attempt, exc)
         return time.perf_counter() - started
 
@@ -221,12 +238,14 @@ class LearnerLoop:
             self.settings.keep_checkpoints,
         )
         if self.unacked:
-            await self.consumer.commit_many([(delivery, ()) for delivery in self.unacked])
+            items = [(delivery, ()) for delivery in self.unacked]
+            await self.redis.run(lambda: self.consumer.commit_many(items), "acknowledging trained groups")
             self.unacked = []
         announcement = CheckpointAnnouncement(
             policy_version=self.policy_version, step=self.trainer.step, path=str(path.resolve())
         )
-        await self.client.set(self.keys.checkpoint, encode(announcement))
+        payload = encode(announcement)
+        await self.redis.run(lambda: self.client.set(self.keys.checkpoint, payload), "announcing the checkpoint")
         self.last_checkpoint = path
         log.info("checkpoint %s (step %d)", path, self.trainer.step)
 
@@ -235,7 +254,7 @@ class LearnerLoop:
     async def wait_for_generators(self, stop: asyncio.Event) -> None:
         last_log = 0.0
         while not stop.is_set():
-            live = await live_generators(self.client, self.keys)
+            live = await self.redis.run(lambda: live_generators(self.client, self.keys), "listing generators")
             if len(live) >= self.settings.min_generators:
                 return
             if time.monotonic() - last_log > 10:

@@ -43,8 +43,15 @@ class WeightPushError(RuntimeError):
         self.failed = list(failed)
 
 
-_PHASES = ("pause_seconds", "join_seconds", "transfer_seconds", "receive_wait_seconds", "load_seconds",
-           "reset_seconds", "resume_seconds")
+_PHASES = (
+    "pause_seconds",
+    "join_seconds",
+    "transfer_seconds",
+    "receive_wait_seconds",
+    "load_seconds",
+    "reset_seconds",
+    "resume_seconds",
+)
 
 
 @dataclass(frozen=True)
@@ -109,11 +116,14 @@ class WeightPusher:
         api_token: str,
         bucket_bytes: int = 256 << 20,
         timeout_s: float = 300.0,
+        join_timeout_s: float = 30.0,
         device: torch.device | None = None,
     ) -> None:
         self.timeout = timedelta(seconds=timeout_s)
+        self.join_timeout = timedelta(seconds=join_timeout_s)
+        # The store's timeout bounds how long group formation waits for a member that never comes.
         self.store = torch.distributed.TCPStore(
-            "0.0.0.0", bind_port, is_master=True, wait_for_workers=False, timeout=self.timeout
+            "0.0.0.0", bind_port, is_master=True, wait_for_workers=False, timeout=self.join_timeout
         )
         self.port = self.store.port
         self.advertise_host = advertise_host
@@ -122,6 +132,17 @@ class WeightPusher:
         self.device = device or torch.device("cpu")
         self.pushes = 0
         self.failures = 0
+        self.skipped = 0  # generators left out of a push because they did not answer
+
+    async def _answering(
+        self, generators: Sequence[GeneratorRegistration], http: httpx.AsyncClient
+    ) -> list[GeneratorRegistration]:
+        alive = await asyncio.gather(*(_health(http, g.url) for g in generators))
+        silent = [g.generator_id for g, ok in zip(generators, alive, strict=True) if not ok]
+        if silent:
+            self.skipped += len(silent)
+            log.warning("leaving out of this push generators that do not answer: %s", ", ".join(silent))
+        return [g for g, ok in zip(generators, alive, strict=True) if ok]
 
     def _group(self, namespace: str, world_size: int):
         if self.device.type == "cuda":
@@ -172,7 +193,12 @@ class WeightPusher:
         *,
         reset: bool = False,
     ) -> PushReport:
-        """Broadcast ``named`` tensors to ``generators`` as ``policy_version``; raises WeightPushError."""
+        """Broadcast ``named`` tensors to ``generators`` as ``policy_version``; raises WeightPushError.
+
+        Generators that do not answer ``/health`` within 2 s are left out first (a replica that died since
+        its last heartbeat would otherwise hold the others in group formation until the join timeout).
+        """
+        generators = await self._answering(generators, http)
         if not generators:
             return PushReport(policy_version, (), 0, 0.0)
         specs, buckets = plan_buckets(named, self.bucket_bytes)
@@ -204,14 +230,15 @@ class WeightPusher:
             *(http.post(f"{g.url}/weights/update", json=body, headers=headers, timeout=timeout) for g in generators),
             return_exceptions=True,
         )
-        failed = [
-            f"{g.generator_id} ({_describe(reply)})"
+        failed = {
+            g.generator_id: _describe(reply)
             for g, reply in zip(generators, replies, strict=True)
             if isinstance(reply, BaseException) or reply.status_code != 200
-        ]
+        }
         if failed:
             self.failures += 1
-            raise WeightPushError(f"weight push {policy_version} failed on {', '.join(failed)}", failed)
+            detail = ", ".join(f"{gid} ({why})" for gid, why in failed.items())
+            raise WeightPushError(f"weight push {policy_version} failed on {detail}", list(failed))
         await asyncio.to_thread(sender.join, self.timeout.total_seconds())
         if "error" in done or sender.is_alive():
             self.failures += 1
@@ -220,10 +247,23 @@ class WeightPusher:
         self.pushes += 1
         phases = {k: max(r.json().get(k, 0.0) for r in replies) for k in _PHASES}
         report = PushReport(policy_version, tuple(ranks), int(done.get("bytes", 0)), seconds, phases)
-        log.info("pushed version %d to %d generator(s): %.1f MB in %.2f s (%.3f GB/s; slowest generator: %s)",
-                 policy_version, len(generators), report.bytes / 1e6, seconds, report.gb_per_s,
-                 ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.items()))
+        log.info(
+            "pushed version %d to %d generator(s): %.1f MB in %.2f s (%.3f GB/s; slowest generator: %s)",
+            policy_version,
+            len(generators),
+            report.bytes / 1e6,
+            seconds,
+            report.gb_per_s,
+            ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.items()),
+        )
         return report
+
+
+async def _health(http: httpx.AsyncClient, url: str) -> bool:
+    try:
+        return (await http.get(f"{url}/health", timeout=2.0)).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _describe(reply) -> str:

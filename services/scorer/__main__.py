@@ -18,6 +18,7 @@ from services.scorer.scoring_loop import ScoringLoop
 from services.scorer.settings import ScorerSettings
 from shared.keys import Keys
 from shared.redis_conn import connect
+from shared.settings import load_or_exit
 from shared.streams import StreamConsumer, StreamProducer
 from shared.telemetry import CallbackCollector, setup_logging
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.scorer", description=__doc__)
     parser.add_argument("--config", help="TOML file (else $ASYNCGRPO_CONFIG); [scorer] and [common] are read")
     args = parser.parse_args(argv)
-    settings = ScorerSettings.load(args.config)
+    settings = load_or_exit(ScorerSettings, args.config, "scorer")
     setup_logging("scorer", settings.log_level)
     log.info("settings: %s", settings.masked())
     return asyncio.run(serve(settings))

@@ -16,6 +16,7 @@ from services.scorer.rewards.functions import RewardFunction, score_batch
 from services.scorer.scoring import reward_batch, scored_group
 from shared.codec import WireError, decode, encode
 from shared.records import AdvantageSpec, Rollout
+from shared.redis_conn import RedisRetry
 from shared.streams import Delivery, Output, StreamConsumer, StreamProducer
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class ScoringLoop:
         self.max_in_flight = max_in_flight
         self.stats = ScorerStats()
         self._tasks: set[asyncio.Task] = set()
+        self.redis = RedisRetry()
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -57,7 +59,10 @@ class ScoringLoop:
             if room <= 0:
                 await asyncio.wait(self._tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
                 continue
-            for delivery in await self.consumer.read(count=room, block_ms=500):
+            deliveries = await self.redis.run(
+                lambda room=room: self.consumer.read(count=room, block_ms=500), "reading rollouts"
+            )
+            for delivery in deliveries:
                 task = asyncio.create_task(self.handle(delivery))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -69,7 +74,8 @@ class ScoringLoop:
             rollout = decode(delivery.payload, Rollout)
         except WireError as exc:
             self.stats.rejected += 1
-            await self.consumer.dead_letter(delivery, f"WireError: {exc}")
+            reason = f"WireError: {exc}"
+            await self.redis.run(lambda: self.consumer.dead_letter(delivery, reason), "dead-lettering a rollout")
             return
         try:
             per_func = await score_batch(self.functions, reward_batch(rollout))
@@ -82,7 +88,8 @@ class ScoringLoop:
                 drop_zero_std=self.drop_zero_std,
                 scorer_id=self.consumer.consumer,
             )
-            committed = await self.consumer.commit(delivery, [Output(self.scored, group.group_id, encode(group))])
+            output = Output(self.scored, group.group_id, encode(group))
+            committed = await self.redis.run(lambda: self.consumer.commit(delivery, [output]), "writing a scored group")
         except Exception as exc:
             self.stats.failures += 1
             log.exception("scoring group %s failed; it will be retried", delivery.record_id)

@@ -207,7 +207,6 @@ def test_fuzzed_requests_never_make_a_server_error(generator):
     """Runs last: schemathesis against the real generator's OpenAPI document."""
     import schemathesis
 
-
     schema = schemathesis.openapi.from_url(f"{generator.url}/openapi.json")
     schema.config.base_url = generator.url
     try:
