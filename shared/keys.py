@@ -56,8 +56,9 @@ class Keys:
     def gpu_lease(self, host: str, index: int) -> str:  # string with a TTL: which replica holds a GPU
         return f"{self.prefix}:gpu:{host}:{index}"
 
-    def applied(self, group: str, record_id: str) -> str:  # string with a TTL: record already applied
-        return f"{self.prefix}:applied:{group}:{record_id}"
+    def applied(self, stream: str, group: str, record_id: str) -> str:  # string with a TTL: already applied
+        # Per stream and group: the same record id travels through every stream (a task's id is its group's).
+        return f"{stream}:applied:{group}:{record_id}"
 
     @property
     def learner_state(self) -> str:  # hash: the learner's step, policy version, groups in flight

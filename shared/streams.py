@@ -401,7 +401,7 @@ class StreamConsumer:
     async def _applied_flags(self, record_ids: list[str]) -> list[bool]:
         async with self.client.pipeline(transaction=False) as pipe:
             for record_id in record_ids:
-                pipe.exists(self.keys.applied(self.group, record_id))
+                pipe.exists(self.keys.applied(self.stream, self.group, record_id))
             return [bool(flag) for flag in await pipe.execute()]
 
     # Finishing -----------------------------------------------------------------------------------------
@@ -434,7 +434,7 @@ class StreamConsumer:
         return results
 
     async def _commit_transaction(self, items: Sequence[tuple[Delivery, Sequence[Output]]]) -> None:
-        applied_keys = [self.keys.applied(self.group, d.record_id) for d, _ in items]
+        applied_keys = [self.keys.applied(self.stream, self.group, d.record_id) for d, _ in items]
         async with self.client.pipeline(transaction=True) as pipe:
             await pipe.watch(*applied_keys)
             if await pipe.exists(*applied_keys):

@@ -253,3 +253,15 @@ async def test_keepalive_stops_live_work_from_being_claimed(redis_client, keys):
         stop.set()
         await keeper
     assert other.stats.claimed == 0
+
+
+async def test_same_record_id_on_two_streams_is_applied_on_each(redis_client, keys):
+    """A task's id is also its rollout's and scored group's: applied marks are per stream and group."""
+    first, second = f"{keys.prefix}:a", f"{keys.prefix}:b"
+    for stream in (first, second):
+        await StreamProducer(redis_client, stream).add("same-id", b"x")
+    for stream in (first, second):
+        consumer = _consumer(redis_client, keys, stream, "c1")
+        await consumer.start()
+        [delivery] = await consumer.read()
+        assert await consumer.commit(delivery) is True
