@@ -37,19 +37,19 @@ class RedisServer:
     directory: Path
     process: subprocess.Popen | None = None
     appendonly: bool = False
+    password: str = ""
+    tls: tuple[str, str, str] | None = None  # (certificate, key, CA) files: the server then speaks TLS only
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls[2]}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise RuntimeError("redis-server is not installed; install Redis 7 (apt-get install redis-server)")
+    def _arguments(self, binary: str) -> list[str]:
         args = [
             binary,
-            "--port",
-            str(self.port),
             "--bind",
             "127.0.0.1",
             "--dir",
@@ -63,7 +63,33 @@ class RedisServer:
             "--logfile",
             str(self.directory / "redis.log"),
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if self.tls:
+            cert, key, ca = self.tls
+            args += [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                cert,
+                "--tls-key-file",
+                key,
+                "--tls-ca-cert-file",
+                ca,
+                "--tls-auth-clients",
+                "no",
+            ]
+        else:
+            args += ["--port", str(self.port)]
+        if self.password:
+            args += ["--requirepass", self.password]
+        return args
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed; install Redis 7 (apt-get install redis-server)")
+        self.process = subprocess.Popen(self._arguments(binary), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while not answers(self.url, 0.2):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -81,9 +107,16 @@ class RedisServer:
         self.process = None
 
 
-def start_redis(appendonly: bool = False) -> RedisServer:
+def start_redis(
+    appendonly: bool = False, *, password: str = "", tls: tuple[str, str, str] | None = None
+) -> RedisServer:
+    """A redis-server on a free port (with a password, or TLS from (certificate, key, CA) files, if given)."""
     server = RedisServer(
-        port=free_port(), directory=Path(tempfile.mkdtemp(prefix="redis-test-")), appendonly=appendonly
+        port=free_port(),
+        directory=Path(tempfile.mkdtemp(prefix="redis-test-")),
+        appendonly=appendonly,
+        password=password,
+        tls=tls,
     )
     server.start()
     return server
