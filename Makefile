@@ -39,6 +39,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/transport.py
+	$(BIN)/python bench/learner.py
+	$(BIN)/python bench/weight_push.py
+	$(BIN)/python bench/async_vs_sync.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -33,7 +33,7 @@ import tomli_w  # noqa: E402
 from tests.support.redis_server import free_port  # noqa: E402
 
 
-def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int) -> Path:
+def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int, context: int) -> Path:
     document = {
         "launcher": {
             "generators": 1,
@@ -42,7 +42,7 @@ def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int) -> Path:
             "log_dir": str(tmp / "logs"),
             "first_generator_port": free_port(),
         },
-        "generator": {"model": str(model), "dtype": "float32", "max_model_len": 1024, "kv_cache_gib": 2},
+        "generator": {"model": str(model), "dtype": "float32", "max_model_len": context, "kv_cache_gib": 2},
         "scorer": {"rewards": [{"name": "hard_format", "weight": 0.8}, {"name": "mark", "weight": 0.2}], "port": 0},
         "learner": {
             "model": str(model),
@@ -76,10 +76,10 @@ def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int) -> Path:
     return path
 
 
-def run_mode(model: Path, mode: str, steps: int, groups: int) -> dict[str, float]:
+def run_mode(model: Path, mode: str, steps: int, groups: int, context: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix=f"bench-{mode}-") as scratch:
         tmp = Path(scratch)
-        config = _config(tmp, model, mode, steps, groups)
+        config = _config(tmp, model, mode, steps, groups, context)
         result = subprocess.run(
             [sys.executable, "-m", "services.launcher", "run", "--config", str(config)],
             cwd=ROOT,
@@ -88,7 +88,8 @@ def run_mode(model: Path, mode: str, steps: int, groups: int) -> dict[str, float
             timeout=3600,
         )
         if result.returncode != 0:
-            raise RuntimeError(f"{mode} run failed:\n{(result.stdout + result.stderr)[-4000:]}")
+            logs = "".join(f"\n--- {log.name}\n{log.read_text()[-2000:]}" for log in (tmp / "logs").glob("*.log"))
+            raise RuntimeError(f"{mode} run failed:\n{(result.stdout + result.stderr)[-3000:]}{logs}")
         records = [json.loads(line) for line in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]
     later = records[1:]
     return {
@@ -104,12 +105,14 @@ def main(args) -> None:
         from tests.support.tiny_model import build_tiny_llama
 
         model = build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", seed=1, hidden=256, layers=4, logit_scale=1.0)
+        context = 512  # the tiny model's position limit
     else:
         from services.launcher.prepare_model import prepare_smollm2
 
         model = prepare_smollm2()
-    sync = run_mode(model, "sync", args.steps, args.groups)
-    asyn = run_mode(model, "async", args.steps, args.groups)
+        context = 1024
+    sync = run_mode(model, "sync", args.steps, args.groups, context)
+    asyn = run_mode(model, "async", args.steps, args.groups, context)
     t_gen, t_train = sync["wait"], sync["train"]
     ideal = (t_gen + t_train) / max(t_gen, t_train)
     speedup = sync["seconds_per_step"] / asyn["seconds_per_step"]
