@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -15,15 +13,12 @@ from prometheus_client import CollectorRegistry
 from services.generator.settings import GeneratorSettings
 from shared.keys import Keys
 from shared.redis_conn import connect
-from shared.settings import load_or_exit
-from shared.telemetry import setup_logging
+from shared.service import http_server, main, stop_on_signals
 
 log = logging.getLogger("services.generator")
 
 
 async def serve(settings: GeneratorSettings) -> int:
-    import uvicorn
-
     from services.generator.app import build_app
     from services.generator.engine import Engine
     from services.generator.registry import GpuLease
@@ -34,16 +29,13 @@ async def serve(settings: GeneratorSettings) -> int:
 
     keys = Keys(settings.stream_prefix)
     client = await connect(settings.redis_url)
-    stop = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+    stop = stop_on_signals()
     registry = CollectorRegistry()
     lease = GpuLease(client, keys, settings.gpu_host_key, settings.generator_id, settings.heartbeat_ttl_s)
     if settings.gpu_count:
         indices = await lease.acquire(settings.gpu_count, settings.tensor_parallel_size)
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, indices))
         log.info("leased GPU(s) %s", indices)
-
     app = build_app(
         api_token=settings.api_token.get_secret_value(),
         generator_id=settings.generator_id,
@@ -51,49 +43,37 @@ async def serve(settings: GeneratorSettings) -> int:
         stop=stop,
         announced_version=lambda: latest_weights_version(client, keys),
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning"))
-    server_task = asyncio.create_task(server.serve())
-    while not server.started:
-        if server_task.done():
-            await lease.release()
-            raise RuntimeError(f"the HTTP server could not start on {settings.host}:{settings.port}")
-        await asyncio.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    log.info("HTTP on port %d; loading the engine", port)
-
-    engine = None
-    telemetry = None
+    engine = telemetry = None
     try:
-        model_path, version = settings.model, 0
-        checkpoint = await latest_checkpoint(client, keys)
-        if checkpoint is not None and Path(checkpoint.path).exists():
-            model_path, version = checkpoint.path, checkpoint.policy_version
-            log.info("joining late: loading checkpoint %s (policy version %d)", model_path, version)
-        engine = Engine.start(settings, model_path, version)
-        app.state.engine = engine
-        consumer = StreamConsumer(
-            client,
-            keys,
-            keys.prompts,
-            Keys.GENERATORS,
-            settings.generator_id,
-            batch_size=settings.max_prompts_in_flight,
-            claim_idle_ms=settings.claim_idle_ms,
-            max_deliveries=settings.max_deliveries,
-        )
-        await consumer.start()
-        rollouts = StreamProducer(client, keys.rollouts, max_backlog=settings.max_rollout_backlog)
-        loop = RolloutLoop(engine, consumer, rollouts, settings.generator_id, settings.max_prompts_in_flight)
-        telemetry = GeneratorTelemetry(client, keys, settings, engine, loop, consumer, lease, settings.url(port))
-        registry.register(telemetry.collector())
-        background = [
-            asyncio.create_task(telemetry.run(stop)),
-            asyncio.create_task(consumer.run_keepalive(stop)),
-        ]
-        print(f"generator {settings.generator_id} ready on port {port}", flush=True)
-        await loop.run(stop)
-        stop.set()
-        await asyncio.gather(*background)
+        async with http_server(app, settings.host, settings.port) as port:
+            log.info("HTTP on port %d; loading the engine", port)
+            model_path, version = settings.model, 0
+            checkpoint = await latest_checkpoint(client, keys)
+            if checkpoint is not None and Path(checkpoint.path).exists():
+                model_path, version = checkpoint.path, checkpoint.policy_version
+                log.info("joining late: loading checkpoint %s (policy version %d)", model_path, version)
+            engine = Engine.start(settings, model_path, version)
+            app.state.engine = engine
+            consumer = StreamConsumer(
+                client,
+                keys,
+                keys.prompts,
+                Keys.GENERATORS,
+                settings.generator_id,
+                batch_size=settings.max_prompts_in_flight,
+                claim_idle_ms=settings.claim_idle_ms,
+                max_deliveries=settings.max_deliveries,
+            )
+            await consumer.start()
+            rollouts = StreamProducer(client, keys.rollouts, max_backlog=settings.max_rollout_backlog)
+            loop = RolloutLoop(engine, consumer, rollouts, settings.generator_id, settings.max_prompts_in_flight)
+            telemetry = GeneratorTelemetry(client, keys, settings, engine, loop, consumer, lease, settings.url(port))
+            registry.register(telemetry.collector())
+            background = [asyncio.create_task(telemetry.run(stop)), asyncio.create_task(consumer.run_keepalive(stop))]
+            print(f"generator {settings.generator_id} ready on port {port}", flush=True)
+            await loop.run(stop)
+            stop.set()
+            await asyncio.gather(*background)
         return 0
     except Exception:
         log.exception("generator stopped on an error")
@@ -102,22 +82,10 @@ async def serve(settings: GeneratorSettings) -> int:
         if telemetry is not None:
             await telemetry.leave()
         await lease.release()
-        server.should_exit = True
-        await server_task
         if engine is not None:
             engine.shutdown()
         await client.aclose()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.generator", description=__doc__)
-    parser.add_argument("--config", help="TOML file (else $ASYNCGRPO_CONFIG); [generator] and [common] are read")
-    args = parser.parse_args(argv)
-    settings = load_or_exit(GeneratorSettings, args.config, "generator")
-    setup_logging("generator", settings.log_level)
-    log.info("settings: %s", settings.masked())
-    return asyncio.run(serve(settings))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("generator", GeneratorSettings, serve, __doc__))

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.generator.engine import Engine, InvalidPromptError, WeightUpdateError
-from shared.http import Authorized, metrics_response
+from shared.http import Authorized, common_router
 from shared.records import ChatMessage, SamplingSpec, WeightVersionAnnouncement
 
 router = APIRouter()
@@ -103,11 +103,6 @@ async def ready(request: Request) -> Any:
         Status(status="not_ready", policy_version=engine.policy_version, detail=detail).model_dump(),
         status_code=503,
     )
-
-
-@router.get("/metrics", summary="Prometheus metrics")
-async def metrics(request: Request):
-    return metrics_response(request.app.state.registry)
 
 
 @router.post(
@@ -201,12 +196,6 @@ async def fingerprint(engine: EngineDep) -> dict[str, float]:
     return await engine.fingerprint()
 
 
-@router.post("/shutdown", response_model=Status, dependencies=[Authorized], summary="Stop gracefully")
-async def shutdown(request: Request) -> Status:
-    request.app.state.stop.set()
-    return Status(status="stopping")
-
-
 def build_app(*, api_token: str, generator_id: str, registry, stop: asyncio.Event, announced_version) -> FastAPI:
     app = FastAPI(
         title="asyncgrpo generator",
@@ -219,4 +208,5 @@ def build_app(*, api_token: str, generator_id: str, registry, stop: asyncio.Even
     app.state.engine = None
     app.state.announced_version = announced_version
     app.include_router(router)
+    app.include_router(common_router)
     return app

@@ -8,7 +8,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from shared.http import Authorized, metrics_response
+from shared.http import common_router
 
 router = APIRouter()
 
@@ -52,22 +52,6 @@ async def ready(request: Request):
     return _status(request, "ready")
 
 
-@router.get("/metrics", summary="Prometheus metrics")
-async def metrics(request: Request):
-    return metrics_response(request.app.state.registry)
-
-
-@router.post(
-    "/shutdown",
-    response_model=Status,
-    dependencies=[Authorized],
-    summary="Stop after the current step (checkpoint written)",
-)
-async def shutdown(request: Request) -> Status:
-    request.app.state.stop.set()
-    return _status(request, "stopping")
-
-
 def build_app(*, api_token: str, registry, stop: asyncio.Event) -> FastAPI:
     app = FastAPI(title="asyncgrpo learner", description="Trains the policy with GRPO on scored groups.")
     app.state.api_token = api_token
@@ -75,4 +59,5 @@ def build_app(*, api_token: str, registry, stop: asyncio.Event) -> FastAPI:
     app.state.stop = stop
     app.state.loop = None
     app.include_router(router)
+    app.include_router(common_router)
     return app

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import signal
 import sys
 
 import httpx
-import uvicorn
 from prometheus_client import CollectorRegistry
 
 from services.scorer.app import build_app
@@ -18,9 +15,9 @@ from services.scorer.scoring_loop import ScoringLoop
 from services.scorer.settings import ScorerSettings
 from shared.keys import Keys
 from shared.redis_conn import connect
-from shared.settings import load_or_exit
+from shared.service import http_server, main, stop_on_signals
 from shared.streams import StreamConsumer, StreamProducer
-from shared.telemetry import CallbackCollector, setup_logging
+from shared.telemetry import CallbackCollector
 
 log = logging.getLogger("services.scorer")
 
@@ -50,64 +47,51 @@ def _collector(loop: ScoringLoop, consumer: StreamConsumer) -> CallbackCollector
 async def serve(settings: ScorerSettings) -> int:
     keys = Keys(settings.stream_prefix)
     client = await connect(settings.redis_url)
-    stop = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
-    async with httpx.AsyncClient() as http:
-        functions, plugins = build_functions(settings.rewards, http)
-        registry = CollectorRegistry()
-        app = build_app(api_token=settings.api_token.get_secret_value(), registry=registry, stop=stop, plugins=plugins)
-        server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning"))
-        server_task = asyncio.create_task(server.serve())
-        try:
-            await asyncio.gather(*(plugin.probe() for plugin in plugins))
-            consumer = StreamConsumer(
-                client,
-                keys,
-                keys.rollouts,
-                Keys.SCORERS,
-                settings.scorer_id,
-                claim_idle_ms=settings.claim_idle_ms,
-                max_deliveries=settings.max_deliveries,
-                batch_size=settings.max_groups_in_flight,
+    stop = stop_on_signals()
+    registry = CollectorRegistry()
+    try:
+        async with httpx.AsyncClient() as http:
+            functions, plugins = build_functions(settings.rewards, http)
+            app = build_app(
+                api_token=settings.api_token.get_secret_value(), registry=registry, stop=stop, plugins=plugins
             )
-            await consumer.start()
-            scored = StreamProducer(client, keys.scored, max_backlog=settings.max_scored_backlog)
-            loop = ScoringLoop(
-                consumer,
-                scored,
-                functions,
-                [r.weight for r in settings.rewards],
-                settings.advantage_spec,
-                drop_zero_std=settings.drop_zero_std_groups,
-                max_in_flight=settings.max_groups_in_flight,
-            )
-            registry.register(_collector(loop, consumer))
-            app.state.running = True
-            keepalive = asyncio.create_task(consumer.run_keepalive(stop))
-            print(f"scorer {settings.scorer_id} ready: rewards {', '.join(loop.names)}", flush=True)
-            await loop.run(stop)
-            stop.set()
-            await keepalive
-            return 0
-        except Exception:
-            log.exception("scorer stopped on an error")
-            return 1
-        finally:
-            server.should_exit = True
-            await server_task
-            await client.aclose()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.scorer", description=__doc__)
-    parser.add_argument("--config", help="TOML file (else $ASYNCGRPO_CONFIG); [scorer] and [common] are read")
-    args = parser.parse_args(argv)
-    settings = load_or_exit(ScorerSettings, args.config, "scorer")
-    setup_logging("scorer", settings.log_level)
-    log.info("settings: %s", settings.masked())
-    return asyncio.run(serve(settings))
+            async with http_server(app, settings.host, settings.port):
+                await asyncio.gather(*(plugin.probe() for plugin in plugins))
+                consumer = StreamConsumer(
+                    client,
+                    keys,
+                    keys.rollouts,
+                    Keys.SCORERS,
+                    settings.scorer_id,
+                    claim_idle_ms=settings.claim_idle_ms,
+                    max_deliveries=settings.max_deliveries,
+                    batch_size=settings.max_groups_in_flight,
+                )
+                await consumer.start()
+                scored = StreamProducer(client, keys.scored, max_backlog=settings.max_scored_backlog)
+                loop = ScoringLoop(
+                    consumer,
+                    scored,
+                    functions,
+                    [r.weight for r in settings.rewards],
+                    settings.advantage_spec,
+                    drop_zero_std=settings.drop_zero_std_groups,
+                    max_in_flight=settings.max_groups_in_flight,
+                )
+                registry.register(_collector(loop, consumer))
+                app.state.running = True
+                keepalive = asyncio.create_task(consumer.run_keepalive(stop))
+                print(f"scorer {settings.scorer_id} ready: rewards {', '.join(loop.names)}", flush=True)
+                await loop.run(stop)
+                stop.set()
+                await keepalive
+        return 0
+    except Exception:
+        log.exception("scorer stopped on an error")
+        return 1
+    finally:
+        await client.aclose()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main("scorer", ScorerSettings, serve, __doc__))

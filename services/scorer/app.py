@@ -8,7 +8,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from shared.http import Authorized, metrics_response
+from shared.http import common_router
 
 router = APIRouter()
 
@@ -37,17 +37,6 @@ async def ready(request: Request):
     return Status(status="ready", plugins=plugins)
 
 
-@router.get("/metrics", summary="Prometheus metrics")
-async def metrics(request: Request):
-    return metrics_response(request.app.state.registry)
-
-
-@router.post("/shutdown", response_model=Status, dependencies=[Authorized], summary="Stop gracefully")
-async def shutdown(request: Request) -> Status:
-    request.app.state.stop.set()
-    return Status(status="stopping")
-
-
 def build_app(*, api_token: str, registry, stop: asyncio.Event, plugins) -> FastAPI:
     app = FastAPI(title="asyncgrpo scorer", description="Scores rollouts and computes group advantages.")
     app.state.api_token = api_token
@@ -56,4 +45,5 @@ def build_app(*, api_token: str, registry, stop: asyncio.Event, plugins) -> Fast
     app.state.plugins = plugins
     app.state.running = False
     app.include_router(router)
+    app.include_router(common_router)
     return app

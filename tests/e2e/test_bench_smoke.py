@@ -21,8 +21,9 @@ BENCHES = {
 def test_bench_quick_prints_its_ratio(script):
     if script in ("weight_push.py", "async_vs_sync.py"):
         pytest.importorskip("vllm")
-    result = subprocess.run([sys.executable, f"bench/{script}", "--quick"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=1200)
+    result = subprocess.run(
+        [sys.executable, f"bench/{script}", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=1200
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith(BENCHES[script]), result.stdout[-2000:]
