@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_EXTRA ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint demo bench clean-venv
+.PHONY: setup test test-fast lint demo bench bench-env bench-trl clean-venv
 
 setup: $(STAMP)
 
@@ -42,6 +42,19 @@ bench: $(STAMP)
 	$(BIN)/python bench/learner.py
 	$(BIN)/python bench/weight_push.py
 	$(BIN)/python bench/async_vs_sync.py
+
+# The benchmark environment: TRL beside the CPU torch, kept apart from the project's environment.
+bench-env: .venv-bench/.installed
+
+.venv-bench/.installed: pyproject.toml
+	@test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench
+	.venv-bench/bin/python -m pip install -q --upgrade pip
+	.venv-bench/bin/python -m pip install -q "$(TORCH_SPEC)"
+	.venv-bench/bin/python -m pip install -q "trl==1.16.0" math-verify
+	@touch .venv-bench/.installed
+
+bench-trl: $(STAMP) bench-env
+	$(BIN)/python bench/vs_trl.py
 
 clean-venv:
 	rm -rf $(VENV)
