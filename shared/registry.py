@@ -37,13 +37,13 @@ async def live_generators(client: aioredis.Redis, keys: Keys) -> list[GeneratorR
     entries = await client.hgetall(keys.generators)
     alive = []
     for raw_id, payload in sorted(entries.items()):
-        generator_id = raw_id.decode()
+        generator_id = _bytes(raw_id).decode()
         if not await client.exists(keys.generator_alive(generator_id)):
             log.info("generator %s missed its heartbeat; dropping its registration", generator_id)
             await client.hdel(keys.generators, generator_id)
             continue
         try:
-            alive.append(decode(payload, GeneratorRegistration))
+            alive.append(decode(_bytes(payload), GeneratorRegistration))
         except WireError as exc:
             log.error("ignoring malformed registration of %s: %s", generator_id, exc)
     return alive
@@ -51,9 +51,14 @@ async def live_generators(client: aioredis.Redis, keys: Keys) -> list[GeneratorR
 
 async def latest_checkpoint(client: aioredis.Redis, keys: Keys) -> CheckpointAnnouncement | None:
     raw = await client.get(keys.checkpoint)
-    return decode(raw, CheckpointAnnouncement) if raw else None
+    return decode(_bytes(raw), CheckpointAnnouncement) if raw else None
 
 
 async def latest_weights_version(client: aioredis.Redis, keys: Keys) -> int | None:
     raw = await client.get(keys.weights)
-    return decode(raw, WeightVersionAnnouncement).policy_version if raw else None
+    return decode(_bytes(raw), WeightVersionAnnouncement).policy_version if raw else None
+
+
+def _bytes(value: bytes | str) -> bytes:
+    """Replies are bytes (clients are made with ``decode_responses=False``)."""
+    return value if isinstance(value, bytes) else value.encode()

@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 from shared.settings import ServiceSettings, load_or_exit
 from shared.telemetry import setup_logging
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 def main(
     name: str,
     settings_cls: type[S],
-    serve: Callable[[S], Awaitable[int]],
+    serve: Callable[[S], Coroutine[Any, Any, int]],
     description: str,
     argv: list[str] | None = None,
 ) -> int:
