@@ -5,7 +5,8 @@
 * ``config.json``, ``model.safetensors``, tokenizer files: the full model (LoRA merged in), which
   transformers and vLLM load directly - late-joining generators start from it;
 * ``adapter/``: the LoRA adapter, when training one;
-* ``trainer.pt``: optimizer, scheduler and RNG states;
+* ``trainer.pt``: optimizer (one rank), scheduler and RNG states;
+* ``optimizer/``: the optimizer's shards, when several ranks train (torch.distributed.checkpoint);
 * ``state.json``: step, policy version, the feeder's position, the ids of every group trained so far and
   the run's counters.
 
@@ -24,8 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from services.learner.policy import merged_weights
 
 _PREFIX = "step-"
 
@@ -50,16 +49,22 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def save_checkpoint(directory: Path, model, tokenizer, trainer_state: dict, state: LearnerState, keep: int) -> Path:
-    """Write ``step-<N>`` atomically and prune older checkpoints; returns its path."""
+def save_checkpoint(directory: Path, trainer, tokenizer, state: LearnerState, keep: int) -> Path:
+    """Write ``step-<N>`` atomically and prune older checkpoints; returns its path.
+
+    ``trainer`` is a :class:`~services.learner.trainer.Trainer`; on several ranks this runs on the leader
+    and the other ranks take part in gathering the weights and writing the optimizer's shards.
+    """
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"{_PREFIX}{state.step}"
     staging = directory / f"{_PREFIX}{state.step}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
+    model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with merged_weights(model) as named:
+    with trainer.full_weights() as named:
         tensors = {name: tensor.contiguous().clone() for name, tensor in named}
+    trainer.save_optimizer(staging / "optimizer")
     from safetensors.torch import save_file
 
     config = base.config.to_dict()
@@ -71,7 +76,7 @@ def save_checkpoint(directory: Path, model, tokenizer, trainer_state: dict, stat
     tokenizer.save_pretrained(staging)
     if hasattr(model, "peft_config"):
         model.save_pretrained(staging / "adapter")
-    torch.save({"trainer": trainer_state, "rng": _rng_state()}, staging / "trainer.pt")
+    torch.save({"trainer": trainer.state_dict(), "rng": _rng_state()}, staging / "trainer.pt")
     (staging / "state.json").write_text(json.dumps(asdict(state)))
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)

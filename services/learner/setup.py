@@ -14,7 +14,9 @@ import redis.asyncio as aioredis
 import torch
 from prometheus_client import CollectorRegistry
 
+from services.learner import distributed
 from services.learner.checkpoint import LearnerState, list_checkpoints, load_state
+from services.learner.distributed import Topology
 from services.learner.feeder import PromptFeeder, load_rows
 from services.learner.observability import MetricsSink
 from services.learner.policy import load_policy, reference_model
@@ -56,14 +58,14 @@ def prompt_length_counter(tokenizer):
     return count
 
 
-async def build_learner(
-    settings: LearnerSettings, client: aioredis.Redis, http: httpx.AsyncClient, registry: CollectorRegistry
-) -> tuple[LearnerLoop, bool]:
-    """The learner loop, and whether it resumed from a checkpoint."""
+def build_trainer(settings: LearnerSettings, topology: Topology | None = None):
+    """The trainer (resumed from the latest checkpoint when there is one), the tokenizer, the learner's
+    state and whether it resumed. Every rank builds its own; on several ranks the model is sharded."""
+    topology = topology or Topology()
+    distributed.check_batch(settings.completions_per_step, settings.lora_rank, topology)
     torch.manual_seed(settings.seed)
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    keys = Keys(settings.stream_prefix)
     checkpoints = list_checkpoints(Path(settings.checkpoint_dir)) if settings.resume else []
     state, trainer_state = LearnerState(), None
     model_path, adapter = settings.model, None
@@ -79,9 +81,24 @@ async def build_learner(
     reference = None
     if settings.beta > 0:
         reference = reference_model(load_policy(settings, settings.model)[0] if checkpoints else model)
-    trainer = Trainer(model, settings, reference)
+    if topology.distributed:
+        distributed.shard_model(model)
+    trainer = Trainer(model, settings, reference, topology)
     if trainer_state is not None:
-        trainer.load_state_dict(trainer_state)
+        trainer.load_state_dict(trainer_state, checkpoints[-1])
+    return trainer, tokenizer, state, bool(checkpoints)
+
+
+async def build_learner(
+    settings: LearnerSettings,
+    client: aioredis.Redis,
+    http: httpx.AsyncClient,
+    registry: CollectorRegistry,
+    topology: Topology | None = None,
+) -> tuple[LearnerLoop, bool]:
+    """The learner loop (the leader's, on several ranks), and whether it resumed from a checkpoint."""
+    keys = Keys(settings.stream_prefix)
+    trainer, tokenizer, state, resumed = build_trainer(settings, topology)
 
     saved_position = await client.hget(keys.learner_state, FEEDER_POSITION)
     if saved_position:
@@ -137,4 +154,4 @@ async def build_learner(
         sink=sink,
         state=state,
     )
-    return loop, bool(checkpoints)
+    return loop, resumed

@@ -34,7 +34,6 @@ from services.learner.checkpoint import LearnerState, save_checkpoint
 from services.learner.feeder import PromptFeeder, admission_budget
 from services.learner.importance import is_stale
 from services.learner.observability import MetricsSink
-from services.learner.policy import merged_weights
 from services.learner.settings import LearnerSettings
 from services.learner.trainer import Trainer
 from services.learner.weight_push import WeightPusher, WeightPushError
@@ -191,7 +190,7 @@ class LearnerLoop:
     def _train(self, groups: list[ScoredGroup]) -> list[dict[str, float]]:
         advantages = finalize_advantages(groups)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        batch = collate(groups, advantages, pad).to(self.trainer.model.device)
+        batch = collate(groups, advantages, pad)
         return self.trainer.train(batch)
 
     # Weights and checkpoints ---------------------------------------------------------------------------
@@ -204,7 +203,7 @@ class LearnerLoop:
             generators = await self.redis.run(lambda: live_generators(self.client, self.keys), "listing generators")
             generators = [g for g in generators if g.generator_id not in failed]  # the retry skips them
             try:
-                with merged_weights(self.trainer.model) as named:
+                with self.trainer.full_weights() as named:
                     await self.pusher.push(named, self.policy_version, generators, self.http, reset=reset)
                 self.counters.weight_pushes += 1
                 announcement = encode(WeightVersionAnnouncement(policy_version=self.policy_version))
@@ -231,9 +230,8 @@ class LearnerLoop:
         path = await asyncio.to_thread(
             save_checkpoint,
             Path(self.settings.checkpoint_dir),
-            self.trainer.model,
+            self.trainer,
             self.tokenizer,
-            self.trainer.state_dict(),
             state,
             self.settings.keep_checkpoints,
         )
