@@ -1,6 +1,7 @@
 """Learner benchmark: our training step vs a bare transformers forward+backward loop on the same batch.
 
-Model: SmolLM2-135M's architecture (30 layers, hidden 576, vocabulary 49,152) with random weights, bf16.
+Model: SmolLM2-135M's architecture (30 layers, hidden 576, vocabulary 49,152) with random weights, in bf16
+where the CPU computes in it (AMX / AVX512-BF16), else float32 (services/learner/hardware.py).
 Batch: ``--groups`` groups of G = ``--group-size`` completions (lengths 20-60) of a ``--prompt``-token prompt.
 
 * "bare": one forward over each micro-batch's prompt + completion (right-padded), log-softmax of the
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from services.learner.batch import TrainBatch, collate  # noqa: E402
+from services.learner.hardware import auto_dtype, resolve_dtype  # noqa: E402
 from services.learner.settings import LearnerSettings  # noqa: E402
 from services.learner.trainer import Trainer  # noqa: E402
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, ScoredGroup  # noqa: E402
@@ -49,7 +51,7 @@ def smollm2_shaped(layers: int) -> LlamaForCausalLM:
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = LlamaForCausalLM(config).to(resolve_dtype("auto", "cpu"))
     model.config.use_cache = False
     return model
 
@@ -129,7 +131,7 @@ def main(args) -> None:
     settings = LearnerSettings(
         model="(bench)",
         api_token="x",
-        dtype="bfloat16",
+        dtype="auto",
         group_size=args.group_size,
         groups_per_step=args.groups,
         micro_batch_size=args.micro_batch_size,
@@ -151,8 +153,8 @@ def main(args) -> None:
         best["ours"] = min(best["ours"], time.perf_counter() - started)
     print(
         f"learner: {args.groups} groups x G={args.group_size}, prompt {args.prompt} tokens, {tokens} completion "
-        f"tokens, micro-batch {args.micro_batch_size}, {args.layers} layers bf16, {args.threads} thread(s), "
-        f"best of {args.repeats}"
+        f"tokens, micro-batch {args.micro_batch_size}, {args.layers} layers {auto_dtype('cpu')}, "
+        f"{args.threads} thread(s), best of {args.repeats}"
     )
     print(f"{'loop':<6} {'seconds':>8} {'tokens/s':>9}")
     for name in ("bare", "ours"):

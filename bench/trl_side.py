@@ -33,6 +33,7 @@ def main() -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from services.learner.hardware import auto_dtype
     from services.learner.tasks import arithmetic_rows
     from services.scorer.rewards import builtin
 
@@ -74,7 +75,7 @@ def main() -> None:
         epsilon_high=learner.get("epsilon_high", 0.2),
         temperature=learner["temperature"],
         reward_weights=list(weights.values()),
-        bf16=True,
+        bf16=auto_dtype("cpu") == "bfloat16",  # as our demo's dtype = "auto"
         use_cpu=True,
         logging_steps=1,
         report_to=[],

@@ -8,22 +8,26 @@ log-softmax in float32 (also when the model runs in bf16), for the completion po
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 from services.learner.batch import TrainBatch
+from services.learner.hardware import resolve_dtype
 from services.learner.settings import LearnerSettings
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
 
 
 def load_policy(settings: LearnerSettings, path: str, adapter_path: str | None = None):
     """The model to train (with LoRA adapters when ``lora_rank`` > 0) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[settings.dtype])
+    dtype = resolve_dtype(settings.dtype, settings.device)
+    log.info("loading %s in %s on %s (dtype setting %r)", path, dtype, settings.device, settings.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(settings.device)
     model.config.use_cache = False
     if settings.lora_rank:

@@ -111,9 +111,11 @@ def _batches(log_dir: Path) -> dict[int, list[str]]:
     return batches
 
 
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow, id="torchrun-2-ranks")])
 async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
-    tiny, tmp_path, redis_client, redis_url, keys
+    tiny, tmp_path, redis_client, redis_url, keys, ranks
 ):
+    """One learner process, or two FSDP2 ranks under torchrun (gloo): the same guarantees."""
     keys = Keys(keys.prefix)
     env = {
         "LEARNER_MODEL": str(tiny),
@@ -135,9 +137,16 @@ async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
         "LEARNER_PROGRESS": "off",
         "LEARNER_LR": "1e-3",
     }
+
+    def start(name: str):
+        if ranks == 1:
+            return start_service(name, "services.learner", env)
+        torchrun = ["--standalone", "--nproc_per_node", str(ranks), "-m", "services.learner"]
+        return start_service(name, "torch.distributed.run", {**env, "OMP_NUM_THREADS": "1"}, torchrun)
+
     stop = asyncio.Event()
     fake = asyncio.create_task(run_fake_pipeline(redis_client, keys, stop))
-    learner = start_service("learner", "services.learner", env)
+    learner = start("learner")
     try:
         deadline = time.monotonic() + 240
         while 5 not in _batches(tmp_path / "logs"):  # step 5 started: after the step-3 checkpoint
@@ -147,7 +156,8 @@ async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
         first_run = _batches(tmp_path / "logs")
         assert (tmp_path / "ckpt" / "step-3").exists() and not (tmp_path / "ckpt" / "step-6").exists()
 
-        restarted = start_service("learner-2", "services.learner", env)
+        assert (tmp_path / "ckpt" / "step-3" / "optimizer").exists() == (ranks > 1)
+        restarted = start("learner-2")
         line = await asyncio.to_thread(restarted.wait_for_line, "learner ready", 120)
         assert "step 3" in line, line
         await asyncio.to_thread(restarted.wait_for_line, "learner finished", 240)
@@ -167,6 +177,6 @@ async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
     pending = await redis_client.xpending(keys.scored, Keys.LEARNER)
     assert pending["pending"] == 0
     print(
-        f"\nkilled during step 5 (checkpoint at 3); restarted at step 3; final step 9, trained {len(trained)} "
-        f"unique groups"
+        f"\n{ranks} rank(s): killed during step 5 (checkpoint at 3); restarted at step 3; final step 9, trained "
+        f"{len(trained)} unique groups"
     )
