@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -53,9 +54,19 @@ class ServiceProcess:
         return self.process.returncode
 
     def kill(self) -> None:
-        """SIGKILL this process and its process group (vLLM's engine core and workers)."""
+        """SIGKILL this process, its process group (vLLM's engine core and workers) and every descendant
+        (torchrun starts its ranks in sessions of their own)."""
         if self.process.poll() is None:
+            import psutil
+
+            try:
+                descendants = psutil.Process(self.process.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                descendants = []
             os.killpg(self.process.pid, signal.SIGKILL)
+            for child in descendants:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
             self.process.wait()
 
 
