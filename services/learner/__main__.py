@@ -39,6 +39,10 @@ async def serve(settings: LearnerSettings) -> int:
 
     topology = distributed.topology_from_env()
     settings = settings.model_copy(update={"device": distributed.start(topology, settings.device)})
+    if settings.device.startswith("cuda") and settings.gpu_memory_share < 1:
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(settings.gpu_memory_share, torch.device(settings.device).index)
     if not topology.is_leader:
         return await follow(settings, topology)
     client = await connect(settings.redis_url)

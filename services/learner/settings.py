@@ -137,6 +137,13 @@ class LearnerSettings(ServiceSettings):
     port: int = Field(8003, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
     claim_idle_ms: int = Field(600_000, ge=100, description="Learner entries are claimed only after this.")
     max_deliveries: int = Field(5, ge=1, description="Deliveries of a scored group before dead-lettering.")
+    gpu_memory_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Share of its GPU's memory the learner's tensors may take (one-GPU mode: the rest is "
+        "vLLM's; torch.cuda.set_per_process_memory_fraction).",
+    )
 
     @field_validator("group_size")
     @classmethod
