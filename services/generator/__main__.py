@@ -18,10 +18,46 @@ from shared.service import http_server, main, stop_on_signals
 log = logging.getLogger("services.generator")
 
 
+def check_colocated_memory(settings: GeneratorSettings) -> None:
+    """One-GPU mode: vLLM's share and the learner's (read as the learner reads it) must fit one GPU."""
+    from services.generator.placement import PlacementError, learner_memory_share, memory_share_error
+    from shared.settings import CONFIG_ENV, read_config_file
+
+    config = os.environ.get(CONFIG_ENV)
+    document = read_config_file(Path(config)) if config else {}
+    error = memory_share_error(settings.gpu_memory_utilization, learner_memory_share(document, os.environ))
+    if error:
+        raise PlacementError(error)
+
+
+async def lease_gpus(settings: GeneratorSettings, lease) -> None:
+    """Take this replica's GPU(s) in the host's lease namespace and make them the only ones CUDA sees."""
+    from services.generator.placement import leasable_gpus
+    from services.generator.registry import host_gpu_count
+
+    if settings.colocated:
+        check_colocated_memory(settings)
+    total = host_gpu_count() if settings.gpu_count == "auto" else settings.gpu_count
+    learner = settings.learner_gpu_indices
+    candidates = leasable_gpus(total, learner, settings.colocated)
+    indices = await lease.acquire(candidates, settings.tensor_parallel_size, learner)
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the order NVML counted and nvidia-smi shows
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, indices))
+    log.info(
+        "leased GPU(s) %s of %d in lease namespace %r (learner's GPUs %s%s)",
+        indices,
+        total,
+        lease.host,
+        list(learner),
+        ", shared: colocated" if settings.colocated else "",
+    )
+
+
 async def serve(settings: GeneratorSettings) -> int:
     from services.generator.app import build_app
     from services.generator.engine import Engine
-    from services.generator.registry import GpuLease
+    from services.generator.placement import PlacementError
+    from services.generator.registry import GpuLease, NoFreeGpuError
     from services.generator.rollout_loop import RolloutLoop
     from services.generator.telemetry import GeneratorTelemetry
     from shared.registry import latest_checkpoint, latest_weights_version
@@ -29,13 +65,16 @@ async def serve(settings: GeneratorSettings) -> int:
 
     keys = Keys(settings.stream_prefix)
     client = await connect(settings.redis_url)
+    lease = GpuLease(client, keys, settings.gpu_host_key, settings.generator_id, settings.heartbeat_ttl_s)
+    try:
+        if settings.gpu_count:
+            await lease_gpus(settings, lease)
+    except (PlacementError, NoFreeGpuError) as exc:
+        log.error("not starting: %s", exc)
+        await client.aclose()
+        return 2
     stop = stop_on_signals()
     registry = CollectorRegistry()
-    lease = GpuLease(client, keys, settings.gpu_host_key, settings.generator_id, settings.heartbeat_ttl_s)
-    if settings.gpu_count:
-        indices = await lease.acquire(settings.gpu_count, settings.tensor_parallel_size)
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, indices))
-        log.info("leased GPU(s) %s", indices)
     app = build_app(
         api_token=settings.api_token.get_secret_value(),
         generator_id=settings.generator_id,

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.generator.placement import leasable_gpus, parse_gpu_list
 from shared.settings import ServiceSettings
 
 
@@ -49,11 +50,25 @@ class GeneratorSettings(ServiceSettings):
     generate_token_budget: int = Field(
         65536, ge=1, description="POST /generate: most prompts x n x max_tokens one request may ask for."
     )
-    gpu_count: int = Field(
-        0, ge=0, description="GPUs on this host to lease one from (0: CPU, no lease; see 'GPU leases')."
+    gpu_count: int | Literal["auto"] = Field(
+        0,
+        description="GPUs on this host to lease one from: a number, 'auto' (counted with NVML), or 0: no lease "
+        "(CPU, or GPUs the orchestrator already gave this replica, as Kubernetes does); see 'GPU box'.",
+    )
+    learner_gpus: str = Field(
+        "",
+        description="GPU indices the learner uses on this host, e.g. '0' or '0,1' (compose passes LEARNER_GPUS); "
+        "generators never lease them unless colocated.",
+    )
+    colocated: bool = Field(
+        False,
+        description="One-GPU mode: lease the learner's GPU and share it; gpu_memory_utilization + "
+        "learner.gpu_memory_share must be <= 1 (checked at start).",
     )
     gpu_host_key: str = Field(
-        default_factory=socket.gethostname, description="Name of the host whose GPUs the lease counts."
+        default_factory=lambda: socket.gethostname(),
+        description="GPU lease namespace: every replica that sees the same GPUs must use the same one (compose "
+        "passes GPU_HOST_KEY, Kubernetes the node name); default: this host's name.",
     )
     omp_cpus: str = Field(
         "",
@@ -68,7 +83,31 @@ class GeneratorSettings(ServiceSettings):
             raise ValueError("api_token is required: set API_TOKEN (control endpoints need a bearer token)")
         if self.tensor_parallel_size > 1 and self.gpu_count == 0:
             raise ValueError("tensor_parallel_size > 1 needs GPUs: set generator.gpu_count")
+        self._check_placement()
         return self
+
+    def _check_placement(self) -> None:
+        """The GPU layout, checked before anything starts (the count itself may only be known at start)."""
+        learner = parse_gpu_list(self.learner_gpus)
+        if self.gpu_count == 0:
+            if self.colocated:
+                raise ValueError("colocated mode leases the learner's GPU: set generator.gpu_count (e.g. 'auto')")
+            return
+        if isinstance(self.gpu_count, int):
+            if self.gpu_count < 0:
+                raise ValueError(f"gpu_count is {self.gpu_count}: a number of GPUs, 'auto' or 0")
+            candidates = leasable_gpus(self.gpu_count, learner, self.colocated)
+            if len(candidates) < self.tensor_parallel_size:
+                raise ValueError(
+                    f"tensor_parallel_size {self.tensor_parallel_size} needs that many GPUs, but only "
+                    f"{list(candidates)} may be leased; lower it or give the learner fewer (learner_gpus)"
+                )
+        elif self.colocated and not learner:
+            raise ValueError("colocated mode shares the learner's GPU: set generator.learner_gpus (LEARNER_GPUS)")
+
+    @property
+    def learner_gpu_indices(self) -> tuple[int, ...]:
+        return parse_gpu_list(self.learner_gpus)
 
     def url(self, bound_port: int) -> str:
         """Where the learner reaches this replica: ``public_url``, else this host's IP (a container's or a

@@ -1,0 +1,56 @@
+"""The docker compose configuration as the Compose client resolves it (``docker-compose config``), for tests
+that check what containers would get without a Docker engine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+# What `.env` must provide; tests resolve the files with these and nothing from the caller's environment.
+REQUIRED_ENV = {"API_TOKEN": "test-token", "REDIS_PASSWORD": "test-password"}
+
+
+def compose_command() -> list[str] | None:
+    """``docker-compose`` (v1, apt) or ``docker compose`` (v2 plugin); None when neither is installed."""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=60)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    return None
+
+
+def resolve(files: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``config`` on ``files`` in a clean environment (``REQUIRED_ENV`` plus ``env``), from a copy-free
+    project directory: compose reads ``.env`` from the project directory, so a developer's ``.env`` is
+    ignored by pointing ``--env-file`` at an empty file."""
+    command = compose_command()
+    assert command is not None, "no Docker Compose client"
+    empty = ROOT / "tests" / "support" / "empty.env"
+    args = [*command, "--env-file", str(empty)]
+    for name in files:
+        args += ["-f", name]
+    clean = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **REQUIRED_ENV, **(env or {})}
+    return subprocess.run([*args, "config"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=clean)
+
+
+def resolved(files: list[str], env: dict[str, str] | None = None) -> dict:
+    """The resolved configuration as data; raises with compose's message if it does not resolve."""
+    result = resolve(files, env)
+    if result.returncode != 0:
+        raise AssertionError(f"compose config failed: {result.stderr}")
+    return yaml.safe_load(result.stdout)
+
+
+def environment(service: dict) -> dict[str, str]:
+    """A service's environment as a dict (compose v1 prints a dict, v2 may print a list of NAME=value)."""
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {name: "" if value is None else str(value) for name, value in env.items()}
