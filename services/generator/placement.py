@@ -111,7 +111,7 @@ def memory_share_error(gpu_memory_utilization: float, learner_share: float | Non
             f"(LEARNER_GPU_MEMORY_SHARE) to at most {1 - gpu_memory_utilization:.2f}, the part "
             f"generator.gpu_memory_utilization ({gpu_memory_utilization}) leaves"
         )
-    if gpu_memory_utilization + learner_share > 1.0 + 1e-9:  # float sums like 0.55 + 0.45
+    if gpu_memory_utilization + learner_share > 1.0:
         return (
             f"colocated mode: generator.gpu_memory_utilization ({gpu_memory_utilization}) + "
             f"learner.gpu_memory_share ({learner_share}) = {gpu_memory_utilization + learner_share:.2f} exceeds "
