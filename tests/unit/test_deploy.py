@@ -1,22 +1,35 @@
-"""What can be checked of the deployment here (no Docker engine, no cluster): the compose file parses and
-reads the same settings as the launcher, Dockerfiles and manifests pass their linters and schemas."""
+"""What can be checked of the deployment here (no Docker engine, no cluster, no GPU): the compose files
+resolve (``docker-compose config``) to a safe, complete configuration whose GPU placement is right, they
+read the same settings as the launcher, and Dockerfiles and manifests pass their linters and schemas."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
+from services.generator.placement import leasable_gpus, memory_share_error, parse_gpu_list
+from services.generator.settings import GeneratorSettings
 from services.launcher.config_tools import load_pipeline
+from services.learner.settings import LearnerSettings
+from services.scorer.settings import ScorerSettings
+from tests.support import compose
 from tests.support.processes import ROOT
 
 BIN = Path(sys.executable).parent
+DEFAULT = ["docker-compose.yml"]
+ONE_GPU = ["docker-compose.yml", "deploy/one-gpu.yml"]
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+needs_compose = pytest.mark.skipif(
+    compose.compose_command() is None, reason="no Docker Compose client (apt-get install docker-compose)"
+)
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -25,42 +38,119 @@ def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def _compose_command() -> list[str] | None:
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    if shutil.which("docker") and _run("docker", "compose", "version").returncode == 0:
-        return ["docker", "compose"]
-    return None
+@needs_compose
+@pytest.mark.parametrize("files", [DEFAULT, ONE_GPU], ids=["default", "one-gpu"])
+def test_compose_is_safe_and_complete(files):
+    services = compose.resolved(files)["services"]
+    assert set(services) == {"redis", "generator", "scorer", "learner", "reward-plugin"}
+    assert services["learner"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    for name, service in services.items():
+        assert "ports" not in service, f"{name} publishes a port nobody asked for"
+        assert service.get("restart") in {"unless-stopped", "on-failure"}, name
+    redis = services["redis"]
+    assert "--requirepass" in " ".join(redis["command"]) and "REDISCLI_AUTH" in " ".join(redis["healthcheck"]["test"])
+    for name in ("generator", "scorer", "learner"):
+        assert compose.environment(services[name])["REDIS_URL"] == "redis://:test-password@redis:6379/0", name
+    for name in ("generator", "learner"):
+        service = services[name]
+        assert service["ipc"] == "host", name  # vLLM's shared memory; CUDA IPC between the two containers
+        assert service["build"]["dockerfile"] == "deploy/gpu.Dockerfile"
+        assert service["image"] == f"asyncgrpo-gpu:{VERSION}"
+        assert any(str(v).startswith("model-cache:/cache") for v in service["volumes"]), name
+        env = compose.environment(service)
+        assert env["HF_HOME"].startswith("/cache/") and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    for name in ("scorer", "reward-plugin"):
+        assert services[name]["build"]["dockerfile"] == "deploy/scorer.Dockerfile"
+        assert services[name]["image"] == f"asyncgrpo-scorer:{VERSION}"
 
 
-def test_compose_file_parses():
-    command = _compose_command()
-    if command is None:
-        pytest.skip("no Docker Compose client (apt-get install docker-compose)")
-    result = _run(*command, "-f", "docker-compose.yml", "config", env={"API_TOKEN": "x"})
-    assert result.returncode == 0, result.stderr
-    parsed = yaml.safe_load(result.stdout)
-    assert set(parsed["services"]) == {"redis", "generator", "scorer", "learner", "reward-plugin"}
-    assert parsed["services"]["learner"]["depends_on"]["redis"]["condition"] == "service_healthy"
+@needs_compose
+@pytest.mark.parametrize("missing", ["API_TOKEN", "REDIS_PASSWORD"])
+def test_compose_refuses_to_run_without_its_secrets(missing):
+    result = compose.resolve(DEFAULT, {missing: ""})
+    assert result.returncode != 0 and f"set {missing} in .env" in result.stderr
+
+
+@needs_compose
+@pytest.mark.parametrize(
+    ("gpus", "learner_gpus"), [("2", "0"), ("4", "0"), ("8", "0"), ("8", "0,1"), ("8", "6,7"), ("auto", "0")]
+)
+def test_compose_placement_keeps_generators_off_the_learners_gpus(gpus, learner_gpus):
+    services = compose.resolved(DEFAULT, {"GPU_COUNT": gpus, "LEARNER_GPUS": learner_gpus})["services"]
+    generator, learner = compose.environment(services["generator"]), compose.environment(services["learner"])
+    # One namespace for every replica: set by compose, so not each container's own host name.
+    assert generator["GENERATOR_GPU_HOST_KEY"] == "gpu-box"
+    assert services["generator"]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "all"
+    assert generator["GENERATOR_GPU_COUNT"] == gpus and generator.get("GENERATOR_COLOCATED", "false") == "false"
+    learner_set = parse_gpu_list(learner["CUDA_VISIBLE_DEVICES"])
+    assert learner_set == parse_gpu_list(generator["GENERATOR_LEARNER_GPUS"]) == parse_gpu_list(learner_gpus)
+    if gpus != "auto":
+        candidates = leasable_gpus(int(gpus), parse_gpu_list(generator["GENERATOR_LEARNER_GPUS"]), colocated=False)
+        assert set(candidates).isdisjoint(learner_set)
+        assert len(candidates) + len(learner_set) == int(gpus)  # every GPU has a job at --scale generator=len
+
+
+@needs_compose
+def test_one_gpu_override_colocates_on_gpu_0_with_shares_that_fit():
+    services = compose.resolved(ONE_GPU)["services"]
+    generator, learner = compose.environment(services["generator"]), compose.environment(services["learner"])
+    assert generator["GENERATOR_COLOCATED"] == "true" and generator["GENERATOR_GPU_HOST_KEY"] == "gpu-box"
+    assert leasable_gpus(int(generator["GENERATOR_GPU_COUNT"]), (0,), colocated=True) == (0,)
+    assert parse_gpu_list(learner["CUDA_VISIBLE_DEVICES"]) == parse_gpu_list(generator["GENERATOR_LEARNER_GPUS"])
+    assert services["learner"]["depends_on"]["generator"]["condition"] == "service_healthy"
+    assert "/ready" in " ".join(services["generator"]["healthcheck"]["test"])  # vLLM has taken its share first
+    assert generator["ASYNCGRPO_CONFIG"] == learner["ASYNCGRPO_CONFIG"] == "/config/gpu-1.toml"
+    document = tomllib.loads((ROOT / "configs" / "gpu-1.toml").read_text())
+    shares = document["generator"]["gpu_memory_utilization"], document["learner"]["gpu_memory_share"]
+    assert memory_share_error(*shares) is None
+
+
+@needs_compose
+@pytest.mark.parametrize("files", [DEFAULT, ONE_GPU], ids=["default", "one-gpu"])
+def test_each_container_builds_its_settings_from_what_compose_gives_it(files, monkeypatch):
+    services = compose.resolved(files)["services"]
+    classes = {"generator": GeneratorSettings, "scorer": ScorerSettings, "learner": LearnerSettings}
+    for name, cls in classes.items():
+        env = compose.environment(services[name])
+        with monkeypatch.context() as patch:
+            for variable in [v for v in os.environ if v.split("_")[0] in {"GENERATOR", "SCORER", "LEARNER"}]:
+                patch.delenv(variable)
+            for variable, value in env.items():
+                patch.setenv(variable, value)
+            patch.setenv("ASYNCGRPO_CONFIG", env["ASYNCGRPO_CONFIG"].replace("/config", str(ROOT / "configs")))
+            settings = cls.load()
+        assert settings.redis_url == env["REDIS_URL"], name
+        for variable in env:
+            prefix = f"{name.upper()}_"
+            if variable.startswith(prefix):
+                assert variable.removeprefix(prefix).lower() in cls.model_fields, variable
+
+
+def test_env_example_lists_every_variable_compose_reads():
+    read: set[str] = set()
+    for name in ONE_GPU:
+        text = (ROOT / name).read_text()
+        read |= set(re.findall(r"(?<!\$)\$\{([A-Z_][A-Z0-9_]*)", text))
+    listed = set(re.findall(r"^([A-Z_][A-Z0-9_]*)=", (ROOT / ".env.example").read_text(), re.MULTILINE))
+    assert read and read <= listed, f"missing from .env.example: {sorted(read - listed)}"
+    assert {"API_TOKEN", "REDIS_PASSWORD", "LEARNER_GPUS", "GPU_COUNT", "GPU_HOST_KEY"} <= read
 
 
 def test_compose_and_launcher_read_the_same_settings(monkeypatch):
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    env = compose["x-common-env"]
-    assert env["ASYNCGRPO_CONFIG"] == "/config/gpu.toml"  # configs/ is mounted at /config
+    compose_file = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert compose_file["x-common-env"]["ASYNCGRPO_CONFIG"] == "/config/gpu.toml"  # configs/ is mounted at /config
     monkeypatch.setenv("API_TOKEN", "x")
     pipeline = load_pipeline(ROOT / "configs" / "gpu.toml")  # the schema `asyncgrpo run` validates
     assert pipeline.learner.weight_sync_host == "learner" and pipeline.generator.port == 8001
-    prefixes = {
-        "GENERATOR_": type(pipeline.generator),
-        "LEARNER_": type(pipeline.learner),
-        "SCORER_": type(pipeline.scorer),
-    }
-    for service in compose["services"].values():
-        for name in service.get("environment", {}):
-            for prefix, cls in prefixes.items():
-                if name.startswith(prefix):
-                    assert name.removeprefix(prefix).lower() in cls.model_fields, name
+    one_gpu = load_pipeline(ROOT / "configs" / "gpu-1.toml")
+    assert memory_share_error(one_gpu.generator.gpu_memory_utilization, one_gpu.learner.gpu_memory_share) is None
+
+
+def test_k8s_images_carry_the_release_tag():
+    images = re.findall(r"image:\s*(\S+)", "".join(p.read_text() for p in (ROOT / "deploy" / "k8s").glob("*.yaml")))
+    assert images and not any(i.endswith(":latest") or ":" not in i for i in images), images
+    ours = {i for i in images if i.startswith("asyncgrpo")}
+    assert ours == {f"asyncgrpo-gpu:{VERSION}", f"asyncgrpo-scorer:{VERSION}"}
 
 
 def test_demo_config_is_valid(monkeypatch):
@@ -75,7 +165,7 @@ def test_dockerfiles_pass_hadolint():
 
 
 def test_manifests_pass_yamllint_and_kubernetes_schemas():
-    lint = _run(str(BIN / "yamllint"), "deploy/k8s", "deploy/prometheus", "docker-compose.yml")
+    lint = _run(str(BIN / "yamllint"), "deploy/k8s", "deploy/prometheus", "docker-compose.yml", "deploy/one-gpu.yml")
     assert lint.returncode == 0, lint.stdout
     manifests = sorted(str(p) for p in (ROOT / "deploy" / "k8s").glob("*.yaml"))
     schema = _run(str(BIN / "kubernetes-validate"), "--strict", *manifests)
