@@ -58,13 +58,20 @@ class GpuLease:
         for index in candidates:
             if len(self.indices) == needed:
                 break
-            if await self.client.set(self.keys.gpu_lease(self.host, index), self.owner, nx=True, px=self.ttl_ms):
+            key = self.keys.gpu_lease(self.host, index)
+            if await self.client.set(key, self.owner, nx=True, px=self.ttl_ms) or await self._reclaim(key):
                 self.indices.append(index)
         if len(self.indices) < needed:
             await self.release()
             held = await self.holders(candidates)
             raise NoFreeGpuError(no_free_gpu_message(self.host, candidates, held, needed, learner_gpus))
         return self.indices
+
+    async def _reclaim(self, key: str) -> bool:
+        """A key this replica's name still holds (it restarted in the same container before the TTL ran out)."""
+        if (await self.client.get(key) or b"").decode() != self.owner:
+            return False
+        return bool(await self.client.set(key, self.owner, xx=True, px=self.ttl_ms))
 
     async def holders(self, candidates: Sequence[int]) -> dict[int, str]:
         """index -> the replica holding it, for the leased ones among ``candidates``."""

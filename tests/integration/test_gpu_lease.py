@@ -87,6 +87,16 @@ async def test_a_released_gpu_is_taken_by_the_next_replica(monkeypatch, redis_cl
     assert await replicas.start("ccc") == (1,)
 
 
+async def test_a_replica_restarted_in_its_container_takes_its_own_lease_back(monkeypatch, redis_client, keys):
+    env, _ = _services(DEFAULT, GPU_COUNT="3")
+    replicas = Replicas(monkeypatch, redis_client, keys, env)
+    assert [await replicas.start("aaa"), await replicas.start("bbb")] == [(1,), (2,)]
+    # "aaa" crashed without releasing; restarted in the same container (same name) within the lease's TTL.
+    assert await replicas.start("aaa") == (1,)
+    with pytest.raises(NoFreeGpuError, match="GPU 1: gen-aaa, GPU 2: gen-bbb"):
+        await replicas.start("ccc")
+
+
 async def test_one_gpu_override_shares_the_learners_gpu(monkeypatch, redis_client, keys):
     env, learner = _services(ONE_GPU)
     assert learner == (0,)
