@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -14,6 +15,9 @@ from services.generator.settings import GeneratorSettings
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.service import http_server, main, stop_on_signals
+
+if TYPE_CHECKING:
+    from services.generator.registry import GpuLease
 
 log = logging.getLogger("services.generator")
 
@@ -30,7 +34,7 @@ def check_colocated_memory(settings: GeneratorSettings) -> None:
         raise PlacementError(error)
 
 
-async def lease_gpus(settings: GeneratorSettings, lease) -> None:
+async def lease_gpus(settings: GeneratorSettings, lease: GpuLease) -> None:
     """Take this replica's GPU(s) in the host's lease namespace and make them the only ones CUDA sees."""
     from services.generator.placement import leasable_gpus
     from services.generator.registry import host_gpu_count

@@ -107,9 +107,10 @@ def memory_share_error(gpu_memory_utilization: float, learner_share: float | Non
     """Colocated mode: the message saying why vLLM's and the learner's shares of one GPU do not fit, or None."""
     if learner_share is None:
         return (
-            "colocated mode: the learner's share of the GPU is not set; set learner.gpu_memory_share "
-            f"(LEARNER_GPU_MEMORY_SHARE) to at most {1 - gpu_memory_utilization:.2f}, the part "
-            f"generator.gpu_memory_utilization ({gpu_memory_utilization}) leaves"
+            "colocated mode: the learner's share of the GPU is not set (read from LEARNER_GPU_MEMORY_SHARE, else "
+            "the [learner] table of $ASYNCGRPO_CONFIG); set learner.gpu_memory_share to at most "
+            f"{1 - gpu_memory_utilization:.2f}, the part generator.gpu_memory_utilization "
+            f"({gpu_memory_utilization}) leaves"
         )
     if gpu_memory_utilization + learner_share > 1.0:
         return (
