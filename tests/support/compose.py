@@ -27,9 +27,8 @@ def compose_command() -> list[str] | None:
 
 
 def resolve(files: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``config`` on ``files`` in a clean environment (``REQUIRED_ENV`` plus ``env``), from a copy-free
-    project directory: compose reads ``.env`` from the project directory, so a developer's ``.env`` is
-    ignored by pointing ``--env-file`` at an empty file."""
+    """Run ``config`` on ``files`` in a clean environment (``REQUIRED_ENV`` plus ``env``). Compose would read
+    ``.env`` from the project directory; ``--env-file`` points at an empty file so a developer's is ignored."""
     command = compose_command()
     assert command is not None, "no Docker Compose client"
     empty = ROOT / "tests" / "support" / "empty.env"
