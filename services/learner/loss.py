@@ -1,36 +1,199 @@
-"""The GRPO policy loss: clipped importance ratios, optional KL to a reference, four aggregations.
+"""The policy losses users pick by name in TRL 1.16 and verl 0.9, with KL, masks and the entropy bonus.
 
-Pure: tensors in, ``(loss, metrics)`` out. Shapes: B sequences (completions) by T completion positions;
+Pure: :class:`LossInputs` (tensors) and :class:`LossConfig` (hyper-parameters) in, :class:`LossOutputs`
+(scalar loss and a flat dict of metrics) out. Shapes: B sequences (completions) by T completion positions;
 ``mask`` is 1 on a completion's real tokens and 0 on padding.
 
-Per token (TRL's GRPOTrainer ``_compute_loss``):
+Ratio (``ratio_level``, TRL ``importance_sampling_level``), on the proximal policy ``old``:
 
-    rho     = exp(logprobs - old_logprobs)
-    rho_c   = clamp(rho, 1 - epsilon_low, 1 + epsilon_high)
-    rho_u   = min(rho, delta) if delta else rho            # two-sided clipping (INTELLECT-2), TRL ``delta``
-    l       = -min(rho_u * A, rho_c * A)
-    l       = l * importance_weights                       # stale-sample correction (detached), if given
-    l       = l + beta * (exp(ref - logp) - (ref - logp) - 1)   # k3 KL estimator, if beta > 0
+    token:     r_t = exp(logp_t - old_t)                                   [B, T]
+    sequence:  r   = exp(mean_t (logp_t - old_t) over the mask)            [B, 1]   GSPO
 
-Aggregation (``loss_type``):
+Per-token objective ``l`` (``loss_type``; A is the sequence's advantage, eps_l/eps_h the clip range):
 
-==========  ====================================================  ==================================
-grpo        mean_i [ sum_t l*m / max(sum_t m, 1) ]                 GRPO paper, TRL ``grpo``
-bnpo        sum l*m / max(sum m, 1)                                TRL ``bnpo`` (token mean of batch)
-dr_grpo     sum l*m / (B * max_completion_length)                  Dr. GRPO, TRL ``dr_grpo``
-dapo        sum l*m / num_items_in_batch                           DAPO, TRL ``dapo``: exact token mean
-                                                                   across gradient-accumulation steps
-==========  ====================================================  ==================================
+==========  ===================================================================  ===========================
+grpo, bnpo  -min(r_u A, clip(r, 1-eps_l, 1+eps_h) A),  r_u = min(r, delta)         PPO clip; TRL, verl vanilla
+dr_grpo,
+dapo, luspo
+cispo       -sg(clamp(r, cispo_clip_min, cispo_clip_max)) A logp                    MiniMax-M1; TRL, verl
+sapo        -(4/tau) sigmoid(tau (r - 1)) A,  tau = tau_pos if A > 0 else tau_neg   SAPO; TRL, verl
+vespo       -sg(phi(w)) A logp,  phi(w) = exp(lam + k log w - lam w),               VESPO; TRL
+            w = exp(sum_t (logp - old) + sum_t log iw), (k, lam) by sign of A
+geo_mean    -A exp(mean_t s(clamp_s(logp - old, -eps_l, eps_h))) * geo-mean(iw)     GMPO; verl ``geo_mean``
+            (one value per sequence; clamp_s clips only in the direction of A)
+kl_cov      -A r, plus kl_cov_coef |logp - old| on the top kl_cov_ratio tokens      verl ``kl_cov``
+            ranked by cov = (A - mean A)(logp - mean logp) over the micro-batch
+==========  ===================================================================  ===========================
+
+Then, in TRL's order: ``l *= off-policy sequence mask`` (DeepSeek-V3.2: drop a sequence when A < 0 and
+mean_t (behaviour - logp) > ``off_policy_mask_threshold``); ``l *= entropy mask`` (keep tokens whose entropy
+is at least the ``1 - top_entropy_quantile`` quantile, "Beyond the 80/20 rule"); ``l *= importance_weights``
+(behaviour correction, detached; VESPO folds them into w instead and GMPO takes their geometric mean);
+``l += beta * KL`` with ``kl_estimator`` (below), times the ratio r when ``kl_bias_correction`` (TRL
+``use_bias_correction_kl``).
+
+KL estimators of KL(pi || pi_ref) per token, with x = logp - ref (Schulman's k1/k2/k3; verl's names):
+k1 = x; abs = |x|; k2 = x^2 / 2; k3 = exp(-x) + x - 1 (TRL); low_var_kl = clamp(k3 on clamp(x, ±20), ±10) (verl).
+
+Aggregation (each loss type keeps its peer's; ``aggregation`` overrides it, as verl's ``loss_agg_mode``):
+
+==========  =================================================  ======================================
+grpo        sum_i [ sum_t l m / max(sum_t m, 1) ] / N_seq      grpo, sapo, geo_mean; verl seq-mean-token-mean
+bnpo        sum l m / max(sum m, 1)                            bnpo (token mean of the micro-batch)
+dr_grpo     sum l m / (N_seq * max_completion_length)          dr_grpo; verl seq-mean-token-sum-norm
+dapo        sum l m / num_items_in_batch                       dapo, cispo, vespo, kl_cov; verl token-mean
+seq_sum     sum_i [ sum_t l m ] / N_seq                        luspo; verl seq-mean-token-sum
+==========  =================================================  ======================================
+
+N_seq is ``num_sequences`` (the optimizer batch's completions; default B), so micro-batch losses add up to
+the batch's. Truncated completions (``truncated`` with ``mask_truncated_completions``) leave the mask, hence
+every sum and count above, like TRL. The entropy bonus is ``- entropy_coef * sum(H m_e) / sum(m_e)`` over
+the tokens the policy term acts on (m_e: mask times the entropy mask), independent of the aggregation (TRL).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
-LOSS_TYPES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo")
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo", "geo_mean", "kl_cov"]
+LOSS_TYPES: tuple[str, ...] = (
+    "grpo",
+    "bnpo",
+    "dr_grpo",
+    "dapo",
+    "luspo",
+    "cispo",
+    "sapo",
+    "vespo",
+    "geo_mean",
+    "kl_cov",
+)
+Aggregation = Literal["grpo", "bnpo", "dr_grpo", "dapo", "seq_sum"]
+AGGREGATIONS: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "seq_sum")
+KlEstimator = Literal["k1", "abs", "k2", "k3", "low_var_kl"]
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "low_var_kl")
+RatioLevel = Literal["token", "sequence"]
+
+# The aggregation each loss type uses in its peer (TRL 1.16 ``_compute_loss``; verl's recommended mode).
+DEFAULT_AGGREGATION: dict[str, str] = {
+    "grpo": "grpo",
+    "bnpo": "bnpo",
+    "dr_grpo": "dr_grpo",
+    "dapo": "dapo",
+    "luspo": "seq_sum",
+    "cispo": "dapo",
+    "sapo": "grpo",
+    "vespo": "dapo",
+    "geo_mean": "grpo",
+    "kl_cov": "dapo",
+}
+_CLIPPED = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "luspo"})
+_TOKEN_ONLY = frozenset({"geo_mean", "kl_cov"})  # verl computes their own ratios; no sequence-level variant
+
+_MAX_LOG_RATIO = 20.0  # exp() stays finite; VESPO and verl's estimators clamp log-ratios here
+_VESPO_MIN_LOG_W = math.log(1e-8)  # VESPO's lower clamp of the sequence log-weight (its reference code)
+_LOW_VAR_KL_MAX = 10.0  # verl clamps low_var_kl to [-10, 10]
+_GMPO_EPS = 1e-8  # verl's GMPO divides by (length + 1e-8), not max(length, 1)
+_GMPO_LOG_EPS = 1e-10  # verl's GMPO takes log(w + 1e-10) of the importance weights
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Hyper-parameters of the loss; defaults are the plain GRPO clip objective without KL."""
+
+    loss_type: LossType = "grpo"
+    aggregation: Aggregation | None = None  # None: the loss type's own (DEFAULT_AGGREGATION)
+    ratio_level: RatioLevel = "token"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None  # two-sided clip of the unclipped branch (INTELLECT-2); clip objectives only
+    beta: float = 0.0
+    kl_estimator: KlEstimator = "k3"
+    kl_bias_correction: bool = False
+    cispo_clip_max: float = 5.0  # absolute cap on r (TRL: epsilon_high under cispo; verl: 1 + clip_ratio_high)
+    cispo_clip_min: float | None = None  # verl: 1 - clip_ratio_low; TRL: none
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    importance_level: RatioLevel = "token"  # how importance_weights were made (VESPO sums token log-weights)
+    kl_cov_ratio: float = 0.0002
+    kl_cov_coef: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_config(self)
+
+
+def _check_config(c: LossConfig) -> None:
+    if c.loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {c.loss_type!r}")
+    if c.aggregation is not None and c.aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS} or None, got {c.aggregation!r}")
+    if c.kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {c.kl_estimator!r}")
+    if c.ratio_level not in ("token", "sequence"):
+        raise ValueError(f"ratio_level must be 'token' or 'sequence', got {c.ratio_level!r}")
+    if c.ratio_level == "sequence" and c.loss_type in _TOKEN_ONLY:
+        raise ValueError(f"loss_type={c.loss_type!r} defines its own ratio; set ratio_level='token'")
+    if c.delta is not None and c.loss_type not in _CLIPPED:
+        raise ValueError(f"delta applies to the clipped objectives {sorted(_CLIPPED)}, not {c.loss_type!r}")
+    if c.delta is not None and c.delta <= 1 + c.epsilon_high:
+        raise ValueError(f"delta ({c.delta}) must exceed 1 + epsilon_high ({1 + c.epsilon_high})")
+    if c.cispo_clip_min is not None and c.cispo_clip_min > c.cispo_clip_max:
+        raise ValueError(f"cispo_clip_min ({c.cispo_clip_min}) must not exceed cispo_clip_max ({c.cispo_clip_max})")
+    if not 0.0 <= c.top_entropy_quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {c.top_entropy_quantile}")
+    if not 0.0 < c.kl_cov_ratio <= 1.0:
+        raise ValueError(f"kl_cov_ratio must be in (0, 1], got {c.kl_cov_ratio}")
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch. Only ``logprobs`` (and ``entropies``, for the bonus) carry a gradient.
+
+    logprobs, old_logprobs, mask: [B, T]; advantages: [B]; ref_logprobs (beta > 0), behaviour_logprobs
+    (off-policy mask), importance_weights, entropies: [B, T]; truncated: [B] bool (completions that hit the
+    length limit, dropped from the mask when given). ``entropy_threshold``: the entropy quantile over the whole
+    optimizer batch (:func:`entropy_threshold`); None takes it over this micro-batch. ``num_items_in_batch``:
+    active tokens of the optimizer step (``dapo``); ``num_sequences``: its completions (default B);
+    ``num_entropy_tokens``: tokens the entropy bonus averages over (default: this micro-batch's).
+    """
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
+    importance_weights: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
+    truncated: torch.Tensor | None = None
+    entropy_threshold: float | torch.Tensor | None = None
+    max_completion_length: int | None = None
+    num_items_in_batch: float | torch.Tensor | None = None
+    num_sequences: float | None = None
+    num_entropy_tokens: float | torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LossOutputs:
+    """``loss``: scalar to backward. ``metrics``: token means under the mask (TRL's names), plus
+    ``entropy`` when entropies were given."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float]
+
+
+# KL -----------------------------------------------------------------------------------------------------
 
 
 def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -39,33 +202,319 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.exp(diff) - diff - 1
 
 
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KlEstimator) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) by name (see the module docstring)."""
+    x = logprobs - ref_logprobs
+    if estimator == "k1":
+        return x
+    if estimator == "abs":
+        return x.abs()
+    if estimator == "k2":
+        return 0.5 * x.square()
+    if estimator == "k3":
+        return k3_kl(logprobs, ref_logprobs)
+    if estimator == "low_var_kl":
+        d = torch.clamp(-x, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return torch.clamp(torch.exp(d) - d - 1, -_LOW_VAR_KL_MAX, _LOW_VAR_KL_MAX)
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+# Masks and entropy ----------------------------------------------------------------------------------------
+
+
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((values * mask).sum() / mask.sum().clamp(min=1.0))
+    return float((values.expand_as(mask) * mask).sum() / mask.sum().clamp(min=1.0))
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, 1] mean of ``values`` over each row's masked positions (0 for an empty row)."""
+    return (values * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+
+
+def entropy_threshold(active_entropies: torch.Tensor, top_quantile: float) -> torch.Tensor:
+    """The ``1 - top_quantile`` quantile (linear interpolation, as ``torch.quantile``) of a 1-D tensor of the
+    optimizer batch's active-token entropies; tokens at or above it are the top ``top_quantile`` fraction.
+
+    Sorting instead of ``torch.quantile``, whose input is limited to 2**24 elements.
+    """
+    values = active_entropies.detach().reshape(-1).to(torch.float64)
+    if values.numel() == 0:
+        return torch.tensor(float("inf"), dtype=torch.float64)
+    ordered = values.sort().values
+    position = (1.0 - top_quantile) * (ordered.numel() - 1)
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def high_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+    """[B, T] 1.0 on active tokens whose entropy is at least ``threshold`` (TRL ``get_high_entropy_mask``)."""
+    threshold = torch.as_tensor(threshold, dtype=entropies.dtype, device=entropies.device)
+    return ((entropies.detach() >= threshold) & mask.bool()).to(mask.dtype)
+
+
+def off_policy_mask(
+    advantages: torch.Tensor,
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """[B, 1] DeepSeek-V3.2 off-policy sequence mask: 0 where A < 0 and the sequence's mean
+    (behaviour - logp) exceeds ``threshold`` (TRL ``get_off_policy_mask``; NaN behaviour tokens count 0)."""
+    gap = torch.nan_to_num(behaviour_logprobs - logprobs.detach(), nan=0.0)
+    keep = (advantages.unsqueeze(1) >= 0) | (sequence_mean(gap, mask) <= threshold)
+    return keep.to(mask.dtype)
+
+
+def adaptive_entropy_coef(
+    coef: float, entropy: float, *, target: float, delta: float, coef_min: float, coef_max: float
+) -> float:
+    """Skywork-OR1's controller as TRL runs it after each optimizer step: raise the coefficient by ``delta``
+    while the batch's entropy is at or below ``target``, lower it otherwise, within [coef_min, coef_max].
+    The bonus applies only while entropy <= target (TRL gates the step's coefficient on the last entropy)."""
+    if entropy <= target:
+        return min(coef + delta, coef_max)
+    return max(coef - delta, coef_min)
+
+
+# Objectives -----------------------------------------------------------------------------------------------
+
+
+def log_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, level: RatioLevel
+) -> torch.Tensor:
+    """log r: [B, T] at token level, [B, 1] (the masked mean, GSPO) at sequence level."""
+    diff = logprobs - old_logprobs.detach()
+    if level == "token":
+        return diff
+    if level == "sequence":
+        return sequence_mean(diff, mask)
+    raise ValueError(f"ratio_level must be 'token' or 'sequence', got {level!r}")
+
+
+def _clip_objective(ratio: torch.Tensor, adv: torch.Tensor, c: LossConfig) -> tuple[torch.Tensor, dict]:
+    clipped = torch.clamp(ratio, 1 - c.epsilon_low, 1 + c.epsilon_high)
+    unclipped = torch.clamp(ratio, max=c.delta) if c.delta is not None else ratio
+    with torch.no_grad():
+        low = (ratio < 1 - c.epsilon_low) & (adv < 0)
+        high = (ratio > 1 + c.epsilon_high) & (adv > 0)
+    flags = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
+    return -torch.min(unclipped * adv, clipped * adv), flags
+
+
+def _cispo_objective(ratio, adv, logprobs, c: LossConfig) -> tuple[torch.Tensor, dict]:
+    weight = torch.clamp(ratio, min=c.cispo_clip_min, max=c.cispo_clip_max).detach()
+    with torch.no_grad():
+        flags = {"cispo_clip_ratio": (ratio > c.cispo_clip_max) & (adv > 0)}
+    return -weight * adv * logprobs, flags
+
+
+def _sapo_objective(ratio, adv, c: LossConfig) -> torch.Tensor:
+    tau = torch.where(adv > 0, c.sapo_temperature_pos, c.sapo_temperature_neg).to(ratio.dtype)
+    return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
+
+
+@torch.no_grad()
+def vespo_weights(
+    advantages: torch.Tensor,
+    token_log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    importance_weights: torch.Tensor | None,
+    c: LossConfig,
+) -> torch.Tensor:
+    """[B, 1] VESPO's Gamma weight phi(w) = exp(lam + k log w - lam w) of the sequence ratio w (phi(1) = 1).
+
+    log w = sum_t clamp(logp - old, ±20) + sum_t clamp(log iw, log 1e-8, 20), clamped to [log 1e-8, 20];
+    with sequence-level importance weights the sequence's one log-weight is added once.
+    """
+    log_w = (torch.clamp(token_log_ratio, -_MAX_LOG_RATIO, _MAX_LOG_RATIO) * mask).sum(dim=1, keepdim=True)
+    if importance_weights is not None:
+        log_iw = torch.clamp(torch.log(importance_weights), _VESPO_MIN_LOG_W, _MAX_LOG_RATIO)
+        if c.importance_level == "sequence":
+            log_w = log_w + sequence_mean(log_iw, mask)
+        else:
+            log_w = log_w + (log_iw * mask).sum(dim=1, keepdim=True)
+    log_w = torch.clamp(log_w, _VESPO_MIN_LOG_W, _MAX_LOG_RATIO)
+    nonneg = advantages.unsqueeze(1) >= 0
+    k = torch.where(nonneg, c.vespo_k_pos, c.vespo_k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, c.vespo_lambda_pos, c.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _geo_mean_objective(inp: LossInputs, mask, adv, weights, c: LossConfig) -> tuple[torch.Tensor, dict]:
+    """[B, 1] GMPO sequence loss (verl ``geo_mean``), importance weights folded in as a geometric mean."""
+    diff = inp.logprobs - inp.old_logprobs.detach()
+    sign = torch.sign(adv)
+    clamped = torch.clamp(diff, -c.epsilon_low, c.epsilon_high)
+    chosen = sign * torch.min(sign * diff, sign * clamped)
+    length = mask.sum(dim=1, keepdim=True) + _GMPO_EPS
+    seq = -adv * torch.exp((chosen * mask).sum(dim=1, keepdim=True) / length)
+    if weights is not None:
+        seq = seq * torch.exp((torch.log(weights + _GMPO_LOG_EPS) * mask).sum(dim=1, keepdim=True) / length)
+    with torch.no_grad():
+        clipped = diff != clamped
+        flags = {"clip_ratio/high_mean": clipped & (adv > 0), "clip_ratio/low_mean": clipped & (adv < 0)}
+    return seq, flags
+
+
+def _kl_cov_objective(inp: LossInputs, mask, adv, c: LossConfig) -> tuple[torch.Tensor, dict]:
+    """verl ``kl_cov``: -A r, plus kl_cov_coef |log r| on the top-covariance tokens of the micro-batch."""
+    diff = inp.logprobs - inp.old_logprobs.detach()
+    per_token = -adv * torch.exp(diff)
+    active = mask.bool()
+    n_active = int(active.sum())
+    if n_active == 0:
+        return per_token, {}
+    with torch.no_grad():
+        adv_t = adv.expand_as(diff)[active]
+        logp_t = inp.logprobs.detach()[active]
+        cov = (adv_t - adv_t.mean()) * (logp_t - logp_t.mean())
+        top = torch.topk(cov, max(1, int(n_active * c.kl_cov_ratio))).indices
+        chosen = torch.zeros(n_active, dtype=torch.bool, device=cov.device)
+        chosen[top] = True
+        selected = torch.zeros_like(active)
+        selected[active] = chosen
+    per_token = per_token + c.kl_cov_coef * diff.abs() * selected.to(diff.dtype)
+    return per_token, {"kl_cov/selected_mean": selected}
+
+
+def _objective(
+    inp: LossInputs, mask: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, weights, c: LossConfig
+) -> tuple[torch.Tensor, dict]:
+    """The per-token (or [B, 1] per-sequence) objective ``l`` and its boolean metric flags."""
+    if c.loss_type in _CLIPPED:
+        return _clip_objective(ratio, adv, c)
+    if c.loss_type == "cispo":
+        return _cispo_objective(ratio, adv, inp.logprobs, c)
+    if c.loss_type == "sapo":
+        return _sapo_objective(ratio, adv, c), {}
+    if c.loss_type == "vespo":
+        diff = inp.logprobs.detach() - inp.old_logprobs.detach()
+        phi = vespo_weights(inp.advantages, diff, mask, weights, c)
+        return -phi * adv * inp.logprobs, {"vespo/phi_seq_mean": phi}
+    if c.loss_type == "geo_mean":
+        return _geo_mean_objective(inp, mask, adv, weights, c)
+    if c.loss_type == "kl_cov":
+        return _kl_cov_objective(inp, mask, adv, c)
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {c.loss_type!r}")
 
 
 def aggregate(
     per_token_loss: torch.Tensor,
     mask: torch.Tensor,
-    loss_type: LossType,
+    aggregation: str,
     *,
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
+    num_sequences: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a [B, T] per-token loss to a scalar the way ``loss_type`` says (see the module table)."""
+    """Reduce a [B, T] (or [B, 1]) per-token loss to a scalar the way ``aggregation`` says (module table)."""
     masked = per_token_loss * mask
-    if loss_type == "grpo":
-        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":
+    n_seq = float(num_sequences) if num_sequences is not None else float(mask.shape[0])
+    if aggregation == "grpo":
+        return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum() / n_seq
+    if aggregation == "bnpo":
         return masked.sum() / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
+    if aggregation == "dr_grpo":
         if not max_completion_length:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
-        return masked.sum() / (per_token_loss.shape[0] * max_completion_length)
-    if loss_type == "dapo":
+        return masked.sum() / (n_seq * max_completion_length)
+    if aggregation == "dapo":
         if num_items_in_batch is None:
-            raise ValueError("loss_type='dapo' needs num_items_in_batch (active tokens in the optimizer step)")
+            raise ValueError(
+                "the 'dapo' aggregation (loss_type dapo, cispo, vespo, kl_cov) needs num_items_in_batch "
+                "(active tokens in the optimizer step)"
+            )
         return masked.sum() / torch.as_tensor(num_items_in_batch, dtype=masked.dtype).clamp(min=1.0)
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if aggregation == "seq_sum":
+        return masked.sum() / n_seq
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+def _check_inputs(inp: LossInputs, c: LossConfig) -> None:
+    shape = inp.logprobs.shape
+    if inp.old_logprobs.shape != shape or inp.mask.shape != shape:
+        raise ValueError(
+            f"logprobs {tuple(shape)}, old_logprobs {tuple(inp.old_logprobs.shape)} and "
+            f"mask {tuple(inp.mask.shape)} must have the same [B, T] shape"
+        )
+    if inp.advantages.shape != (shape[0],):
+        raise ValueError(f"advantages must be [B] = [{shape[0]}], got {tuple(inp.advantages.shape)}")
+    if c.beta > 0.0 and inp.ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs")
+    if c.off_policy_mask_threshold is not None and inp.behaviour_logprobs is None:
+        raise ValueError("off_policy_mask_threshold needs behaviour_logprobs (the generator's)")
+    needs_entropy = c.top_entropy_quantile < 1.0 or c.entropy_coef != 0.0
+    if needs_entropy and inp.entropies is None:
+        raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need per-token entropies")
+
+
+def _entropy_mask(inp: LossInputs, mask: torch.Tensor, c: LossConfig) -> torch.Tensor | None:
+    if c.top_entropy_quantile >= 1.0:
+        return None
+    assert inp.entropies is not None
+    threshold = inp.entropy_threshold
+    if threshold is None:
+        threshold = entropy_threshold(inp.entropies[mask.bool()], c.top_entropy_quantile)
+    return high_entropy_mask(inp.entropies, mask, threshold)
+
+
+def _entropy_bonus(inp: LossInputs, mask: torch.Tensor, entropy_mask, c: LossConfig) -> torch.Tensor:
+    """entropy_coef * mean entropy over the tokens the policy term acts on (TRL's bonus, any loss type)."""
+    assert inp.entropies is not None
+    acting = mask if entropy_mask is None else mask * entropy_mask
+    count = inp.num_entropy_tokens if inp.num_entropy_tokens is not None else acting.sum()
+    count = torch.as_tensor(count, dtype=inp.entropies.dtype).clamp(min=1.0)
+    return c.entropy_coef * (inp.entropies * acting).sum() / count
+
+
+def compute_loss(inp: LossInputs, config: LossConfig) -> LossOutputs:
+    """The loss of one micro-batch (formulas and order of the terms in the module docstring)."""
+    c = config
+    _check_inputs(inp, c)
+    dtype = inp.logprobs.dtype
+    mask = inp.mask.to(dtype)
+    if inp.truncated is not None:
+        mask = mask * (~inp.truncated.bool()).to(dtype).unsqueeze(1)
+    adv = inp.advantages.to(dtype).unsqueeze(1)  # [B, 1]
+    weights = inp.importance_weights.detach().to(dtype) if inp.importance_weights is not None else None
+    ratio = torch.exp(log_ratio(inp.logprobs, inp.old_logprobs, mask, c.ratio_level))  # [B, T] or [B, 1]
+    per_token, flags = _objective(inp, mask, adv, ratio, weights, c)
+    metrics: dict[str, float] = {}
+    if c.off_policy_mask_threshold is not None:
+        assert inp.behaviour_logprobs is not None
+        keep = off_policy_mask(
+            inp.advantages.to(dtype), inp.logprobs, inp.behaviour_logprobs, mask, c.off_policy_mask_threshold
+        )
+        per_token = per_token * keep
+        metrics["off_policy_mask/masked_mean"] = _masked_mean(1.0 - keep, mask)
+    entropy_mask = _entropy_mask(inp, mask, c)
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask
+    if weights is not None and c.loss_type not in ("vespo", "geo_mean"):
+        per_token = per_token * weights
+    if c.beta > 0.0:
+        assert inp.ref_logprobs is not None
+        kl = kl_estimate(inp.logprobs, inp.ref_logprobs.detach(), c.kl_estimator)
+        if c.kl_bias_correction:
+            kl = kl * ratio
+        per_token = per_token + c.beta * kl
+        metrics["kl"] = _masked_mean(kl.detach(), mask)
+    loss = aggregate(
+        per_token,
+        mask,
+        c.aggregation or DEFAULT_AGGREGATION[c.loss_type],
+        max_completion_length=inp.max_completion_length,
+        num_items_in_batch=inp.num_items_in_batch,
+        num_sequences=inp.num_sequences,
+    )
+    if c.entropy_coef != 0.0:
+        loss = loss - _entropy_bonus(inp, mask, entropy_mask, c)
+    if inp.entropies is not None:
+        metrics["entropy"] = _masked_mean(inp.entropies.detach(), mask)
+    for name, flag in flags.items():
+        metrics[name] = _masked_mean(flag.detach().to(dtype), mask)
+    return LossOutputs(loss=loss, metrics=metrics)
 
 
 def policy_loss(
@@ -84,49 +533,23 @@ def policy_loss(
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO loss over a micro-batch (formulas in the module docstring).
+    """The clipped GRPO loss with k3 KL and no KL bias correction: :func:`compute_loss` in keyword form.
 
     ``logprobs`` [B, T] carry the gradient; ``old_logprobs`` [B, T] (the proximal policy, recomputed by the
-    learner), ``advantages`` [B], ``mask`` [B, T], ``ref_logprobs`` [B, T] and ``importance_weights``
-    [B, T] are constants. Metrics (TRL's names): ``clip_ratio/low_mean`` (tokens with rho < 1 - eps_low
-    and A < 0), ``clip_ratio/high_mean`` (rho > 1 + eps_high and A > 0), ``clip_ratio/region_mean``
-    (either), ``kl`` (token mean of the k3 estimate, when beta > 0); all are token means under the mask.
+    learner), ``advantages`` [B], ``mask`` [B, T], ``ref_logprobs`` [B, T] and ``importance_weights`` [B, T]
+    are constants. Metrics (TRL's names): ``clip_ratio/low_mean`` (tokens with r < 1 - eps_low and A < 0),
+    ``clip_ratio/high_mean`` (r > 1 + eps_high and A > 0), ``clip_ratio/region_mean`` (either), ``kl``.
     """
-    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
-            f"mask {tuple(mask.shape)} must have the same [B, T] shape"
-        )
-    if advantages.shape != (logprobs.shape[0],):
-        raise ValueError(f"advantages must be [B] = [{logprobs.shape[0]}], got {tuple(advantages.shape)}")
-    if delta is not None and delta <= 1 + epsilon_high:
-        raise ValueError(f"delta ({delta}) must exceed 1 + epsilon_high ({1 + epsilon_high})")
-    mask = mask.to(logprobs.dtype)
-    adv = advantages.to(logprobs.dtype).unsqueeze(1)  # [B, 1]
-    ratio = torch.exp(logprobs - old_logprobs.detach())  # [B, T]
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    unclipped = torch.clamp(ratio, max=delta) if delta is not None else ratio
-    per_token = -torch.min(unclipped * adv, clipped * adv)
-    if importance_weights is not None:
-        per_token = per_token * importance_weights.detach().to(per_token.dtype)
-    metrics: dict[str, float] = {}
-    if beta > 0.0:
-        if ref_logprobs is None:
-            raise ValueError("beta > 0 needs ref_logprobs")
-        kl = k3_kl(logprobs, ref_logprobs.detach())
-        per_token = per_token + beta * kl
-        metrics["kl"] = _masked_mean(kl.detach(), mask)
-    loss = aggregate(
-        per_token,
-        mask,
-        loss_type,
+    config = LossConfig(loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta)
+    inputs = LossInputs(
+        logprobs=logprobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        mask=mask,
+        ref_logprobs=ref_logprobs,
+        importance_weights=importance_weights,
         max_completion_length=max_completion_length,
         num_items_in_batch=num_items_in_batch,
     )
-    with torch.no_grad():
-        low = ((ratio < 1 - epsilon_low) & (adv < 0)).to(mask.dtype)
-        high = ((ratio > 1 + epsilon_high) & (adv > 0)).to(mask.dtype)
-        metrics["clip_ratio/low_mean"] = _masked_mean(low, mask)
-        metrics["clip_ratio/high_mean"] = _masked_mean(high, mask)
-        metrics["clip_ratio/region_mean"] = _masked_mean(torch.maximum(low, high), mask)
-    return loss, metrics
+    out = compute_loss(inputs, config)
+    return out.loss, out.metrics
