@@ -1,0 +1,427 @@
+"""Every policy objective, KL estimator, mask and the entropy bonus against a float64 reference.
+
+The references below are written from the papers' and peers' formulas (TRL 1.16 ``GRPOTrainer._compute_loss``,
+verl 0.9 ``core_algos.py``), one sequence and one token at a time, without calling the code under test. Both
+the loss value and its gradient with respect to the log-probabilities (torch.autograd) must agree to 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from services.learner.loss import (
+    LossConfig,
+    LossInputs,
+    adaptive_entropy_coef,
+    compute_loss,
+    entropy_threshold,
+    policy_loss,
+)
+
+TOL = 1e-6
+F64 = torch.float64
+
+
+def random_batch(seed: int, b: int = 6, t: int = 7) -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    logprobs = -rng.random((b, t)) * 3
+    lengths = rng.integers(1, t + 1, size=b)
+    lengths[0], lengths[1] = 0, t  # an empty row and a full one
+    return {
+        "logprobs": torch.tensor(logprobs, dtype=F64),
+        "old": torch.tensor(logprobs + rng.normal(scale=0.3, size=(b, t)), dtype=F64),
+        "ref": torch.tensor(logprobs + rng.normal(scale=0.3, size=(b, t)), dtype=F64),
+        "behaviour": torch.tensor(logprobs + rng.normal(scale=0.5, size=(b, t)), dtype=F64),
+        "advantages": torch.tensor(rng.normal(size=b), dtype=F64),
+        "mask": torch.tensor((np.arange(t)[None, :] < lengths[:, None]).astype(np.float64)),
+        "weights": torch.tensor(rng.uniform(0.2, 2.0, size=(b, t)), dtype=F64),
+        "entropies": torch.tensor(rng.uniform(0.0, 3.0, size=(b, t)), dtype=F64),
+        "truncated": torch.tensor(rng.random(b) < 0.3),
+    }
+
+
+def seed_of(*key: object) -> int:
+    """A seed that is the same in every process (``hash`` of a str is salted per interpreter)."""
+    return zlib.crc32(repr(key).encode())
+
+
+# The reference -------------------------------------------------------------------------------------------
+
+
+def ref_kl(lp, ref, name):
+    x = lp - ref
+    if name == "k1":
+        return x
+    if name == "abs":
+        return torch.abs(x)
+    if name == "k2":
+        return 0.5 * x * x
+    d = ref - lp
+    if name == "k3":
+        return torch.exp(d) - d - 1
+    d = torch.clamp(d, -20.0, 20.0)  # low_var_kl, verl
+    return torch.clamp(torch.exp(d) - d - 1, -10.0, 10.0)
+
+
+def ref_token_terms(i, lp, old, adv, idx, c, w, beh_ok):
+    """Per-token objective terms of sequence i (a list of 0-d tensors) and its per-token ratios."""
+    a = float(adv[i])
+    lr = [lp[i, j] - old[i, j] for j in idx]
+    if c["ratio_level"] == "sequence":
+        s = torch.exp(sum(lr) / len(lr))
+        ratios = [s] * len(idx)
+    else:
+        ratios = [torch.exp(x) for x in lr]
+    kind = c["loss_type"]
+    terms = []
+    for k, j in enumerate(idx):
+        r = ratios[k]
+        if kind in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            r_c = torch.clamp(r, 1 - c["epsilon_low"], 1 + c["epsilon_high"])
+            r_u = torch.clamp(r, max=c["delta"]) if c.get("delta") else r
+            term = -torch.minimum(r_u * a, r_c * a)
+        elif kind == "cispo":
+            term = -torch.clamp(r, min=c.get("cispo_clip_min"), max=c["cispo_clip_max"]).detach() * a * lp[i, j]
+        elif kind == "sapo":
+            tau = c["sapo_temperature_pos"] if a > 0 else c["sapo_temperature_neg"]
+            term = -torch.sigmoid(tau * (r - 1)) * (4.0 / tau) * a
+        elif kind == "vespo":
+            log_w = sum(float(torch.clamp(x.detach(), -20, 20)) for x in lr)
+            if w is not None:
+                log_w += sum(min(max(math.log(float(w[i, jj])), math.log(1e-8)), 20.0) for jj in idx)
+            log_w = min(max(log_w, math.log(1e-8)), 20.0)
+            k_, lam = (c["vespo_k_pos"], c["vespo_lambda_pos"]) if a >= 0 else (c["vespo_k_neg"], c["vespo_lambda_neg"])
+            phi = math.exp(lam + k_ * log_w - lam * math.exp(log_w))
+            term = -phi * a * lp[i, j]
+        else:
+            raise AssertionError(kind)
+        terms.append(term * beh_ok)
+    return terms, ratios
+
+
+def ref_geo_mean(i, lp, old, adv, idx, c, w):
+    """GMPO's one loss value per sequence (verl ``compute_policy_loss_geo_mean``)."""
+    a = float(adv[i])
+    sign = float(np.sign(a))
+    total = 0.0
+    for j in idx:
+        x = lp[i, j] - old[i, j]
+        x_c = torch.clamp(x, -c["epsilon_low"], c["epsilon_high"])
+        total = total + sign * torch.minimum(sign * x, sign * x_c)
+    value = -a * torch.exp(total / (len(idx) + 1e-8))
+    if w is not None:
+        value = value * math.exp(sum(math.log(float(w[i, j]) + 1e-10) for j in idx) / (len(idx) + 1e-8))
+    return value
+
+
+def ref_kl_cov_selection(lp, adv, active, ratio):
+    """verl ``kl_cov``: the top ``ratio`` of active tokens by (A - mean A)(logp - mean logp)."""
+    flat = [(i, j) for i in range(lp.shape[0]) for j in range(lp.shape[1]) if active[i][j]]
+    a = np.array([float(adv[i]) for i, _ in flat])
+    p = np.array([float(lp[i, j]) for i, j in flat])
+    cov = (a - a.mean()) * (p - p.mean())
+    n = max(1, int(len(flat) * ratio))
+    return {flat[k] for k in np.argsort(-cov)[:n]}
+
+
+def reference_loss(b, c, *, lp):
+    """The whole micro-batch loss in float64, from the formulas, one sequence at a time."""
+    old, adv, mask = b["old"], b["advantages"], b["mask"]
+    w = b["weights"] if c.get("weighted") else None
+    n_rows, t = mask.shape
+    truncated = b["truncated"] if c.get("truncate") else torch.zeros(n_rows, dtype=torch.bool)
+    active = [[bool(mask[i, j]) and not bool(truncated[i]) for j in range(t)] for i in range(n_rows)]
+    ent = b["entropies"]
+    q = c.get("top_entropy_quantile", 1.0)
+    if q < 1.0:
+        values = [float(ent[i, j]) for i in range(n_rows) for j in range(t) if active[i][j]]
+        threshold = float(np.quantile(np.array(values), 1 - q))
+    selected = ref_kl_cov_selection(lp, adv, active, c["kl_cov_ratio"]) if c["loss_type"] == "kl_cov" else set()
+    seq_sums, seq_counts, ent_sum, ent_count = [], [], 0.0, 0
+    for i in range(n_rows):
+        idx = [j for j in range(t) if active[i][j]]
+        if not idx:
+            seq_sums.append(0.0)
+            seq_counts.append(0)
+            continue
+        beh_ok = 1.0
+        if c.get("off_policy_mask_threshold") is not None:
+            gap = sum(float(b["behaviour"][i, j] - lp[i, j]) for j in idx) / len(idx)
+            beh_ok = 1.0 if (float(adv[i]) >= 0 or gap <= c["off_policy_mask_threshold"]) else 0.0
+        if c["loss_type"] == "geo_mean":
+            seq_value = ref_geo_mean(i, lp, old, adv, idx, c, w) * beh_ok
+            terms, ratios = [seq_value] * len(idx), [torch.exp(lp[i, j] - old[i, j]) for j in idx]
+        elif c["loss_type"] == "kl_cov":
+            a = float(adv[i])
+            terms, ratios = [], []
+            for j in idx:
+                x = lp[i, j] - old[i, j]
+                term = -a * torch.exp(x) + (c["kl_cov_coef"] * torch.abs(x) if (i, j) in selected else 0.0)
+                terms.append(term * beh_ok)
+                ratios.append(torch.exp(x))
+        else:
+            terms, ratios = ref_token_terms(i, lp, old, adv, idx, c, w, beh_ok)
+        total = 0.0
+        for k, j in enumerate(idx):
+            term = terms[k]
+            acting = q >= 1.0 or float(ent[i, j]) >= threshold
+            if not acting:
+                term = term * 0.0
+            else:
+                ent_sum += float(ent[i, j])
+                ent_count += 1
+            if w is not None and c["loss_type"] not in ("vespo", "geo_mean"):
+                term = term * float(w[i, j])
+            if c.get("beta", 0.0) > 0:
+                kl = ref_kl(lp[i, j], b["ref"][i, j], c["kl_estimator"])
+                if c.get("kl_bias_correction"):
+                    kl = kl * ratios[k]
+                term = term + c["beta"] * kl
+            total = total + term
+        seq_sums.append(total)
+        seq_counts.append(len(idx))
+    n_seq = c.get("num_sequences", n_rows)
+    agg = c["aggregation"]
+    if agg == "grpo":
+        loss = sum(s / max(n, 1) for s, n in zip(seq_sums, seq_counts, strict=True)) / n_seq
+    elif agg == "bnpo":
+        loss = sum(seq_sums) / max(sum(seq_counts), 1)
+    elif agg == "dr_grpo":
+        loss = sum(seq_sums) / (n_seq * c["max_completion_length"])
+    elif agg == "dapo":
+        loss = sum(seq_sums) / c["num_items_in_batch"]
+    else:  # seq_sum
+        loss = sum(seq_sums) / n_seq
+    if c.get("entropy_coef", 0.0):
+        loss = loss - c["entropy_coef"] * ent_sum / max(ent_count, 1)
+    return loss
+
+
+# The cases -----------------------------------------------------------------------------------------------
+
+PEER_AGGREGATION = {
+    "grpo": "grpo",
+    "bnpo": "bnpo",
+    "dr_grpo": "dr_grpo",
+    "dapo": "dapo",
+    "luspo": "seq_sum",
+    "cispo": "dapo",
+    "sapo": "grpo",
+    "vespo": "dapo",
+    "geo_mean": "grpo",
+    "kl_cov": "dapo",
+}
+OBJECTIVES = [
+    ("grpo", "token"),
+    ("grpo", "sequence"),  # GSPO
+    ("bnpo", "token"),
+    ("dr_grpo", "token"),
+    ("dapo", "token"),
+    ("dapo", "sequence"),
+    ("luspo", "sequence"),
+    ("cispo", "token"),
+    ("cispo", "sequence"),
+    ("sapo", "token"),
+    ("sapo", "sequence"),
+    ("vespo", "token"),
+    ("geo_mean", "token"),
+    ("kl_cov", "token"),
+]
+COMBOS = {
+    "plain": {},
+    "kl_weights_delta": {
+        "beta": 0.04,
+        "kl_estimator": "k3",
+        "kl_bias_correction": True,
+        "weighted": True,
+        "delta": 1.6,
+    },
+    "masks_entropy": {
+        "beta": 0.1,
+        "kl_estimator": "k2",
+        "off_policy_mask_threshold": 0.05,
+        "top_entropy_quantile": 0.4,
+        "entropy_coef": 0.01,
+        "truncate": True,
+        "weighted": True,
+    },
+}
+BASE = {
+    "epsilon_low": 0.2,
+    "epsilon_high": 0.28,
+    "cispo_clip_max": 1.3,
+    "cispo_clip_min": None,
+    "sapo_temperature_pos": 1.0,
+    "sapo_temperature_neg": 1.05,
+    "vespo_k_pos": 2.0,
+    "vespo_lambda_pos": 3.0,
+    "vespo_k_neg": 3.0,
+    "vespo_lambda_neg": 2.0,
+    "kl_cov_ratio": 0.2,
+    "kl_cov_coef": 1.0,
+    "max_completion_length": 9,
+    "num_items_in_batch": 23.0,
+}
+CONFIG_KEYS = set(LossConfig.__dataclass_fields__)
+
+
+def ours(b, c, lp, entropies=None):
+    config = LossConfig(**{k: v for k, v in c.items() if k in CONFIG_KEYS})
+    inputs = LossInputs(
+        logprobs=lp,
+        old_logprobs=b["old"],
+        advantages=b["advantages"],
+        mask=b["mask"],
+        ref_logprobs=b["ref"],
+        behaviour_logprobs=b["behaviour"],
+        importance_weights=b["weights"] if c.get("weighted") else None,
+        entropies=b["entropies"] if entropies is None else entropies,
+        truncated=b["truncated"] if c.get("truncate") else None,
+        max_completion_length=c["max_completion_length"],
+        num_items_in_batch=c["num_items_in_batch"],
+        num_sequences=c.get("num_sequences"),
+    )
+    return compute_loss(inputs, config)
+
+
+def loss_and_grad(fn):
+    def run(b):
+        lp = b["logprobs"].clone().requires_grad_(True)
+        loss = fn(lp)
+        value = loss.loss if hasattr(loss, "loss") else loss
+        (grad,) = torch.autograd.grad(value, lp)
+        return float(value.detach()), grad
+
+    return run
+
+
+def case_config(loss_type, level, combo):
+    c = {**BASE, **COMBOS[combo], "loss_type": loss_type, "ratio_level": level}
+    c["aggregation"] = PEER_AGGREGATION[loss_type]
+    if level == "sequence":  # sequence ratios sit near 1: a narrow range makes the clipping act
+        c.update(epsilon_low=0.03, epsilon_high=0.03, cispo_clip_max=1.02)
+    if loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        c.pop("delta", None)  # two-sided clipping belongs to the clipped objectives (TRL ignores it elsewhere)
+    return c
+
+
+@pytest.mark.parametrize("combo", sorted(COMBOS))
+@pytest.mark.parametrize(("loss_type", "level"), OBJECTIVES)
+def test_objective_matches_reference(loss_type, level, combo):
+    b = random_batch(seed=seed_of(loss_type, level, combo))
+    c = case_config(loss_type, level, combo)
+    got_value, got_grad = loss_and_grad(lambda lp: ours(b, c, lp))(b)
+    want_value, want_grad = loss_and_grad(lambda lp: reference_loss(b, c, lp=lp))(b)
+    assert got_value == pytest.approx(want_value, abs=TOL, rel=TOL)
+    torch.testing.assert_close(got_grad, want_grad, atol=TOL, rtol=TOL)
+    assert torch.isfinite(got_grad).all()
+
+
+@pytest.mark.parametrize("estimator", ["k1", "abs", "k2", "k3", "low_var_kl"])
+@pytest.mark.parametrize("bias_correction", [False, True])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_kl_estimators_match_reference(estimator, bias_correction, level):
+    b = random_batch(seed=seed_of(estimator, bias_correction, level))
+    b["ref"][2, 0] = b["logprobs"][2, 0] + 30.0  # exercises low_var_kl's clamps
+    c = {**BASE, "loss_type": "grpo", "aggregation": "grpo", "ratio_level": level, "beta": 0.3}
+    c.update(kl_estimator=estimator, kl_bias_correction=bias_correction)
+    got_value, got_grad = loss_and_grad(lambda lp: ours(b, c, lp))(b)
+    want_value, want_grad = loss_and_grad(lambda lp: reference_loss(b, c, lp=lp))(b)
+    assert got_value == pytest.approx(want_value, abs=TOL, rel=TOL)
+    torch.testing.assert_close(got_grad, want_grad, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "luspo", "sapo", "geo_mean"])
+def test_per_sequence_aggregations_add_up_over_micro_batches(loss_type):
+    b = random_batch(seed=31, b=8)
+    c = case_config(loss_type, "sequence" if loss_type == "luspo" else "token", "plain")
+    whole = ours(b, c, b["logprobs"]).loss
+    parts = 0.0
+    for rows in (slice(0, 3), slice(3, 8)):
+        part = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in b.items()}
+        parts += float(ours(part, {**c, "num_sequences": 8}, part["logprobs"]).loss)
+    assert parts == pytest.approx(float(whole), abs=1e-12)
+
+
+def test_gspo_gradient_equals_verl_token_form():
+    """verl's GSPO writes s_it = sg(s_i) pi_t / sg(pi_t) and averages tokens; TRL's exp(mean log r) has the
+    same gradient: -A s_i / |y_i| per token (unclipped) under seq-mean-token-mean."""
+    b = random_batch(seed=4)
+    c = {**case_config("grpo", "sequence", "plain"), "epsilon_low": 10.0, "epsilon_high": 10.0}
+    _, got = loss_and_grad(lambda lp: ours(b, c, lp))(b)
+    mask, adv = b["mask"], b["advantages"]
+    lengths = mask.sum(dim=1).clamp(min=1.0)
+    s = torch.exp(((b["logprobs"] - b["old"]) * mask).sum(dim=1) / lengths)
+    expected = -(adv * s / lengths / mask.shape[0]).unsqueeze(1) * mask
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_entropy_threshold_is_torch_quantile_and_masks_top_fraction():
+    values = torch.tensor(np.random.default_rng(0).uniform(0, 4, size=101), dtype=F64)
+    for q in (0.0, 0.2, 0.5, 1.0):
+        assert float(entropy_threshold(values, q)) == pytest.approx(float(torch.quantile(values, 1 - q)), abs=1e-12)
+    assert int((values >= entropy_threshold(values, 0.2)).sum()) == 21
+    assert int((values >= entropy_threshold(values, 0.0)).sum()) == 1  # only the highest-entropy token
+
+
+def test_entropy_is_logged_and_given_threshold_is_used():
+    b = random_batch(seed=9)
+    config = LossConfig(top_entropy_quantile=0.5)
+    common = dict(logprobs=b["logprobs"], old_logprobs=b["old"], advantages=b["advantages"], mask=b["mask"])
+    out = compute_loss(LossInputs(**common, entropies=b["entropies"], entropy_threshold=1e9), config)
+    assert float(out.loss) == 0.0  # no token reaches the batch-wide threshold: no policy term
+    mask = b["mask"]
+    assert out.metrics["entropy"] == pytest.approx(float((b["entropies"] * mask).sum() / mask.sum()), abs=1e-12)
+
+
+def test_entropy_bonus_gradient_reaches_entropies():
+    b = random_batch(seed=12)
+    entropies = b["entropies"].clone().requires_grad_(True)
+    config = LossConfig(entropy_coef=0.5)
+    out = compute_loss(
+        LossInputs(b["logprobs"], b["old"], b["advantages"], b["mask"], entropies=entropies, num_entropy_tokens=40.0),
+        config,
+    )
+    out.loss.backward()
+    torch.testing.assert_close(entropies.grad, -0.5 * b["mask"] / 40.0, atol=1e-12, rtol=0)
+
+
+def test_adaptive_entropy_controller():
+    kw = dict(target=0.2, delta=0.005, coef_min=0.0, coef_max=0.012)
+    assert adaptive_entropy_coef(0.0, 0.1, **kw) == pytest.approx(0.005)
+    assert adaptive_entropy_coef(0.01, 0.2, **kw) == pytest.approx(0.012)  # capped at coef_max
+    assert adaptive_entropy_coef(0.003, 0.5, **kw) == 0.0  # floored at coef_min
+
+
+def test_truncated_completions_leave_loss_and_counts():
+    b = random_batch(seed=14)
+    truncated = torch.zeros(6, dtype=torch.bool)
+    truncated[1] = True
+    config = LossConfig(loss_type="bnpo")
+    got = compute_loss(LossInputs(b["logprobs"], b["old"], b["advantages"], b["mask"], truncated=truncated), config)
+    mask = b["mask"].clone()
+    mask[1] = 0
+    want, _ = policy_loss(b["logprobs"], b["old"], b["advantages"], mask, loss_type="bnpo")
+    assert float(got.loss) == pytest.approx(float(want), abs=1e-12)
+
+
+def test_config_and_input_errors():
+    b = random_batch(seed=2)
+    args = (b["logprobs"], b["old"], b["advantages"], b["mask"])
+    with pytest.raises(ValueError, match="ratio_level='token'"):
+        LossConfig(loss_type="geo_mean", ratio_level="sequence")
+    with pytest.raises(ValueError, match="delta applies"):
+        LossConfig(loss_type="cispo", delta=2.0)
+    with pytest.raises(ValueError, match="kl_estimator"):
+        LossConfig(kl_estimator="k4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="behaviour_logprobs"):
+        compute_loss(LossInputs(*args), LossConfig(off_policy_mask_threshold=0.5))
+    with pytest.raises(ValueError, match="entropies"):
+        compute_loss(LossInputs(*args), LossConfig(top_entropy_quantile=0.2))
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        compute_loss(LossInputs(*args), LossConfig(loss_type="cispo"))
