@@ -190,16 +190,24 @@ class AdvantageSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    estimator: Literal["grpo", "bnpo"] = "grpo"
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "bnpo"] = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     eps: float = Field(1e-4, ge=0)
     std_unbiased: bool = True
     reward_min: float = 0.0
     reward_max: float = 1.0
+    # GDPO (TRL multi_objective_aggregation): normalise each reward function in its group, then the weighted sum
+    # over the batch; the weights travel so the learner can redo the batch step from rewards_per_func.
+    reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    reward_weights: tuple[float, ...] = ()
 
     @property
     def needs_batch(self) -> bool:
-        return self.estimator == "bnpo" or self.scale_rewards == "batch"
+        return (
+            self.estimator in ("bnpo", "reinforce_pp", "reinforce_pp_baseline")
+            or self.scale_rewards == "batch"
+            or self.reward_aggregation == "normalize_then_sum"
+        )
 
 
 # Scorer -> learner, on the scored stream.
