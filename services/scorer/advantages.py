@@ -18,8 +18,24 @@ none       r - mean_g                                       Dr. GRPO (no std sca
 =========  ==============================================  ==========================================
 
 ``std_unbiased=True`` uses Bessel's correction like TRL (``torch.std``); ``False`` is the population std of
-the DeepSeek formula. BNPO (:func:`bnpo_advantages`) normalises with a Beta distribution fitted to the
-batch's group success rates, for rewards bounded in ``[reward_min, reward_max]``.
+the DeepSeek formula.
+
+Other estimators (``AdvantageSpec.estimator``; ``scale_rewards`` does not apply to them):
+
+=====================  =======================================================  ============================
+rloo                   n/(n-1) (r - mean_g) = r - mean of the other n-1          RLOO; verl ``rloo``
+reinforce_pp           whiten(r) over the batch's tokens                         REINFORCE++; verl
+                                                                                 ``reinforce_plus_plus`` (gamma 1)
+reinforce_pp_baseline  whiten(r - mean_g) over the batch's tokens                verl
+                                                                                 ``reinforce_plus_plus_baseline``
+bnpo                   min(1/Beta(a, b).pdf(p_g), 1e6) (s - p_g)                 BNPO (:func:`bnpo_advantages`)
+=====================  =======================================================  ============================
+
+whiten(x) is verl's ``masked_whiten`` with every completion weighted by its token count L: mean
+m = sum L x / (sum L + 1e-8), v = sum L (x - m)^2 / (sum L + 1e-8) * N/(N - 1) with N = sum L, then
+(x - m) / sqrt(v + 1e-8). GDPO (``reward_aggregation="normalize_then_sum"``, TRL
+``multi_objective_aggregation``): each reward function is normalised in its group, (r_f - mean_g)/(std_g + eps),
+the weighted sum of those is then normalised over the batch, (s - mean)/(std + eps).
 
 The learner imports this module (pure maths, no service code) to finalise the normalisations that need the
 whole training batch (``batch``, BNPO); see the README's "Algorithm" section.
@@ -190,10 +206,123 @@ def reward_metrics(rewards: torch.Tensor, group_size: int, *, std_unbiased: bool
     }
 
 
-def compute_advantages(rewards: torch.Tensor, group_size: int, spec: AdvantageSpec) -> torch.Tensor:
-    """Advantages [N] for rewards [N] of N/G groups, with the estimator and scaling ``spec`` names."""
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantages [N]: r_i minus the mean of the group's other non-NaN rewards,
+    i.e. n/(n-1) (r_i - mean_g) (verl ``compute_rloo_outcome_advantage``). A group with one reward keeps it
+    (verl's baseline 0 for a lone sample); NaN rewards get 0."""
+    grouped = _grouped(rewards, group_size)
+    present = ~torch.isnan(grouped)
+    n = present.sum(dim=1, keepdim=True).to(grouped.dtype)
+    mean, _ = _nan_mean_std(grouped, unbiased=False, dim=1)
+    scale = torch.where(n > 1, n / (n - 1).clamp(min=1.0), torch.ones_like(n))
+    baseline = torch.where(n > 1, mean.unsqueeze(1), torch.zeros_like(n))
+    advantages = scale * (grouped - baseline)
+    return torch.where(present, advantages, torch.zeros_like(advantages)).reshape(-1)
+
+
+_WHITEN_EPS = 1e-8  # verl's masked_mean / masked_whiten epsilon
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, group_size: int, lengths: torch.Tensor | None = None, *, baseline: bool = True
+) -> torch.Tensor:
+    """REINFORCE++ advantages [N] for outcome rewards (gamma 1): optionally minus the group mean (``baseline``,
+    verl ``reinforce_plus_plus_baseline``; a lone sample's baseline is 0), then whitened over the batch with
+    each completion weighted by its token count ``lengths`` [N] (verl whitens over response tokens).
+
+    ``lengths=None`` weighs every completion 1: the scorer's provisional per-group value; the learner redoes
+    it over the training batch with the real token counts. NaN rewards get 0 and weigh nothing; with fewer
+    than two tokens in all, there is nothing to whiten and every advantage is 0.
+    """
+    grouped = _grouped(rewards, group_size)
+    present = ~torch.isnan(grouped)
+    centred = grouped
+    if baseline:
+        n = present.sum(dim=1, keepdim=True)
+        mean, _ = _nan_mean_std(grouped, unbiased=False, dim=1)
+        centred = grouped - torch.where(n > 1, mean.unsqueeze(1), torch.zeros_like(mean.unsqueeze(1)))
+    x = centred.reshape(-1)
+    weight = torch.ones_like(x) if lengths is None else lengths.to(x.dtype).reshape(-1)
+    if weight.shape != x.shape:
+        raise ValueError(f"lengths must be [N] = [{x.numel()}], got {tuple(lengths.shape)}")  # type: ignore[union-attr]
+    weight = torch.where(present.reshape(-1), weight, torch.zeros_like(weight))
+    x = torch.where(present.reshape(-1), x, torch.zeros_like(x))
+    tokens = weight.sum()
+    if float(tokens) <= 1.0:
+        return torch.zeros_like(x)
+    mean = (weight * x).sum() / (tokens + _WHITEN_EPS)
+    var = (weight * (x - mean) ** 2).sum() / (tokens + _WHITEN_EPS) * tokens / (tokens - 1)
+    advantages = (x - mean) * torch.rsqrt(var + _WHITEN_EPS)
+    return torch.where(present.reshape(-1), advantages, torch.zeros_like(advantages))
+
+
+def gdpo_rewards(
+    rewards_per_func: torch.Tensor,
+    weights: torch.Tensor,
+    group_size: int,
+    *,
+    eps: float = 1e-4,
+    std_unbiased: bool = True,
+) -> torch.Tensor:
+    """GDPO's decoupled reward [N]: sum_f w_f (r_f - mean_g,f) / (std_g,f + eps), NaN terms left out; NaN where
+    every function is NaN. A group of one has std 0 (TRL), so its normalised rewards are 0."""
+    if rewards_per_func.ndim != 2 or weights.shape != (rewards_per_func.shape[1],):
+        raise ValueError(
+            f"expected rewards [N, F] and weights [F], got {tuple(rewards_per_func.shape)} and {tuple(weights.shape)}"
+        )
+    n_func = rewards_per_func.shape[1]
+    _grouped(rewards_per_func[:, 0].contiguous(), group_size)  # checks N against group_size
+    grouped = rewards_per_func.reshape(-1, group_size, n_func)
+    mean, std = _nan_mean_std(grouped, std_unbiased, dim=1)
+    if group_size == 1:
+        std = torch.zeros_like(std)
+    normalised = (grouped - mean.unsqueeze(1)) / (std.unsqueeze(1) + eps)
+    return combine_rewards(normalised.reshape(-1, n_func), weights)
+
+
+def gdpo_advantages(
+    rewards_per_func: torch.Tensor,
+    weights: torch.Tensor,
+    group_size: int,
+    *,
+    eps: float = 1e-4,
+    std_unbiased: bool = True,
+) -> torch.Tensor:
+    """GDPO advantages [N]: :func:`gdpo_rewards` normalised over the whole batch, (s - mean)/(std + eps),
+    as TRL's ``multi_objective_aggregation="normalize_then_sum"``. Unscorable rows get 0."""
+    summed = gdpo_rewards(rewards_per_func, weights, group_size, eps=eps, std_unbiased=std_unbiased)
+    mean, std = _nan_mean_std(summed, std_unbiased)
+    if summed.numel() <= 1 or not bool(torch.isfinite(std)):
+        std = torch.zeros_like(mean)
+    advantages = (summed - mean) / (std + eps)
+    return torch.where(torch.isnan(advantages), torch.zeros_like(advantages), advantages)
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    spec: AdvantageSpec,
+    *,
+    rewards_per_func: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Advantages [N] for rewards [N] of N/G groups, with the estimator and aggregation ``spec`` names.
+
+    GDPO needs ``rewards_per_func`` [N, F] (and ``spec.reward_weights``); REINFORCE++ whitens with the
+    completions' token counts ``lengths`` [N] when given (see :func:`reinforce_pp_advantages`).
+    """
+    if spec.reward_aggregation == "normalize_then_sum":
+        if rewards_per_func is None:
+            raise ValueError("reward_aggregation='normalize_then_sum' (GDPO) needs rewards_per_func [N, F]")
+        weights = torch.tensor(spec.reward_weights or [1.0] * rewards_per_func.shape[1], dtype=rewards_per_func.dtype)
+        return gdpo_advantages(rewards_per_func, weights, group_size, eps=spec.eps, std_unbiased=spec.std_unbiased)
     if spec.estimator == "bnpo":
         return bnpo_advantages(rewards, group_size, reward_min=spec.reward_min, reward_max=spec.reward_max)
+    if spec.estimator == "rloo":
+        return rloo_advantages(rewards, group_size)
+    if spec.estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        baseline = spec.estimator == "reinforce_pp_baseline"
+        return reinforce_pp_advantages(rewards, group_size, lengths, baseline=baseline)
     return group_advantages(
         rewards, group_size, scale_rewards=spec.scale_rewards, eps=spec.eps, std_unbiased=spec.std_unbiased
     )

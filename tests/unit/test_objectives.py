@@ -22,6 +22,8 @@ from services.learner.loss import (
     entropy_threshold,
     policy_loss,
 )
+from services.scorer.advantages import compute_advantages
+from shared.records import AdvantageSpec
 
 TOL = 1e-6
 F64 = torch.float64
@@ -151,7 +153,7 @@ def reference_loss(b, c, *, lp):
             continue
         beh_ok = 1.0
         if c.get("off_policy_mask_threshold") is not None:
-            gap = sum(float(b["behaviour"][i, j] - lp[i, j]) for j in idx) / len(idx)
+            gap = sum(float(b["behaviour"][i, j] - lp[i, j].detach()) for j in idx) / len(idx)
             beh_ok = 1.0 if (float(adv[i]) >= 0 or gap <= c["off_policy_mask_threshold"]) else 0.0
         if c["loss_type"] == "geo_mean":
             seq_value = ref_geo_mean(i, lp, old, adv, idx, c, w) * beh_ok
@@ -425,3 +427,81 @@ def test_config_and_input_errors():
         compute_loss(LossInputs(*args), LossConfig(top_entropy_quantile=0.2))
     with pytest.raises(ValueError, match="num_items_in_batch"):
         compute_loss(LossInputs(*args), LossConfig(loss_type="cispo"))
+
+
+# Advantage estimators --------------------------------------------------------------------------------------
+
+
+def rewards_with_nan(seed, n_groups=4, g=5, n_func=1):
+    rng = np.random.default_rng(seed)
+    values = rng.normal(size=(n_groups * g, n_func))
+    values[3, 0] = np.nan
+    values[g : 2 * g, :] = 0.7  # a group whose rewards all agree
+    return values
+
+
+def test_rloo_matches_leave_one_out_reference():
+    r = rewards_with_nan(40)[:, 0]
+    got = compute_advantages(torch.tensor(r), 5, AdvantageSpec(estimator="rloo")).numpy()
+    for k in range(4):
+        block = r[5 * k : 5 * k + 5]
+        for i, value in enumerate(block):
+            others = [x for j, x in enumerate(block) if j != i and not np.isnan(x)]
+            want = 0.0 if np.isnan(value) else value - sum(others) / len(others)
+            assert got[5 * k + i] == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.parametrize("baseline", [False, True])
+def test_reinforce_pp_matches_token_whitening_reference(baseline):
+    r = rewards_with_nan(41)[:, 0]
+    lengths = np.random.default_rng(1).integers(1, 30, size=r.size)
+    name = "reinforce_pp_baseline" if baseline else "reinforce_pp"
+    spec = AdvantageSpec(estimator=name)
+    got = compute_advantages(torch.tensor(r), 5, spec, lengths=torch.tensor(lengths)).numpy()
+    # verl: the return at every response token is r (gamma 1), whitened over all response tokens.
+    tokens, owners = [], []
+    for k in range(4):
+        block = r[5 * k : 5 * k + 5]
+        mean = np.nanmean(block) if baseline else 0.0
+        for i in range(5):
+            if not np.isnan(block[i]):
+                tokens += [block[i] - mean] * int(lengths[5 * k + i])
+                owners += [5 * k + i] * int(lengths[5 * k + i])
+    tokens = np.array(tokens)
+    mu = tokens.sum() / (tokens.size + 1e-8)
+    var = ((tokens - mu) ** 2).sum() / (tokens.size + 1e-8) * tokens.size / (tokens.size - 1)
+    want = np.zeros_like(r)
+    for value, owner in zip((tokens - mu) / np.sqrt(var + 1e-8), owners, strict=True):
+        want[owner] = value
+    np.testing.assert_allclose(got, want, atol=1e-9)
+
+
+def test_gdpo_matches_trl_normalize_then_sum_reference():
+    per_func = rewards_with_nan(42, n_func=3)
+    per_func[7, :] = np.nan  # unscorable
+    weights = [1.0, 0.5, 2.0]
+    spec = AdvantageSpec(reward_aggregation="normalize_then_sum", reward_weights=tuple(weights))
+    got = compute_advantages(torch.zeros(20), 5, spec, rewards_per_func=torch.tensor(per_func)).numpy()
+    summed = np.full(20, np.nan)
+    for row in range(20):
+        k = row // 5
+        terms = []
+        for f in range(3):
+            block = per_func[5 * k : 5 * k + 5, f]
+            present = block[~np.isnan(block)]
+            if np.isnan(per_func[row, f]) or present.size < 2:
+                continue
+            terms.append(weights[f] * (per_func[row, f] - present.mean()) / (present.std(ddof=1) + 1e-4))
+        if terms:
+            summed[row] = sum(terms)
+    present = summed[~np.isnan(summed)]
+    want = np.where(np.isnan(summed), 0.0, (summed - present.mean()) / (present.std(ddof=1) + 1e-4))
+    np.testing.assert_allclose(got, want, atol=1e-9)
+    with pytest.raises(ValueError, match="rewards_per_func"):
+        compute_advantages(torch.zeros(20), 5, spec)
+
+
+def test_new_estimators_need_the_batch():
+    assert AdvantageSpec(estimator="reinforce_pp").needs_batch
+    assert AdvantageSpec(reward_aggregation="normalize_then_sum").needs_batch
+    assert not AdvantageSpec(estimator="rloo").needs_batch
