@@ -125,7 +125,7 @@ def ref_kl_cov_selection(lp, adv, active, ratio):
     """verl ``kl_cov``: the top ``ratio`` of active tokens by (A - mean A)(logp - mean logp)."""
     flat = [(i, j) for i in range(lp.shape[0]) for j in range(lp.shape[1]) if active[i][j]]
     a = np.array([float(adv[i]) for i, _ in flat])
-    p = np.array([float(lp[i, j]) for i, j in flat])
+    p = np.array([float(lp[i, j].detach()) for i, j in flat])
     cov = (a - a.mean()) * (p - p.mean())
     n = max(1, int(len(flat) * ratio))
     return {flat[k] for k in np.argsort(-cov)[:n]}
