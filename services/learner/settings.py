@@ -75,16 +75,79 @@ class LearnerSettings(ServiceSettings):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (logprobs use the same).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1: off).")
+    min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling: drop tokens below min_p x the top one (0: off).")
+    repetition_penalty: float = Field(1.0, gt=0, description="vLLM's repetition penalty (1: off).")
     max_completion_length: int = Field(256, ge=1, description="Most tokens per completion.")
     max_prompt_length: int = Field(512, ge=1, description="Longer prompts are skipped (counted).")
     model_context: int = Field(0, ge=0, description="Model context (0: read from the model's config).")
 
     # Objective.
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field("grpo", description="Loss aggregation.")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo", "geo_mean", "kl_cov"] = (
+        Field(
+            "grpo",
+            description="Objective and its aggregation (README, Algorithm): grpo, bnpo, dr_grpo, dapo, luspo clip "
+            "the ratio; cispo, sapo, vespo as TRL; geo_mean (GMPO) and kl_cov as verl.",
+        )
+    )
+    loss_aggregation: Literal["grpo", "bnpo", "dr_grpo", "dapo", "seq_sum"] | None = Field(
+        None, description="Override the loss type's aggregation (verl's loss_agg_mode); None: the loss type's own."
+    )
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token", description="Policy ratio per token, or per sequence (GSPO; TRL importance_sampling_level)."
+    )
     epsilon_low: float = Field(0.2, ge=0, description="Lower clip: ratio >= 1 - epsilon_low.")
     epsilon_high: float = Field(0.2, ge=0, description="Upper clip: ratio <= 1 + epsilon_high (DAPO: 0.28).")
     delta: float | None = Field(None, description="Two-sided clipping bound on the unclipped ratio (None: off).")
+    cispo_clip_max: float = Field(
+        5.0, gt=0, description="cispo: cap on the detached ratio (TRL: epsilon_high, 5.0 in ScaleRL; verl: 1 + high)."
+    )
+    cispo_clip_min: float | None = Field(
+        None, ge=0, description="cispo: floor on the ratio (verl: 1 - low; TRL: none)."
+    )
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: gate temperature where the advantage is > 0.")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: gate temperature where the advantage is <= 0.")
+    vespo_k_pos: float = Field(2.0, ge=0, description="vespo: power k of the Gamma weight for advantages >= 0.")
+    vespo_lambda_pos: float = Field(3.0, gt=0, description="vespo: decay lambda of the Gamma weight, advantages >= 0.")
+    vespo_k_neg: float = Field(3.0, ge=0, description="vespo: power k of the Gamma weight for advantages < 0.")
+    vespo_lambda_neg: float = Field(2.0, gt=0, description="vespo: decay lambda of the Gamma weight, advantages < 0.")
+    kl_cov_ratio: float = Field(0.0002, gt=0, le=1, description="kl_cov: share of tokens given the KL penalty.")
+    kl_cov_coef: float = Field(0.1, ge=0, description="kl_cov: coefficient of |log ratio| (verl's ppo_kl_coef).")
     beta: float = Field(0.0, ge=0, description="KL coefficient to the initial model (0: no reference model).")
+    kl_estimator: Literal["k1", "abs", "k2", "k3", "low_var_kl"] = Field(
+        "k3", description="KL estimator: k1, abs, k2 (verl mse), k3 (TRL), low_var_kl (verl's clamped k3)."
+    )
+    kl_bias_correction: bool = Field(
+        True, description="Multiply the KL term by the policy ratio (TRL use_bias_correction_kl; DeepSeek-V3.2)."
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions cut by max_completion_length out of the loss (they keep their advantage)."
+    )
+    off_policy_mask_threshold: float | None = Field(
+        None,
+        ge=0,
+        description="Drop sequences with advantage < 0 whose mean (behaviour - current) logprob exceeds this "
+        "(DeepSeek-V3.2; None: off).",
+    )
+    top_entropy_quantile: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="Train only on the top share of tokens by entropy over the batch (1: all; paper 0.2).",
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (initial value when adaptive).")
+    adaptive_entropy: bool = Field(
+        False, description="Skywork-OR1 controller (TRL use_adaptive_entropy): move entropy_coef toward entropy_target."
+    )
+    entropy_target: float = Field(0.2, ge=0, description="Adaptive: the bonus applies while entropy <= this (nats).")
+    entropy_coef_min: float = Field(0.0, ge=0, description="Adaptive: lowest entropy_coef.")
+    entropy_coef_max: float = Field(1.0, ge=0, description="Adaptive: highest entropy_coef.")
+    entropy_coef_delta: float = Field(0.005, ge=0, description="Adaptive: entropy_coef step per optimizer step.")
+    max_replacement_groups: int | None = Field(
+        None,
+        ge=0,
+        description="Dynamic sampling cap: zero-std groups one step may skip and wait to replace; past it the step "
+        "trains on what it has (dynamic_sampling/capped). None: no cap.",
+    )
     old_logprobs: Literal["recompute", "reuse"] = Field(
         "recompute",
         description="recompute: a no-grad pass before the update; reuse: with num_iterations = 1 the training "
@@ -189,7 +252,35 @@ class LearnerSettings(ServiceSettings):
             raise ValueError("importance_cap_min must not exceed importance_cap")
         if self.delta is not None and self.delta <= 1 + self.epsilon_high:
             raise ValueError(f"delta ({self.delta}) must exceed 1 + epsilon_high ({1 + self.epsilon_high})")
+        _check_objective(self)
         return self
+
+
+_CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+def _check_objective(s: LearnerSettings) -> None:
+    """Cross-field checks of the objective; each message says how to fix it."""
+    if s.delta is not None and s.loss_type not in _CLIPPED_LOSSES:
+        raise ValueError(
+            f"delta clips the ratio of {', '.join(_CLIPPED_LOSSES)}; loss_type = {s.loss_type!r} has no such ratio: "
+            "remove delta"
+        )
+    if s.ratio_level == "sequence" and s.loss_type in ("geo_mean", "kl_cov"):
+        raise ValueError(f"loss_type = {s.loss_type!r} defines its own ratio; set ratio_level = 'token'")
+    if s.cispo_clip_min is not None and s.cispo_clip_min > s.cispo_clip_max:
+        raise ValueError(
+            f"cispo_clip_min ({s.cispo_clip_min}) exceeds cispo_clip_max ({s.cispo_clip_max}); lower it or unset it"
+        )
+    if s.entropy_coef_min > s.entropy_coef_max:
+        raise ValueError(
+            f"entropy_coef_min ({s.entropy_coef_min}) exceeds entropy_coef_max ({s.entropy_coef_max}); swap them"
+        )
+    if s.adaptive_entropy and not s.entropy_coef_min <= s.entropy_coef <= s.entropy_coef_max:
+        raise ValueError(
+            f"adaptive_entropy starts from entropy_coef ({s.entropy_coef}), which lies outside [entropy_coef_min, "
+            f"entropy_coef_max] = [{s.entropy_coef_min}, {s.entropy_coef_max}]; set it inside"
+        )
 
 
 def _divisor_below(n: int, limit: int) -> int:

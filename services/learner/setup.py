@@ -109,6 +109,8 @@ async def build_learner(
         temperature=settings.temperature,
         top_p=settings.top_p,
         top_k=settings.top_k,
+        min_p=settings.min_p,
+        repetition_penalty=settings.repetition_penalty,
         max_tokens=settings.max_completion_length,
     )
     feeder = PromptFeeder(
