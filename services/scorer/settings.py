@@ -71,7 +71,16 @@ class ScorerSettings(ServiceSettings):
         min_length=1,
         description="Reward functions.",
     )
-    estimator: Literal["grpo", "bnpo"] = Field("grpo", description="Advantage estimator (BNPO for 0/1-like rewards).")
+    estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "bnpo"] = Field(
+        "grpo",
+        description="Advantage estimator: grpo, rloo (leave-one-out), reinforce_pp[_baseline] (REINFORCE++, batch "
+        "whitened), bnpo (0/1-like rewards).",
+    )
+    reward_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
+        "sum_then_normalize",
+        description="Several rewards: normalise their weighted sum (TRL default), or each in its group, then sum "
+        "and normalise over the batch (GDPO).",
+    )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="GRPO std scaling: group (TRL default), batch, none (Dr. GRPO)."
     )
@@ -99,6 +108,20 @@ class ScorerSettings(ServiceSettings):
         if duplicates:
             raise ValueError(f"reward names must be unique; repeated: {', '.join(duplicates)}")
         return rewards
+
+    @model_validator(mode="after")
+    def _estimator_fits(self) -> ScorerSettings:
+        if self.estimator != "grpo" and self.scale_rewards != "group":
+            raise ValueError(
+                f"scale_rewards = {self.scale_rewards!r} shapes the grpo estimator only; estimator = "
+                f"{self.estimator!r} normalises its own way: leave scale_rewards at 'group' or use estimator = 'grpo'"
+            )
+        if self.reward_aggregation == "normalize_then_sum" and self.estimator != "grpo":
+            raise ValueError(
+                "reward_aggregation = 'normalize_then_sum' (GDPO) makes its own group-then-batch advantages; "
+                f"set estimator = 'grpo' (got {self.estimator!r}) or use sum_then_normalize"
+            )
+        return self
 
     @model_validator(mode="after")
     def _bnpo_bounds(self) -> ScorerSettings:
@@ -130,4 +153,6 @@ class ScorerSettings(ServiceSettings):
             std_unbiased=self.std_unbiased,
             reward_min=self.reward_min,
             reward_max=self.reward_max,
+            reward_aggregation=self.reward_aggregation,
+            reward_weights=tuple(r.weight for r in self.rewards),
         )
