@@ -81,7 +81,8 @@ def scored_group(
     """Combine [G, F] rewards, compute the group's advantages and metrics, and build the record."""
     per_func_t = torch.from_numpy(per_func.astype(np.float64))
     rewards = combine_rewards(per_func_t, torch.tensor(list(weights), dtype=torch.float64))
-    advantages = compute_advantages(rewards, rollout.group_size, spec)
+    lengths = torch.tensor([len(c.token_ids) for c in rollout.completions])
+    advantages = compute_advantages(rewards, rollout.group_size, spec, rewards_per_func=per_func_t, lengths=lengths)
     zero = bool(zero_std_groups(rewards, rollout.group_size)[0])
     metrics = group_metrics(rollout, names, per_func, rewards.numpy())
     metrics["frac_reward_zero_std"] = float(zero)
