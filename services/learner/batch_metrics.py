@@ -14,8 +14,9 @@ from shared.records import ScoredGroup
 
 def finalize_advantages(groups: Sequence[ScoredGroup]) -> list[torch.Tensor]:
     """Per-group advantages [G] for training. Groups normalised per group keep the scorer's values; when a
-    group's spec needs the whole batch (``scale_rewards="batch"``, BNPO) they are recomputed from the rewards
-    over exactly this batch, so they match a synchronous trainer's numbers."""
+    group's spec needs the whole batch (``scale_rewards="batch"``, BNPO, REINFORCE++, GDPO) they are
+    recomputed from the rewards (per function for GDPO; with token counts for REINFORCE++) over exactly this
+    batch, so they match a synchronous trainer's numbers."""
     if not groups or not any(g.advantage_spec.needs_batch for g in groups):
         return [torch.from_numpy(g.advantages.copy()) for g in groups]
     spec = groups[0].advantage_spec
@@ -23,7 +24,14 @@ def finalize_advantages(groups: Sequence[ScoredGroup]) -> list[torch.Tensor]:
     if len(sizes) != 1 or any(g.advantage_spec != spec for g in groups):
         raise ValueError("batch-level advantages need one group size and one advantage spec per batch")
     rewards = torch.from_numpy(np.concatenate([g.rewards for g in groups]).astype(np.float64))
-    advantages = compute_advantages(rewards, sizes.pop(), spec).to(torch.float32)
+    per_func = None
+    if spec.reward_aggregation == "normalize_then_sum":
+        if len({g.reward_names for g in groups}) != 1:
+            raise ValueError("GDPO (normalize_then_sum) needs the same reward functions in every group of a batch")
+        per_func = torch.from_numpy(np.concatenate([g.rewards_per_func for g in groups]).astype(np.float64))
+    lengths = torch.tensor([len(c.token_ids) for g in groups for c in g.rollout.completions])
+    advantages = compute_advantages(rewards, sizes.pop(), spec, rewards_per_func=per_func, lengths=lengths)
+    advantages = advantages.to(torch.float32)
     return list(advantages.split([g.rollout.group_size for g in groups]))
 
 

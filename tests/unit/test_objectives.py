@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.learner.batch_metrics import finalize_advantages
 from services.learner.loss import (
     LossConfig,
     LossInputs,
@@ -24,6 +25,7 @@ from services.learner.loss import (
 )
 from services.scorer.advantages import compute_advantages
 from shared.records import AdvantageSpec
+from tests.support.factories import make_rollout, make_scored, make_task
 
 TOL = 1e-6
 F64 = torch.float64
@@ -505,3 +507,37 @@ def test_new_estimators_need_the_batch():
     assert AdvantageSpec(estimator="reinforce_pp").needs_batch
     assert AdvantageSpec(reward_aggregation="normalize_then_sum").needs_batch
     assert not AdvantageSpec(estimator="rloo").needs_batch
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        AdvantageSpec(reward_aggregation="normalize_then_sum", reward_weights=(1.0, 0.5)),
+        AdvantageSpec(estimator="reinforce_pp_baseline"),
+    ],
+)
+def test_learner_finalises_batch_estimators_over_the_whole_batch(spec):
+    """Each group's provisional advantages are redone over the batch: GDPO from rewards_per_func, REINFORCE++
+    whitened with the completions' token counts."""
+    groups = []
+    for k in range(3):
+        rollout = make_rollout(make_task(group_size=4), tokens=3 + k, seed=k)
+        scored = make_scored(rollout, num_funcs=2)
+        per_func = np.random.default_rng(k).normal(size=(4, 2)).astype(np.float32)
+        groups.append(
+            scored.model_copy(
+                update={
+                    "rewards_per_func": per_func,
+                    "rewards": per_func @ np.array([1.0, 0.5], np.float32),
+                    "advantage_spec": spec,
+                }
+            )
+        )
+    got = torch.cat(finalize_advantages(groups)).numpy()
+    per_func = torch.tensor(np.concatenate([g.rewards_per_func for g in groups]).astype(np.float64))
+    rewards = torch.tensor(np.concatenate([g.rewards for g in groups]).astype(np.float64))
+    lengths = torch.tensor([3] * 4 + [4] * 4 + [5] * 4)
+    want = compute_advantages(rewards, 4, spec, rewards_per_func=per_func, lengths=lengths).numpy()
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    if spec.estimator == "reinforce_pp_baseline":  # the token counts matter
+        assert not np.allclose(got, compute_advantages(rewards, 4, spec).numpy(), atol=1e-3)
