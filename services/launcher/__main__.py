@@ -90,6 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         translate = config_commands.add_parser(name, help=f"translate a {name[5:].upper()} configuration")
         translate.add_argument("file", type=Path)
         translate.add_argument("--output", "-o", type=Path, help="write the TOML here (default: stdout)")
+        translate.add_argument(
+            "--allow-unmapped", action="store_true", help="translate the rest when some options have no counterpart"
+        )
+        if name == "from-trl":
+            translate.add_argument(
+                "--trl-defaults", type=Path, help="JSON of GRPOConfig's defaults (when TRL is not installed here)"
+            )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tomllib
@@ -16,6 +17,9 @@ from services.learner.settings import LearnerSettings
 from services.scorer.settings import RewardSpec, ScorerSettings
 from shared.settings import ConfigFileError
 from tests.support.processes import ROOT
+
+# GRPOConfig's defaults as the installed trl==1.16.0 reports them (TRL is not a dependency of this project).
+TRL_DEFAULTS = ROOT / "tests" / "support" / "trl_1_16_grpo_defaults.json"
 
 CONFIG = """
 [common]
@@ -106,6 +110,11 @@ def test_missing_and_malformed_files_are_named(tmp_path):
         ),
         (dict(model_context=512, max_prompt_length=400, max_completion_length=200), "exceeds the model's context"),
         (dict(model=""), "learner.model is required"),
+        (dict(loss_type="cispo", delta=2.0), "has no such ratio: remove delta"),
+        (dict(loss_type="geo_mean", ratio_level="sequence"), "set ratio_level = 'token'"),
+        (dict(cispo_clip_min=6.0), "cispo_clip_min \\(6.0\\) exceeds cispo_clip_max"),
+        (dict(entropy_coef_min=0.5, entropy_coef_max=0.1), "swap them"),
+        (dict(adaptive_entropy=True, entropy_coef=2.0), "outside \\[entropy_coef_min, entropy_coef_max\\]"),
     ],
 )
 def test_learner_validation_messages(overrides, message):
@@ -122,6 +131,14 @@ def test_scorer_validation_messages():
         ScorerSettings(rewards=[{"name": "judge", "url": "judge.local/score"}])
     with pytest.raises(ValidationError, match="BNPO needs the combined reward inside"):
         ScorerSettings(estimator="bnpo", rewards=[{"name": "overlong"}])
+    with pytest.raises(ValidationError, match="leave scale_rewards at 'group'"):
+        ScorerSettings(estimator="rloo", scale_rewards="batch")
+    with pytest.raises(ValidationError, match="set estimator = 'grpo'"):
+        ScorerSettings(estimator="rloo", reward_aggregation="normalize_then_sum")
+    spec = ScorerSettings(
+        reward_aggregation="normalize_then_sum", rewards=[{"name": "mark", "weight": 0.5}, {"name": "hard_format"}]
+    ).advantage_spec
+    assert spec.reward_weights == (0.5, 1.0) and spec.needs_batch
 
 
 def test_pipeline_cross_checks_report_every_problem(tmp_path, monkeypatch):
@@ -167,7 +184,7 @@ def test_verl_classic_example():
 
 
 def test_from_trl_maps_fields_and_lists_the_rest():
-    tables, unmapped = from_trl(
+    result = from_trl(
         {
             "per_device_train_batch_size": 8,
             "num_generations": 4,
@@ -183,6 +200,7 @@ def test_from_trl_maps_fields_and_lists_the_rest():
             "report_to": "wandb",
         }
     )
+    tables, unmapped = result.tables, result.unmapped
     learner = tables["learner"]
     assert learner["group_size"] == 4 and learner["groups_per_step"] == 4 and learner["micro_batch_size"] == 8
     assert learner["lr"] == 1e-6 and learner["loss_type"] == "dapo" and learner["epsilon_low"] == 0.2
@@ -206,7 +224,8 @@ def test_from_verl_maps_fields_and_lists_the_rest():
         },
         "trainer": {"n_gpus_per_node": 6},
     }
-    tables, unmapped = from_verl(document)
+    result = from_verl(document)
+    tables, unmapped = result.tables, result.unmapped
     assert tables["learner"]["groups_per_step"] == 60 and tables["learner"]["group_size"] == 12
     assert tables["learner"]["beta"] == 0.001 and tables["learner"]["loss_type"] == "dapo"
     assert tables["generator"]["tensor_parallel_size"] == 2
@@ -229,8 +248,119 @@ def test_cli_explain_and_translate(config_file, tmp_path):
     trl = tmp_path / "trl.json"
     trl.write_text('{"per_device_train_batch_size": 8, "num_generations": 2, "steps_per_generation": 4, "foo": 1}')
     out = tmp_path / "ours.toml"
-    translated = run("config", "from-trl", str(trl), "-o", str(out))
+    defaults = ["--trl-defaults", str(TRL_DEFAULTS)]
+    refused = run("config", "from-trl", str(trl), *defaults, "-o", str(out))
+    assert refused.returncode == 2 and "no counterpart here for: foo" in refused.stderr
+    translated = run("config", "from-trl", str(trl), *defaults, "--allow-unmapped", "-o", str(out))
     assert translated.returncode == 0, translated.stderr
     assert tomllib.loads(out.read_text())["learner"]["group_size"] == 2
-    assert "#   foo" in out.read_text()
+    assert "#   foo" in out.read_text() and "GRPOConfig defaults from" in out.read_text()
     assert run("--help").returncode == 0
+
+
+def trl_defaults() -> dict:
+    return json.loads(TRL_DEFAULTS.read_text())
+
+
+def learner_from(tables: dict) -> LearnerSettings:
+    return LearnerSettings(**{**tables["learner"], "model": "/m", "api_token": "t"})
+
+
+def test_from_trl_done_when_example_keeps_its_meaning():
+    """The issue's example: cispo, sequence ratio, truncation mask, entropy quantile, KL; TRL's own defaults
+    fill in the rest (dapo-style token mean, sequence-mask importance correction capped at 3, bias-corrected k3)."""
+    fields = {
+        "loss_type": "cispo",
+        "importance_sampling_level": "sequence",
+        "mask_truncated_completions": True,
+        "top_entropy_quantile": 0.2,
+        "beta": 0.04,
+        "epsilon_high": 5.0,
+    }
+    result = from_trl(fields, trl_defaults())
+    assert result.unmapped == []
+    s = learner_from(result.tables)
+    assert (s.loss_type, s.ratio_level, s.cispo_clip_max) == ("cispo", "sequence", 5.0)
+    assert s.mask_truncated_completions and s.top_entropy_quantile == 0.2
+    assert (s.beta, s.kl_estimator, s.kl_bias_correction) == (0.04, "k3", True)
+    assert (s.importance_correction, s.importance_level, s.importance_mode, s.importance_cap) == (
+        True,
+        "sequence",
+        "mask",
+        3.0,
+    )
+    assert (s.max_completion_length, s.adam_beta2, s.top_k, s.min_p) == (512, 0.999, -1, 0.0)
+    assert ScorerSettings(**result.tables.get("scorer", {})).scale_rewards == "group"
+
+
+def test_from_trl_defaults_come_from_the_given_config_class_values():
+    result = from_trl({}, trl_defaults())
+    assert result.tables["learner"]["loss_type"] == "dapo"  # TRL's default, not ours
+    assert from_trl({}).tables["learner"].get("loss_type") is None  # no defaults: ours apply
+    cispo = from_trl({"loss_type": "cispo"}, trl_defaults())
+    assert cispo.tables["learner"]["cispo_clip_max"] == 0.2 and "ScaleRL" in cispo.notes[0]
+
+
+def test_from_trl_maps_every_new_option():
+    fields = {
+        "loss_type": "vespo",
+        "vespo_k_pos": 1.5,
+        "vespo_lambda_neg": 2.5,
+        "sapo_temperature_pos": 0.9,
+        "off_policy_mask_threshold": 0.5,
+        "entropy_coef": 0.01,
+        "use_adaptive_entropy": True,
+        "entropy_target": 0.5,
+        "entropy_coef_max": 0.1,
+        "use_bias_correction_kl": False,
+        "multi_objective_aggregation": "normalize_then_sum",
+        "vllm_importance_sampling_mode": "token_truncate",
+        "vllm_importance_sampling_clip_max": 2.5,
+        "vllm_importance_sampling_clip_min": 0.5,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "delta": 3.0,
+    }
+    result = from_trl(fields, trl_defaults())
+    s = learner_from(result.tables)
+    assert (s.loss_type, s.vespo_k_pos, s.vespo_lambda_neg, s.sapo_temperature_pos) == ("vespo", 1.5, 2.5, 0.9)
+    assert (s.off_policy_mask_threshold, s.entropy_coef, s.adaptive_entropy, s.entropy_target) == (0.5, 0.01, True, 0.5)
+    assert (s.kl_bias_correction, s.importance_level, s.importance_mode) == (False, "token", "truncate")
+    assert (s.importance_cap, s.importance_cap_min, s.min_p, s.repetition_penalty) == (2.5, 0.5, 0.05, 1.1)
+    assert s.delta is None and any("delta" in note for note in result.notes)  # TRL ignores delta for vespo
+    assert result.tables["scorer"]["reward_aggregation"] == "normalize_then_sum"
+    assert from_trl({"vllm_importance_sampling_cap": 4.0}).tables["learner"]["importance_cap"] == 4.0
+
+
+def test_from_trl_names_what_it_cannot_map():
+    with pytest.raises(ValueError, match="loss_type 'gspo_token' is unknown"):
+        from_trl({"loss_type": "gspo_token"})
+    result = from_trl({"sync_ref_model": True, "ref_model_mixup_alpha": 0.6}, trl_defaults())
+    assert result.unmapped == ["ref_model_mixup_alpha", "sync_ref_model"]
+    assert from_trl({"sync_ref_model": False, "ref_model_sync_steps": 64}).unmapped == []
+
+
+def test_from_verl_maps_objectives_kl_and_estimators():
+    def translate(actor: dict, algorithm: dict | None = None):
+        return from_verl({"actor_rollout_ref": {"actor": actor}, "algorithm": algorithm or {}})
+
+    gspo = translate({"policy_loss": {"loss_mode": "gspo"}, "loss_agg_mode": "token-mean"})
+    assert (gspo.tables["learner"]["loss_type"], gspo.tables["learner"]["ratio_level"]) == ("grpo", "sequence")
+    cispo = translate({"policy_loss": {"loss_mode": "cispo"}, "clip_ratio_low": 0.2, "clip_ratio_high": 0.3})
+    s = learner_from(cispo.tables)
+    assert (s.loss_type, s.cispo_clip_min, s.cispo_clip_max) == ("cispo", 0.8, 1.3)
+    vanilla = translate({"clip_ratio_c": 3.0, "loss_agg_mode": "seq-mean-token-sum", "use_kl_loss": True})
+    s = learner_from(vanilla.tables)
+    assert (s.loss_type, s.delta, s.kl_estimator, s.kl_bias_correction) == ("luspo", 3.0, "low_var_kl", False)
+    kl_cov = translate({"policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": 0.01, "ppo_kl_coef": 0.5}})
+    assert learner_from(kl_cov.tables).kl_cov_ratio == 0.01
+    k2 = translate({"kl_loss_type": "mse", "entropy_coeff": 0.01})
+    assert learner_from(k2.tables).kl_estimator == "k2" and learner_from(k2.tables).entropy_coef == 0.01
+    rloo = translate({}, {"adv_estimator": "reinforce_plus_plus_baseline"})
+    assert rloo.tables["scorer"]["estimator"] == "reinforce_pp_baseline"
+    unmapped = translate({"policy_loss": {"loss_mode": "clip_cov"}, "kl_loss_type": "k3+"}, {"adv_estimator": "gae"})
+    assert unmapped.unmapped == [
+        "actor_rollout_ref.actor.kl_loss_type",
+        "actor_rollout_ref.actor.policy_loss.loss_mode",
+        "algorithm.adv_estimator",
+    ]
