@@ -32,6 +32,13 @@ def admission_budget(in_flight: int, bound: int) -> int:
     return max(0, bound - in_flight)
 
 
+def replacement_cap_reached(skipped: int, cap: int | None, collected: int) -> bool:
+    """Dynamic sampling's bound (verl ``max_num_gen_batches``, in groups): once a step has skipped more than
+    ``cap`` zero-std groups while waiting for replacements, it trains on the ``collected`` groups it has
+    (never on none)."""
+    return cap is not None and skipped > cap and collected > 0
+
+
 def load_rows(data: DataSettings) -> list[dict[str, Any]]:
     """All rows of the configured source, with the configured columns checked."""
     if data.source.startswith("builtin:"):

@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from services.learner.batch import collate
 from services.learner.batch_metrics import batch_metrics, finalize_advantages
 from services.learner.checkpoint import LearnerState, save_checkpoint
-from services.learner.feeder import PromptFeeder, admission_budget
+from services.learner.feeder import PromptFeeder, admission_budget, replacement_cap_reached
 from services.learner.importance import is_stale
 from services.learner.observability import MetricsSink
 from services.learner.settings import LearnerSettings
@@ -92,6 +92,7 @@ class LearnerLoop:
         self.redis = RedisRetry()
         self.running = False
         self.last_checkpoint: Path | None = None
+        self.dynamic_sampling: dict[str, float] = {}  # the last collected batch's figures
 
     @property
     def policy_version(self) -> int:
@@ -171,7 +172,16 @@ class LearnerLoop:
     async def collect(self, stop: asyncio.Event) -> list[tuple[Delivery, ScoredGroup]] | None:
         """The next batch; a partial one when the data ran out, None when nothing is left or on stop."""
         wanted = self.settings.groups_per_step
+        skipped_before = self.counters.groups_zero_std_dropped
+        capped = False
         while len(self.buffer) < wanted and not stop.is_set():
+            skipped = self.counters.groups_zero_std_dropped - skipped_before
+            if replacement_cap_reached(skipped, self.settings.max_replacement_groups, len(self.buffer)):
+                capped = True
+                log.warning(
+                    "dynamic sampling cap: %d zero-std groups skipped; training on %d", skipped, len(self.buffer)
+                )
+                break
             await self.admit()
             count = wanted - len(self.buffer)
             deliveries = await self.redis.run(
@@ -184,6 +194,10 @@ class LearnerLoop:
                 break
         if stop.is_set() or not self.buffer:
             return None
+        self.dynamic_sampling = {
+            "dynamic_sampling/skipped_groups": float(self.counters.groups_zero_std_dropped - skipped_before),
+            "dynamic_sampling/capped": float(capped),
+        }
         batch, self.buffer = self.buffer[:wanted], self.buffer[wanted:]
         return batch
 
@@ -273,7 +287,7 @@ class LearnerLoop:
             waited = time.perf_counter() - started
             deliveries = [d for d, _ in collected]
             groups = [g for _, g in collected]
-            metrics = batch_metrics(groups, self.policy_version)
+            metrics = {**batch_metrics(groups, self.policy_version), **self.dynamic_sampling}
             self.sink.write_batch(
                 self.trainer.step + 1,
                 [g.group_id for g in groups],

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from services.learner.batch_metrics import finalize_advantages
+from services.learner.feeder import replacement_cap_reached
 from services.learner.loss import (
     LossConfig,
     LossInputs,
@@ -541,3 +542,10 @@ def test_learner_finalises_batch_estimators_over_the_whole_batch(spec):
     np.testing.assert_allclose(got, want, atol=1e-6)
     if spec.estimator == "reinforce_pp_baseline":  # the token counts matter
         assert not np.allclose(got, compute_advantages(rewards, 4, spec).numpy(), atol=1e-3)
+
+
+def test_dynamic_sampling_cap():
+    assert not replacement_cap_reached(skipped=5, cap=None, collected=1)  # no cap: wait as long as it takes
+    assert not replacement_cap_reached(skipped=2, cap=2, collected=3)
+    assert replacement_cap_reached(skipped=3, cap=2, collected=3)  # train on the 3 it has
+    assert not replacement_cap_reached(skipped=9, cap=2, collected=0)  # never on nothing
