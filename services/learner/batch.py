@@ -7,7 +7,7 @@ right-padded to the longest completion T, so every completion starts at column P
     attention_mask [B, P + T]   1 on real tokens
     position_ids   [B, P + T]   0, 1, ... from each row's first real token (what the generator used)
     completion_ids [B, T], completion_mask [B, T], behaviour_logprobs [B, T]
-    advantages [B], temperatures [B], policy_versions [B], group_index [B]
+    advantages [B], temperatures [B], policy_versions [B], group_index [B], truncated [B]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class TrainBatch:
     temperatures: torch.Tensor
     policy_versions: torch.Tensor
     group_index: torch.Tensor  # [B] which group each row belongs to (rows of a group are contiguous)
+    truncated: torch.Tensor  # [B] bool: the completion hit max_tokens (finish_reason "length")
 
     @property
     def size(self) -> int:
@@ -58,7 +59,7 @@ class TrainBatch:
 
 def collate(groups: Sequence[ScoredGroup], advantages: Sequence[torch.Tensor], pad_id: int) -> TrainBatch:
     """Stack the completions of ``groups`` (with the given per-group advantages [G]) into one batch."""
-    prompts, completions, behaviour, temps, versions, group_index = [], [], [], [], [], []
+    prompts, completions, behaviour, temps, versions, group_index, truncated = [], [], [], [], [], [], []
     for index, group in enumerate(groups):
         rollout = group.rollout
         for completion in rollout.completions:
@@ -68,6 +69,7 @@ def collate(groups: Sequence[ScoredGroup], advantages: Sequence[torch.Tensor], p
             behaviour.append(torch.from_numpy(completion.behaviour_logprobs.copy()))
             temps.append(rollout.task.sampling.temperature)
             versions.append(rollout.policy_version)
+            truncated.append(completion.finish_reason == "length")
     batch_size = len(prompts)
     prompt_len = max(len(p) for p in prompts)
     completion_len = max(1, max(len(c) for c in completions))
@@ -96,4 +98,5 @@ def collate(groups: Sequence[ScoredGroup], advantages: Sequence[torch.Tensor], p
         temperatures=torch.tensor(temps, dtype=torch.float32),
         policy_versions=torch.tensor(versions, dtype=torch.long),
         group_index=torch.tensor(group_index, dtype=torch.long),
+        truncated=torch.tensor(truncated, dtype=torch.bool),
     )

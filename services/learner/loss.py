@@ -191,6 +191,10 @@ class LossOutputs:
 
     loss: torch.Tensor
     metrics: dict[str, float]
+    # Entropy summed over the tokens the policy term acts on, and their count: what the adaptive entropy
+    # controller measures over the optimizer batch (0 when no entropies were given).
+    acting_entropy_sum: float = 0.0
+    acting_tokens: float = 0.0
 
 
 # KL -----------------------------------------------------------------------------------------------------
@@ -364,7 +368,7 @@ def _kl_cov_objective(inp: LossInputs, mask, adv, c: LossConfig) -> tuple[torch.
     active = mask.bool()
     n_active = int(active.sum())
     if n_active == 0:
-        return per_token, {}
+        return per_token, {"kl_cov/selected_mean": active}
     with torch.no_grad():
         adv_t = adv.expand_as(diff)[active]
         logp_t = inp.logprobs.detach()[active]
@@ -510,11 +514,14 @@ def compute_loss(inp: LossInputs, config: LossConfig) -> LossOutputs:
     )
     if c.entropy_coef != 0.0:
         loss = loss - _entropy_bonus(inp, mask, entropy_mask, c)
-    if inp.entropies is not None:
-        metrics["entropy"] = _masked_mean(inp.entropies.detach(), mask)
     for name, flag in flags.items():
         metrics[name] = _masked_mean(flag.detach().to(dtype), mask)
-    return LossOutputs(loss=loss, metrics=metrics)
+    if inp.entropies is None:
+        return LossOutputs(loss=loss, metrics=metrics)
+    entropies = inp.entropies.detach()
+    metrics["entropy"] = _masked_mean(entropies, mask)
+    acting = mask if entropy_mask is None else mask * entropy_mask
+    return LossOutputs(loss, metrics, float((entropies * acting).sum()), float(acting.sum()))
 
 
 def policy_loss(

@@ -11,10 +11,12 @@ import copy
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
 
 from services.learner.batch import TrainBatch
+from services.learner.entropy import token_entropy
 from services.learner.hardware import resolve_dtype
 from services.learner.settings import LearnerSettings
 
@@ -63,7 +65,24 @@ def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: t
     return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
 
 
-def _padded_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+EntropyMode = Literal["none", "value", "grad"]
+_Stats = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor, entropy: EntropyMode
+) -> _Stats:
+    """:func:`_token_logprobs` and, when asked, the entropy of softmax(logits / T) from the same scaled logits."""
+    if entropy == "none":
+        return _token_logprobs(logits, targets, temperatures), None
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    scaled = logits.to(dtype) / temperatures.to(logits.device, dtype).view(-1, 1, 1)
+    lse = torch.logsumexp(scaled, dim=-1)
+    logprobs = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    return logprobs, token_entropy(scaled if entropy == "grad" else scaled.detach(), lse)
+
+
+def _padded_logprobs(model: torch.nn.Module, batch: TrainBatch, entropy: EntropyMode = "none") -> _Stats:
     """One forward over left-padded prompts + right-padded completions."""
     output = model(
         input_ids=batch.input_ids,
@@ -72,10 +91,10 @@ def _padded_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         logits_to_keep=batch.completion_length + 1,
         use_cache=False,
     )
-    return _token_logprobs(output.logits[:, :-1], batch.completion_ids, batch.temperatures)
+    return _token_stats(output.logits[:, :-1], batch.completion_ids, batch.temperatures, entropy)
 
 
-def _shared_prompt_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
+def _shared_prompt_logprobs(model: torch.nn.Module, batch: TrainBatch, entropy: EntropyMode = "none") -> _Stats:
     """Each group's prompt once, its completions on top of the prompt's KV cache (gradients flow into it).
 
     The completions of one group share their prompt, so computing it once per group instead of once per
@@ -102,15 +121,29 @@ def _shared_prompt_logprobs(model: torch.nn.Module, batch: TrainBatch) -> torch.
             input_ids=completions, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=steps
         )
         logits = torch.cat([first.logits[:, -1:].expand(end - start, -1, -1), rest.logits[:, :-1]], dim=1)
-        parts.append(_token_logprobs(logits, completions, batch.temperatures[start:end]))
+        parts.append(_token_stats(logits, completions, batch.temperatures[start:end], entropy))
         start = end
-    return torch.cat(parts)
+    logprobs = torch.cat([lp for lp, _ in parts])
+    return logprobs, None if entropy == "none" else torch.cat([h for _, h in parts])  # type: ignore[misc]
 
 
 def completion_logprobs(model: torch.nn.Module, batch: TrainBatch, *, share_prompts: bool = True) -> torch.Tensor:
     """log pi(token | prefix) of each completion token, [B, T] float32 (0 where masked)."""
-    logprobs = _shared_prompt_logprobs(model, batch) if share_prompts else _padded_logprobs(model, batch)
-    return logprobs * batch.completion_mask.to(logprobs.dtype)
+    logprobs, _ = completion_logprobs_and_entropy(model, batch, share_prompts=share_prompts, entropy="none")
+    return logprobs
+
+
+def completion_logprobs_and_entropy(
+    model: torch.nn.Module, batch: TrainBatch, *, share_prompts: bool = True, entropy: EntropyMode = "value"
+) -> _Stats:
+    """:func:`completion_logprobs` and, from the same logits, the policy's entropy at each completion position
+    ([B, T] float32, 0 where masked; None when ``entropy="none"``). ``"grad"`` lets the entropy bonus
+    differentiate it; ``"value"`` keeps it out of the graph. No [tokens x vocab] tensor is added
+    (:mod:`services.learner.entropy`)."""
+    forward = _shared_prompt_logprobs if share_prompts else _padded_logprobs
+    logprobs, entropies = forward(model, batch, entropy)
+    mask = batch.completion_mask.to(logprobs.dtype)
+    return logprobs * mask, None if entropies is None else entropies * mask
 
 
 @torch.no_grad()

@@ -11,12 +11,20 @@ Per batch (TRL's semantics for ``num_iterations`` = mu):
    chosen aggregation over the whole batch (``bnpo``/``dapo``: token sums over the batch's token count;
    ``grpo``: sequence means over B; ``dr_grpo``: sums over B * max_completion_length).
 
+Entropy (:mod:`services.learner.entropy`) comes from the same forward as the logprobs and is logged as
+``entropy``. With ``top_entropy_quantile`` < 1 the threshold is the quantile of the active tokens' entropies
+over the whole batch (every rank's rows) under the policy the step starts from, taken in the no-grad pass of
+step 1 (a no-grad pass of its own with ``old_logprobs = "reuse"``); all ``num_iterations`` reuse it. The
+adaptive entropy controller (TRL's) updates ``entropy_coef`` after each optimizer step from the batch's
+entropy over the tokens the loss acts on.
+
 Under torchrun (:mod:`services.learner.distributed`) each rank runs these on its block of the batch's rows
 with the whole batch's normalisers, and the metrics are summed across ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator
@@ -29,9 +37,47 @@ from services.learner import distributed
 from services.learner.batch import TrainBatch
 from services.learner.distributed import Channel, Topology
 from services.learner.importance import importance_weight_metrics, importance_weights
-from services.learner.loss import policy_loss
-from services.learner.policy import completion_logprobs, merged_weights
+from services.learner.loss import (
+    DEFAULT_AGGREGATION,
+    LossConfig,
+    LossInputs,
+    adaptive_entropy_coef,
+    compute_loss,
+    entropy_threshold,
+    high_entropy_mask,
+)
+from services.learner.policy import EntropyMode, completion_logprobs_and_entropy, merged_weights
 from services.learner.settings import LearnerSettings
+
+
+def loss_config(s: LearnerSettings) -> LossConfig:
+    """The loss's hyper-parameters from the settings. A ``bnpo`` aggregation becomes ``dapo`` with the
+    batch's token count: the exact token mean over all micro-batches. The entropy coefficient is set per step."""
+    aggregation = s.loss_aggregation or DEFAULT_AGGREGATION[s.loss_type]
+    return LossConfig(
+        loss_type=s.loss_type,
+        aggregation="dapo" if aggregation == "bnpo" else aggregation,  # type: ignore[arg-type]
+        ratio_level=s.ratio_level,
+        epsilon_low=s.epsilon_low,
+        epsilon_high=s.epsilon_high,
+        delta=s.delta,
+        beta=s.beta,
+        kl_estimator=s.kl_estimator,
+        kl_bias_correction=s.kl_bias_correction,
+        cispo_clip_max=s.cispo_clip_max,
+        cispo_clip_min=s.cispo_clip_min,
+        sapo_temperature_pos=s.sapo_temperature_pos,
+        sapo_temperature_neg=s.sapo_temperature_neg,
+        vespo_k_pos=s.vespo_k_pos,
+        vespo_lambda_pos=s.vespo_lambda_pos,
+        vespo_k_neg=s.vespo_k_neg,
+        vespo_lambda_neg=s.vespo_lambda_neg,
+        importance_level=s.importance_level,
+        kl_cov_ratio=s.kl_cov_ratio,
+        kl_cov_coef=s.kl_cov_coef,
+        off_policy_mask_threshold=s.off_policy_mask_threshold,
+        top_entropy_quantile=s.top_entropy_quantile,
+    )
 
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -76,6 +122,9 @@ class Trainer:
             lambda step: lr_lambda(step, settings.warmup_steps, settings.max_steps, settings.min_lr_ratio),
         )
         self.step = 0
+        self.loss_config = loss_config(settings)
+        self.entropy_coef = settings.entropy_coef  # moved by the adaptive controller
+        self.last_entropy = math.inf  # TRL's start: the adaptive bonus waits for a first measurement
 
     @property
     def device(self) -> torch.device:
@@ -84,6 +133,7 @@ class Trainer:
     def state_dict(self) -> dict:
         """Scheduler and step; the optimizer too on one rank (on several, :meth:`save_optimizer` writes it)."""
         state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "ranks": self.topology.world_size}
+        state["entropy_control"] = {"entropy_coef": self.entropy_coef, "last_entropy": self.last_entropy}
         if not self.topology.distributed:
             state["optimizer"] = self.optimizer.state_dict()
         return state
@@ -103,6 +153,9 @@ class Trainer:
             )
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
+        control = state.get("entropy_control", {})
+        self.entropy_coef = control.get("entropy_coef", self.entropy_coef)
+        self.last_entropy = control.get("last_entropy", self.last_entropy)
 
     def save_optimizer(self, path: Path) -> None:
         """On several ranks: every rank writes its optimizer shards under ``path``. Called by the leader."""
@@ -148,21 +201,46 @@ class Trainer:
         return batch.rows(slice(0, 1))
 
     @torch.no_grad()
-    def _logprobs_no_grad(self, model: torch.nn.Module, batch: TrainBatch, passes: list[TrainBatch | None]):
+    def _logprobs_no_grad(
+        self, model: torch.nn.Module, batch: TrainBatch, passes: list[TrainBatch | None], entropy: EntropyMode = "none"
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         was_training = model.training
         model.eval()
         try:
-            parts = []
+            parts, entropies = [], []
             for mb in passes:
-                logprobs = completion_logprobs(model, mb or self._padding(batch), share_prompts=self.share_prompts)
+                logprobs, h = completion_logprobs_and_entropy(
+                    model, mb or self._padding(batch), share_prompts=self.share_prompts, entropy=entropy
+                )
                 if mb is not None:
                     parts.append(logprobs)
+                    entropies.append(h)
         finally:
             model.train(was_training)
-        return torch.cat(parts) if parts else torch.zeros((0, batch.completion_length), device=self.device)
+        empty = torch.zeros((0, batch.completion_length), device=self.device)
+        logprobs = torch.cat(parts) if parts else empty
+        if entropy == "none":
+            return logprobs, None
+        return logprobs, torch.cat(entropies) if entropies else empty  # type: ignore[arg-type]
+
+    def _loss_mask(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, T] the tokens the loss sums over: completion tokens, minus truncated completions if masked."""
+        if not self.settings.mask_truncated_completions:
+            return batch.completion_mask
+        return batch.completion_mask * (~batch.truncated.bool()).to(batch.completion_mask.dtype).unsqueeze(1)
+
+    def _entropy_threshold(self, entropies: torch.Tensor, local: TrainBatch, out: dict[str, torch.Tensor]) -> None:
+        """The batch-wide entropy quantile (all ranks' active tokens) and the count of tokens at or above it."""
+        mask = self._loss_mask(local)
+        active = entropies[mask.bool()].float().cpu()
+        threshold = entropy_threshold(torch.cat(distributed.gather_objects(active)), self.settings.top_entropy_quantile)
+        acting = float(high_entropy_mask(entropies, mask, threshold).sum())
+        out["entropy_threshold"] = threshold
+        out["entropy_tokens"] = torch.tensor(distributed.sum_across({"acting": acting})["acting"])
 
     def prepare(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
-        """Old logprobs, reference logprobs and importance weights of this rank's rows (no gradient).
+        """Old logprobs, reference logprobs and importance weights of this rank's rows (no gradient), and the
+        batch's entropy threshold when ``top_entropy_quantile`` < 1.
 
         With ``old_logprobs = "reuse"`` the old logprobs (and the importance weights that need them) come
         from the training forward instead: with one iteration the weights are the same, so are the numbers.
@@ -171,32 +249,52 @@ class Trainer:
         started = time.perf_counter()
         local, passes = self._plan(batch)
         out: dict[str, torch.Tensor] = {}
+        quantile = s.top_entropy_quantile < 1.0
+        entropies = None
         if s.old_logprobs == "recompute":
-            out["old_logprobs"] = self._logprobs_no_grad(self.model, batch, passes)
+            out["old_logprobs"], entropies = self._logprobs_no_grad(
+                self.model, batch, passes, "value" if quantile else "none"
+            )
             if s.importance_correction:
                 out["importance_weights"] = self._weights(out["old_logprobs"], local)
+        elif quantile:
+            _, entropies = self._logprobs_no_grad(self.model, batch, passes, "value")
+        if entropies is not None:
+            self._entropy_threshold(entropies, local, out)
         out["seconds/old_logprobs"] = torch.tensor(time.perf_counter() - started)
         if s.beta > 0:
             assert self.reference is not None, "beta > 0 needs a reference model"
             real = [mb for mb in passes if mb is not None]  # the reference replica runs no collective
-            out["ref_logprobs"] = self._logprobs_no_grad(self.reference, batch, real)
+            out["ref_logprobs"], _ = self._logprobs_no_grad(self.reference, batch, real)
         return out
+
+    def _step_config(self) -> LossConfig:
+        """The loss config of this optimizer step: the adaptive bonus applies while the last entropy <= target."""
+        s = self.settings
+        coef = self.entropy_coef
+        if s.adaptive_entropy and self.last_entropy > s.entropy_target:
+            coef = 0.0
+        return dataclasses.replace(self.loss_config, entropy_coef=coef)
 
     def accumulate_gradients(self, batch: TrainBatch, prepared: dict[str, torch.Tensor]) -> dict[str, float]:
         """Backward of the whole batch's loss, micro-batch by micro-batch; returns summed metrics."""
         s = self.settings
         total_tokens = float(batch.completion_mask.sum())
-        loss_type = "dapo" if s.loss_type == "bnpo" else s.loss_type  # exact token mean across micro-batches
+        loss_tokens = float(self._loss_mask(batch).sum())
+        config = self._step_config()
+        entropy_mode: EntropyMode = "grad" if config.entropy_coef != 0.0 else "value"
         # FSDP averages gradients over ranks; each rank's loss is its share of the whole batch's loss.
         rank_scale = float(self.topology.world_size)
-        totals: dict[str, float] = {"loss": 0.0}
+        totals: dict[str, float] = {"loss": 0.0, "entropy/acting_sum": 0.0, "entropy/acting_tokens": 0.0}
         reused_weights: list[torch.Tensor] = []
         _, passes = self._plan(batch)
         start = 0
         for planned in passes:
             mb = planned or self._padding(batch)
             rows = slice(start, start + mb.size)
-            logprobs = completion_logprobs(self.model, mb, share_prompts=self.share_prompts)
+            logprobs, entropies = completion_logprobs_and_entropy(
+                self.model, mb, share_prompts=self.share_prompts, entropy=entropy_mode
+            )
             if planned is None:  # padding pass: keeps the ranks' collectives in step, adds no gradient
                 (logprobs.sum() * 0.0).backward()
                 continue
@@ -209,35 +307,55 @@ class Trainer:
                 weights = self._weights(old, mb) if s.importance_correction else None
                 if weights is not None:
                     reused_weights.append(weights)
-            loss, metrics = policy_loss(
-                logprobs,
-                old,
-                mb.advantages,
-                mb.completion_mask,
-                loss_type=loss_type,
-                epsilon_low=s.epsilon_low,
-                epsilon_high=s.epsilon_high,
-                delta=s.delta,
-                beta=s.beta,
+            inputs = LossInputs(
+                logprobs=logprobs,
+                old_logprobs=old,
+                advantages=mb.advantages,
+                mask=mb.completion_mask,
                 ref_logprobs=prepared["ref_logprobs"][rows] if "ref_logprobs" in prepared else None,
+                behaviour_logprobs=mb.behaviour_logprobs,
                 importance_weights=weights,
+                entropies=entropies,
+                truncated=mb.truncated if s.mask_truncated_completions else None,
+                entropy_threshold=prepared.get("entropy_threshold"),
                 max_completion_length=s.max_completion_length,
-                num_items_in_batch=total_tokens,
+                num_items_in_batch=loss_tokens,
+                num_sequences=batch.size,
+                num_entropy_tokens=prepared.get("entropy_tokens", loss_tokens),
             )
-            if loss_type in ("grpo", "dr_grpo"):
-                loss = loss * (mb.size / batch.size)
-            (loss * rank_scale).backward()
+            out = compute_loss(inputs, config)
+            (out.loss * rank_scale).backward()
             tokens = float(mb.completion_mask.sum())
-            totals["loss"] += float(loss.detach())
-            for name, value in metrics.items():  # token means -> token-weighted sums
+            totals["loss"] += float(out.loss.detach())
+            totals["entropy/acting_sum"] += out.acting_entropy_sum
+            totals["entropy/acting_tokens"] += out.acting_tokens
+            for name, value in out.metrics.items():  # token means -> token-weighted sums
                 totals[name] = totals.get(name, 0.0) + value * tokens
         totals = distributed.sum_across(totals)
         for name in list(totals):
-            if name != "loss":
+            if name not in ("loss", "entropy/acting_sum", "entropy/acting_tokens"):
                 totals[name] /= max(total_tokens, 1.0)
         if reused_weights:
             prepared["importance_weights"] = torch.cat(reused_weights)
+        self._control_entropy(totals)
         return totals
+
+    def _control_entropy(self, totals: dict[str, float]) -> None:
+        """TRL's adaptive controller after the step; ``entropy_coef`` logged as TRL does."""
+        s = self.settings
+        acting_sum, acting = totals.pop("entropy/acting_sum"), totals.pop("entropy/acting_tokens")
+        if s.adaptive_entropy:
+            self.last_entropy = acting_sum / max(acting, 1.0)
+            self.entropy_coef = adaptive_entropy_coef(
+                self.entropy_coef,
+                self.last_entropy,
+                target=s.entropy_target,
+                delta=s.entropy_coef_delta,
+                coef_min=s.entropy_coef_min,
+                coef_max=s.entropy_coef_max,
+            )
+        if s.adaptive_entropy or s.entropy_coef:
+            totals["entropy_coef"] = self.entropy_coef
 
     def _importance_metrics(self, batch: TrainBatch, prepared: dict[str, torch.Tensor]) -> dict[str, float]:
         if "importance_weights" not in prepared:

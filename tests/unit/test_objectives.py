@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from services.learner import entropy as entropy_module
+from services.learner.batch import collate
 from services.learner.batch_metrics import finalize_advantages
 from services.learner.feeder import replacement_cap_reached
 from services.learner.loss import (
@@ -24,9 +26,13 @@ from services.learner.loss import (
     entropy_threshold,
     policy_loss,
 )
+from services.learner.policy import completion_logprobs_and_entropy, load_policy, reference_model
+from services.learner.settings import LearnerSettings
+from services.learner.trainer import Trainer
 from services.scorer.advantages import compute_advantages
 from shared.records import AdvantageSpec
 from tests.support.factories import make_rollout, make_scored, make_task
+from tests.support.tiny_model import build_tiny_llama
 
 TOL = 1e-6
 F64 = torch.float64
@@ -549,3 +555,146 @@ def test_dynamic_sampling_cap():
     assert not replacement_cap_reached(skipped=2, cap=2, collected=3)
     assert replacement_cap_reached(skipped=3, cap=2, collected=3)  # train on the 3 it has
     assert not replacement_cap_reached(skipped=9, cap=2, collected=0)  # never on nothing
+
+
+# Entropy from the logprob pass -----------------------------------------------------------------------------
+
+
+def naive_entropy(scaled):
+    return -(torch.softmax(scaled, -1) * torch.log_softmax(scaled, -1)).sum(-1)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_chunked_entropy_value_and_gradient_match_naive(contiguous, monkeypatch):
+    monkeypatch.setattr(entropy_module, "_CHUNK_ELEMENTS", 50)  # several chunks per row
+    logits = torch.randn(3, 9, 17, dtype=F64) * 3
+    source = logits.clone().requires_grad_(True)
+    view = source if contiguous else source[:, 1:]  # a strided slice, as the model's logits[:, :-1]
+    got = entropy_module.token_entropy(view, torch.logsumexp(view, -1))
+    want = naive_entropy(view)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    weights = torch.randn_like(want)
+    (g_got,) = torch.autograd.grad((got * weights).sum(), source)
+    (g_want,) = torch.autograd.grad((want * weights).sum(), source)
+    torch.testing.assert_close(g_got, g_want, atol=1e-12, rtol=0)
+
+
+def test_chunked_entropy_keeps_no_vocab_sized_tensor_for_backward():
+    scaled = torch.randn(2, 6, 50, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        entropy_module.token_entropy(scaled)
+    big = [t for t in saved if t.numel() >= scaled.numel()]
+    assert big and all(t.untyped_storage().data_ptr() == scaled.untyped_storage().data_ptr() for t in big)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "m", seed=5)
+
+
+def tiny_settings(model_path, **overrides) -> LearnerSettings:
+    fields = dict(
+        model=str(model_path),
+        group_size=4,
+        groups_per_step=2,
+        micro_batch_size=4,
+        lr=1e-3,
+        max_completion_length=8,
+        max_steps=4,
+        api_token="t",
+    )
+    fields.update(overrides)
+    return LearnerSettings(**fields)
+
+
+def tiny_batch(model, seed=0):
+    """Two groups of four completions (one cut at max tokens), behaviour logprobs a little off the model's."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(2):
+        rollout = make_rollout(make_task(group_size=4), tokens=4 + g, seed=seed + g)
+        completions = []
+        for i, c in enumerate(rollout.completions):
+            ids = rng.integers(5, 90, size=3 + i + g).astype(np.int32)
+            behaviour = (-rng.random(ids.size) * 4).astype(np.float32)
+            completions.append(c.model_copy(update={"token_ids": ids, "behaviour_logprobs": behaviour}))
+        rollout = rollout.model_copy(
+            update={"completions": tuple(completions), "prompt_token_ids": rng.integers(5, 90, 6).astype(np.int32)}
+        )
+        rewards = rng.random(4).astype(np.float32)
+        scored = make_scored(rollout, num_funcs=1).model_copy(
+            update={"rewards_per_func": rewards[:, None], "rewards": rewards, "advantages": rewards - rewards.mean()}
+        )
+        groups.append(scored)
+    return collate(groups, [torch.from_numpy(g.advantages.copy()) for g in groups], pad_id=4)
+
+
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_policy_entropy_comes_from_the_logprob_pass(tiny, share_prompts):
+    model, _ = load_policy(tiny_settings(tiny), str(tiny))
+    batch = tiny_batch(model)
+    with torch.no_grad():
+        _, entropies = completion_logprobs_and_entropy(model, batch, share_prompts=share_prompts)
+        for row in range(batch.size):
+            n = int(batch.completion_mask[row].sum())
+            full = batch.input_ids[row : row + 1, batch.attention_mask[row].bool()]
+            logits = model(full).logits[0, -n - 1 : -1].float() / batch.temperatures[row]
+            torch.testing.assert_close(entropies[row, :n], naive_entropy(logits), atol=1e-5, rtol=1e-5)
+            assert torch.all(entropies[row, n:] == 0)
+
+
+RUNS = {
+    "grpo": {},
+    "gspo": {"ratio_level": "sequence"},
+    "bnpo": {"loss_type": "bnpo"},
+    "dr_grpo": {"loss_type": "dr_grpo"},
+    "dapo": {"loss_type": "dapo", "epsilon_high": 0.28},
+    "luspo": {"loss_type": "luspo", "ratio_level": "sequence"},
+    "cispo": {"loss_type": "cispo", "ratio_level": "sequence", "mask_truncated_completions": True},
+    "sapo": {"loss_type": "sapo"},
+    # These behaviour logprobs are far off the model's: folded into w they would make phi(w) ~ 0.
+    "vespo": {"loss_type": "vespo", "importance_correction": False},
+    "geo_mean": {"loss_type": "geo_mean"},
+    "kl_cov": {"loss_type": "kl_cov", "kl_cov_ratio": 0.2},
+    "kl_entropy_masks": {
+        "beta": 0.04,
+        "kl_estimator": "low_var_kl",
+        "off_policy_mask_threshold": 0.5,
+        "top_entropy_quantile": 0.2,
+        "adaptive_entropy": True,
+        "entropy_coef": 0.01,
+        "entropy_target": 100.0,
+        "num_iterations": 2,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_short_training_run_per_objective_is_finite(tiny, name):
+    settings = tiny_settings(tiny, **RUNS[name])
+    model, _ = load_policy(settings, str(tiny))
+    reference = reference_model(model) if settings.beta > 0 else None
+    trainer = Trainer(model, settings, reference=reference)
+    before = model.lm_head.weight.detach().clone()
+    results = trainer.train(tiny_batch(model, seed=1))
+    assert len(results) == settings.num_iterations
+    for metrics in results:
+        assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]), metrics
+        assert 0.0 < metrics["entropy"] < math.log(model.config.vocab_size) + 1e-6
+    assert not torch.equal(before, model.lm_head.weight)
+    if settings.adaptive_entropy:  # entropy below the target: the coefficient grows, step by step
+        assert [m["entropy_coef"] for m in results] == pytest.approx([0.015, 0.02])
+
+
+def test_entropy_threshold_is_taken_over_the_whole_batch(tiny):
+    settings = tiny_settings(tiny, top_entropy_quantile=0.3, mask_truncated_completions=True, micro_batch_size=2)
+    model, _ = load_policy(settings, str(tiny))
+    batch = tiny_batch(model, seed=2)
+    prepared = Trainer(model, settings).prepare(batch)
+    with torch.no_grad():
+        _, entropies = completion_logprobs_and_entropy(model, batch)
+    keep = batch.completion_mask.bool() & ~batch.truncated.unsqueeze(1)
+    expected = torch.quantile(entropies[keep].double(), 0.7)
+    assert float(prepared["entropy_threshold"]) == pytest.approx(float(expected), abs=1e-5)
+    assert float(prepared["entropy_tokens"]) == float((entropies[keep] >= prepared["entropy_threshold"]).sum())
