@@ -28,7 +28,7 @@ class _ChunkedEntropy(torch.autograd.Function):
     """Entropy of [B, T, V] scaled logits (any strides: slices of the model's logits are not copied)."""
 
     @staticmethod
-    def forward(ctx, scaled: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, scaled: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(lse)
         for row, span in _pieces(*scaled.shape):
             s = scaled[row, span]
@@ -37,7 +37,7 @@ class _ChunkedEntropy(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         scaled, lse, entropy = ctx.saved_tensors
         grad_scaled = torch.empty(scaled.shape, dtype=scaled.dtype, device=scaled.device)
         for row, span in _pieces(*scaled.shape):

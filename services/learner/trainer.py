@@ -268,6 +268,17 @@ class Trainer:
             out["ref_logprobs"], _ = self._logprobs_no_grad(self.reference, batch, real)
         return out
 
+    def _batch_normalisers(self, batch: TrainBatch, prepared: dict[str, torch.Tensor]) -> dict:
+        """The whole batch's counts each micro-batch's loss is normalised by, so that they add up exactly."""
+        loss_tokens = float(self._loss_mask(batch).sum())
+        return {
+            "entropy_threshold": prepared.get("entropy_threshold"),
+            "max_completion_length": self.settings.max_completion_length,
+            "num_items_in_batch": loss_tokens,
+            "num_sequences": batch.size,
+            "num_entropy_tokens": prepared.get("entropy_tokens", loss_tokens),
+        }
+
     def _step_config(self) -> LossConfig:
         """The loss config of this optimizer step: the adaptive bonus applies while the last entropy <= target."""
         s = self.settings
@@ -280,7 +291,7 @@ class Trainer:
         """Backward of the whole batch's loss, micro-batch by micro-batch; returns summed metrics."""
         s = self.settings
         total_tokens = float(batch.completion_mask.sum())
-        loss_tokens = float(self._loss_mask(batch).sum())
+        batch_wide = self._batch_normalisers(batch, prepared)
         config = self._step_config()
         entropy_mode: EntropyMode = "grad" if config.entropy_coef != 0.0 else "value"
         # FSDP averages gradients over ranks; each rank's loss is its share of the whole batch's loss.
@@ -317,11 +328,7 @@ class Trainer:
                 importance_weights=weights,
                 entropies=entropies,
                 truncated=mb.truncated if s.mask_truncated_completions else None,
-                entropy_threshold=prepared.get("entropy_threshold"),
-                max_completion_length=s.max_completion_length,
-                num_items_in_batch=loss_tokens,
-                num_sequences=batch.size,
-                num_entropy_tokens=prepared.get("entropy_tokens", loss_tokens),
+                **batch_wide,
             )
             out = compute_loss(inputs, config)
             (out.loss * rank_scale).backward()
