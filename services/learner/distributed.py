@@ -97,10 +97,13 @@ def check_batch(completions_per_step: int, lora_rank: int, topology: Topology) -
 
 def mixed_precision_policy(param: torch.dtype, compute: torch.dtype):
     """FSDP2's policy: shards stay in ``param`` (the master weights), each unit is gathered and computes in
-    ``compute``, and gradients are reduce-scattered in float32 (None: no casting, all in ``param``)."""
+    ``compute``, and gradients are reduce-scattered in float32 (None when ``compute`` is not lower than
+    ``param``: no casting, all in ``param``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if compute == param:
+    from services.learner.hardware import Precision
+
+    if not Precision(param=param, compute=compute).mixed:
         return None
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
 
