@@ -304,6 +304,8 @@ def from_trl(fields: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         learner["importance_correction"] = bool(fields.pop("vllm_importance_sampling_correction"))
     if "vllm_importance_sampling_cap" in fields:
         learner["importance_cap"] = fields.pop("vllm_importance_sampling_cap")
+    if fields.get("bf16") is not None:  # TRL's bf16: autocast over float32 weights, as our compute_dtype
+        learner["compute_dtype"] = "bfloat16" if fields.pop("bf16") else "float32"
     if "vllm_gpu_memory_utilization" in fields:
         generator["gpu_memory_utilization"] = fields.pop("vllm_gpu_memory_utilization")
     if "model" in learner:
