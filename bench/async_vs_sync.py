@@ -46,7 +46,7 @@ def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int, context:
         "scorer": {"rewards": [{"name": "hard_format", "weight": 0.8}, {"name": "mark", "weight": 0.2}], "port": 0},
         "learner": {
             "model": str(model),
-            "dtype": "auto",
+            "compute_dtype": "auto",
             "threads": 1,
             "group_size": 8,
             "groups_per_step": groups,

@@ -1,7 +1,9 @@
 """Learner benchmark: our training step vs a bare transformers forward+backward loop on the same batch.
 
-Model: SmolLM2-135M's architecture (30 layers, hidden 576, vocabulary 49,152) with random weights, in bf16
-where the CPU computes in it (AMX / AVX512-BF16), else float32 (services/learner/hardware.py).
+Model: SmolLM2-135M's architecture (30 layers, hidden 576, vocabulary 49,152) with random weights.
+Precision: both loops run the learner's policy (services/learner/hardware.py): master weights and AdamW
+state in ``--param-dtype`` (float32), forward and backward in ``--compute-dtype`` under autocast (auto: bf16
+where the CPU computes in it, AMX / AVX512-BF16, else float32), so the speed ratio compares like with like.
 Batch: ``--groups`` groups of G = ``--group-size`` completions (lengths 20-60) of a ``--prompt``-token prompt.
 
 * "bare": one forward over each micro-batch's prompt + completion (right-padded), log-softmax of the
@@ -12,7 +14,7 @@ Batch: ``--groups`` groups of G = ``--group-size`` completions (lengths 20-60) o
 Both in the same process, alternating, best of ``--repeats``; figures are completion tokens per second.
 The last line is the ratio ours/bare (goal >= 0.9).
 
-    python bench/learner.py [--threads 1] [--repeats 3] [--quick]
+    python bench/learner.py [--threads 1] [--repeats 3] [--compute-dtype auto] [--quick]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from services.learner.batch import TrainBatch, collate  # noqa: E402
-from services.learner.hardware import auto_dtype, resolve_dtype  # noqa: E402
+from services.learner.hardware import Precision, compute_context, resolve_precision  # noqa: E402
 from services.learner.settings import LearnerSettings  # noqa: E402
 from services.learner.trainer import Trainer  # noqa: E402
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, ScoredGroup  # noqa: E402
@@ -38,7 +40,7 @@ from shared.records import Completion, PromptTask, Rollout, RolloutTimings, Scor
 VOCAB = 49152
 
 
-def smollm2_shaped(layers: int) -> LlamaForCausalLM:
+def smollm2_shaped(layers: int, dtype: torch.dtype) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=576,
@@ -51,7 +53,7 @@ def smollm2_shaped(layers: int) -> LlamaForCausalLM:
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(resolve_dtype("auto", "cpu"))
+    model = LlamaForCausalLM(config).to(dtype)
     model.config.use_cache = False
     return model
 
@@ -95,8 +97,9 @@ def make_groups(groups: int, group_size: int, prompt_len: int) -> list[ScoredGro
     return out
 
 
-def bare_step(model, optimizer, groups: list[ScoredGroup], micro_batch_size: int) -> None:
-    """The plain loop: right-padded prompt + completion, log-softmax, policy gradient, AdamW."""
+def bare_step(model, optimizer, groups: list[ScoredGroup], micro_batch_size: int, precision: Precision) -> None:
+    """The plain loop: right-padded prompt + completion, log-softmax, policy gradient, AdamW; the forward
+    under the same autocast as ours."""
     rows = [
         (g.rollout.prompt_token_ids, c.token_ids, float(a))
         for g in groups
@@ -116,7 +119,8 @@ def bare_step(model, optimizer, groups: list[ScoredGroup], micro_batch_size: int
             ids[row, : len(sequence)] = torch.from_numpy(sequence.astype(np.int64))
             attention[row, : len(sequence)] = 1
             target_mask[row, len(prompt) - 1 : len(sequence) - 1] = 1
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+        with compute_context(precision, "cpu"):
+            logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         loss = -(logprobs * target_mask * advantages[:, None]).sum() / total_tokens
         loss.backward()
@@ -131,7 +135,8 @@ def main(args) -> None:
     settings = LearnerSettings(
         model="(bench)",
         api_token="x",
-        dtype="auto",
+        param_dtype=args.param_dtype,
+        compute_dtype=args.compute_dtype,
         group_size=args.group_size,
         groups_per_step=args.groups,
         micro_batch_size=args.micro_batch_size,
@@ -140,20 +145,22 @@ def main(args) -> None:
         max_steps=1000,
     )
     batch: TrainBatch = collate(groups, [torch.from_numpy(g.advantages.copy()) for g in groups], pad_id=0)
-    ours_model, bare_model = smollm2_shaped(args.layers), smollm2_shaped(args.layers)
+    precision = resolve_precision(args.param_dtype, args.compute_dtype, "cpu")
+    ours_model, bare_model = smollm2_shaped(args.layers, precision.param), smollm2_shaped(args.layers, precision.param)
     trainer = Trainer(ours_model, settings)
+    assert trainer.precision == precision
     bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6)
     best = {"bare": float("inf"), "ours": float("inf")}
     for _ in range(args.repeats):
         started = time.perf_counter()
-        bare_step(bare_model, bare_optimizer, groups, args.micro_batch_size)
+        bare_step(bare_model, bare_optimizer, groups, args.micro_batch_size, precision)
         best["bare"] = min(best["bare"], time.perf_counter() - started)
         started = time.perf_counter()
         trainer.train(batch)
         best["ours"] = min(best["ours"], time.perf_counter() - started)
     print(
         f"learner: {args.groups} groups x G={args.group_size}, prompt {args.prompt} tokens, {tokens} completion "
-        f"tokens, micro-batch {args.micro_batch_size}, {args.layers} layers {auto_dtype('cpu')}, "
+        f"tokens, micro-batch {args.micro_batch_size}, {args.layers} layers, {precision.describe()}, "
         f"{args.threads} thread(s), best of {args.repeats}"
     )
     print(f"{'loop':<6} {'seconds':>8} {'tokens/s':>9}")
@@ -171,6 +178,8 @@ if __name__ == "__main__":
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--compute-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     parser.add_argument("--quick", action="store_true", help="2 layers, 2 groups, 1 repeat (smoke test)")
     arguments = parser.parse_args()
     if arguments.quick:

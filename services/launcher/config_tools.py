@@ -392,6 +392,8 @@ def from_trl(fields: dict[str, Any], defaults: dict[str, Any] | None = None) -> 
                 learner[ours] = value
     _trl_objective(fields, learner, notes)
     _trl_importance(fields, learner)
+    if fields.get("bf16") is not None:  # TRL's bf16: autocast over float32 weights, as our compute_dtype
+        learner["compute_dtype"] = "bfloat16" if fields.pop("bf16") else "float32"
     if "min_p" in fields:
         learner["min_p"] = fields.pop("min_p") or 0.0
     if learner.get("top_k") == 0:

@@ -3,8 +3,10 @@
 ``<checkpoint_dir>/step-<N>/`` holds:
 
 * ``config.json``, ``model.safetensors``, tokenizer files: the full model (LoRA merged in), which
-  transformers and vLLM load directly - late-joining generators start from it;
-* ``adapter/``: the LoRA adapter, when training one;
+  transformers and vLLM load directly - late-joining generators start from it. These are the master
+  weights as trained (float32 by default, ``param_dtype``); vLLM casts them at load to the generator's
+  ``dtype``, and a resumed learner reads them back bit for bit;
+* ``adapter/``: the LoRA adapter (float32), when training one;
 * ``trainer.pt``: optimizer (one rank), scheduler and RNG states;
 * ``optimizer/``: the optimizer's shards, when several ranks train (torch.distributed.checkpoint);
 * ``state.json``: step, policy version, the feeder's position, the ids of every group trained so far and

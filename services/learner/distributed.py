@@ -14,6 +14,9 @@ layer, then on the root) and trains on its share of each batch:
   pads with zero-weighted passes (:func:`micro_batch_plan`), and the forward is the padded one (the
   shared-prompt forward's pass count depends on where group boundaries fall).
 
+Precision: the shards (master weights) and AdamW state stay float32; with a bf16 ``compute_dtype`` each unit
+is gathered in bf16 and its gradients are reduce-scattered in float32 (FSDP2's ``MixedPrecisionPolicy``).
+
 Followers (ranks > 0) open no port and no Redis connection: :func:`follow` runs the leader's commands
 until it says stop. LoRA is not supported across ranks (a clear error says so); a reference model (beta > 0)
 is a full, frozen replica on every rank.
@@ -92,16 +95,34 @@ def check_batch(completions_per_step: int, lora_rank: int, topology: Topology) -
         )
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2: each decoder layer is one unit (gathered for its forward), the root holds the rest."""
-    from torch.distributed.fsdp import fully_shard
+def mixed_precision_policy(param: torch.dtype, compute: torch.dtype):
+    """FSDP2's policy: shards stay in ``param`` (the master weights), each unit is gathered and computes in
+    ``compute``, and gradients are reduce-scattered in float32 (None when ``compute`` is not lower than
+    ``param``: no casting, all in ``param``)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from services.learner.hardware import Precision
+
+    if not Precision(param=param, compute=compute).mixed:
+        return None
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+
+def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """FSDP2: each decoder layer is one unit (gathered for its forward), the root holds the rest.
+
+    With ``compute_dtype`` lower than the weights' dtype, units compute in it (:func:`mixed_precision_policy`).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no .model.layers to shard; FSDP2 needs decoder layers")
+    param = next(model.parameters()).dtype
+    policy = mixed_precision_policy(param, compute_dtype or param) or MixedPrecisionPolicy()
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     return model
 
 

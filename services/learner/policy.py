@@ -17,42 +17,62 @@ import torch
 
 from services.learner.batch import TrainBatch
 from services.learner.entropy import token_entropy
-from services.learner.hardware import resolve_dtype
+from services.learner.hardware import resolve_precision
 from services.learner.settings import LearnerSettings
 
 log = logging.getLogger(__name__)
 
 
 def load_policy(settings: LearnerSettings, path: str, adapter_path: str | None = None):
-    """The model to train (with LoRA adapters when ``lora_rank`` > 0) and its tokenizer."""
+    """The model to train (with LoRA adapters when ``lora_rank`` > 0) and its tokenizer.
+
+    Full fine-tuning keeps the weights in ``param_dtype`` (the float32 master weights). With LoRA the base is
+    frozen, so it is stored in the compute dtype, and the adapters, which train, are float32.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = resolve_dtype(settings.dtype, settings.device)
-    log.info("loading %s in %s on %s (dtype setting %r)", path, dtype, settings.device, settings.dtype)
+    precision = resolve_precision(settings.param_dtype, settings.compute_dtype, settings.device)
+    if precision.param == torch.bfloat16:
+        log.warning("param_dtype = bfloat16: AdamW steps below half a bf16 unit of a weight are rounded away")
+    dtype = precision.compute if settings.lora_rank else precision.param
+    log.info("loading %s in %s on %s (%s)", path, dtype, settings.device, precision.describe())
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(settings.device)
     model.config.use_cache = False
     if settings.lora_rank:
-        from peft import LoraConfig, PeftModel, get_peft_model
-
-        if adapter_path:
-            model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
-        else:
-            config = LoraConfig(
-                r=settings.lora_rank,
-                lora_alpha=settings.lora_alpha,
-                target_modules=settings.lora_target_modules,
-                lora_dropout=0.0,
-                bias="none",
-            )
-            model = get_peft_model(model, config)
+        model = _with_adapters(model, settings, adapter_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
 
-def reference_model(model: torch.nn.Module) -> torch.nn.Module:
-    """A frozen copy of the initial policy (for the KL term)."""
+def _with_adapters(model: torch.nn.Module, settings: LearnerSettings, adapter_path: str | None) -> torch.nn.Module:
+    """LoRA adapters in float32 over the frozen base (PEFT keeps bf16 adapters out: autocast_adapter_dtype)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if adapter_path:
+        model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True, autocast_adapter_dtype=True)
+    else:
+        config = LoraConfig(
+            r=settings.lora_rank,
+            lora_alpha=settings.lora_alpha,
+            target_modules=settings.lora_target_modules,
+            lora_dropout=0.0,
+            bias="none",
+        )
+        model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()  # an adapter saved in another dtype trains in float32 too
+            log.info("adapter %s cast to float32", name)
+    return model
+
+
+def reference_model(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """A frozen copy of the initial policy (for the KL term), in ``dtype`` when given (it never updates,
+    so the compute dtype loses nothing that a later step needs)."""
     reference = copy.deepcopy(model)
+    if dtype is not None:
+        reference.to(dtype)
     reference.eval()
     reference.requires_grad_(False)
     return reference
@@ -164,19 +184,30 @@ def logprobs_no_grad(
 
 @contextmanager
 def merged_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """(name, tensor) of the full model as vLLM and transformers name them; LoRA adapters merged in
-    for the duration (then unmerged). Tied weights appear once."""
-    is_peft = hasattr(model, "merge_adapter")
-    if is_peft:
-        model.merge_adapter()
-    try:
-        base = model.get_base_model() if is_peft else model
-        named = []
-        for name, param in base.named_parameters():
-            if "lora_" in name:
-                continue
-            named.append((name.replace(".base_layer", ""), param.detach()))
-        yield named
-    finally:
-        if is_peft:
-            model.unmerge_adapter()
+    """(name, tensor) of the full model as vLLM and transformers name them. Tied weights appear once.
+
+    With LoRA each adapted weight is ``base + B @ A * scaling`` computed in float32 into a new tensor: the
+    base is never merged in place, since adding a small update to a bf16 base and subtracting it again
+    would round the frozen weights a little more at every push.
+    """
+    if not hasattr(model, "get_base_model"):
+        yield [(name, param.detach()) for name, param in model.named_parameters()]
+        return
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and not module.disable_adapters:
+            adapters = [a for a in module.active_adapters if a in module.lora_A]
+            with torch.no_grad():
+                deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(a).float() for a in adapters)
+    named = []
+    for name, param in base.named_parameters():
+        if "lora_" in name:
+            continue
+        tensor = param.detach()
+        if name in deltas:
+            tensor = tensor.float() + deltas[name]
+        named.append((name.replace(".base_layer", ""), tensor))
+    yield named

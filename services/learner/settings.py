@@ -13,6 +13,7 @@ Batch vocabulary (the README's "Batch arithmetic" section draws it):
 
 from __future__ import annotations
 
+import logging
 import socket
 from typing import ClassVar, Literal
 
@@ -21,6 +22,8 @@ from pydantic_settings import SettingsConfigDict
 
 from shared.records import ChatMessage
 from shared.settings import ServiceSettings
+
+log = logging.getLogger(__name__)
 
 
 class DataSettings(BaseModel):
@@ -54,10 +57,20 @@ class LearnerSettings(ServiceSettings):
 
     data: DataSettings = Field(default_factory=DataSettings)
     model: str = Field("", description="Path of the initial model (transformers checkpoint directory).")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+    param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
-        description="Training dtype; auto: bfloat16 where the device computes in it (CUDA; CPUs with AMX or "
+        description="Master weights and AdamW state. float32 keeps every update; bfloat16 halves their memory but "
+        "rounds away steps below half a bf16 unit (most of them at lr 1e-6) and computes in bfloat16.",
+    )
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Forward and backward dtype (autocast on one device, FSDP2 mixed precision under torchrun; "
+        "gradients stay float32); auto: bfloat16 where the device computes in it (CUDA; CPUs with AMX or "
         "AVX512-BF16), else float32 (emulated bf16 is ~16x slower).",
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] | None = Field(
+        None,
+        description="Deprecated: read as compute_dtype, with the master weights in param_dtype (a warning says so).",
     )
     device: str = Field("cpu", description="Torch device: cpu or cuda.")
     threads: int = Field(0, ge=0, description="Torch CPU threads (0: torch's default).")
@@ -227,7 +240,33 @@ class LearnerSettings(ServiceSettings):
         return (self.max_staleness + 1) * self.groups_per_step
 
     @model_validator(mode="after")
+    def _translate_dtype(self) -> LearnerSettings:
+        """The old ``dtype`` (weights and compute in one dtype) becomes ``compute_dtype`` over float32 weights."""
+        if self.dtype is None:
+            return self
+        if "compute_dtype" in self.model_fields_set and self.compute_dtype != self.dtype:
+            raise ValueError(
+                f"learner.dtype ({self.dtype!r}) is deprecated and contradicts compute_dtype "
+                f"({self.compute_dtype!r}); remove dtype"
+            )
+        log.warning(
+            "learner.dtype is deprecated: dtype = %r is read as compute_dtype = %r with %s master weights "
+            "(param_dtype); rename it to compute_dtype",
+            self.dtype,
+            self.dtype,
+            self.param_dtype,
+        )
+        self.compute_dtype = self.dtype
+        self.dtype = None
+        return self
+
+    @model_validator(mode="after")
     def _check(self) -> LearnerSettings:
+        if self.param_dtype == "bfloat16" and self.compute_dtype == "float32":
+            raise ValueError(
+                "param_dtype = 'bfloat16' computes in bfloat16; set compute_dtype = 'bfloat16' (or 'auto'), "
+                "or keep float32 master weights with param_dtype = 'float32'"
+            )
         if not self.model:
             raise ValueError("learner.model is required: set LEARNER_MODEL to a checkpoint directory")
         if self.micro_batch_size > self.completions_per_step:

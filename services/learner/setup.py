@@ -18,6 +18,7 @@ from services.learner import distributed
 from services.learner.checkpoint import LearnerState, list_checkpoints, load_state
 from services.learner.distributed import Topology
 from services.learner.feeder import PromptFeeder, load_rows
+from services.learner.hardware import resolve_precision
 from services.learner.observability import MetricsSink
 from services.learner.policy import load_policy, reference_model
 from services.learner.settings import LearnerSettings
@@ -78,11 +79,14 @@ def build_trainer(settings: LearnerSettings, topology: Topology | None = None):
         log.info("resuming from %s (step %d)", checkpoints[-1], state.step)
     model, tokenizer = load_policy(settings, model_path, adapter)
     check_context(settings, model.config)
+    precision = resolve_precision(settings.param_dtype, settings.compute_dtype, settings.device)
+    log.info("precision: %s", precision.describe())
     reference = None
     if settings.beta > 0:
-        reference = reference_model(load_policy(settings, settings.model)[0] if checkpoints else model)
+        initial = load_policy(settings, settings.model)[0] if checkpoints else model
+        reference = reference_model(initial, precision.compute)
     if topology.distributed:
-        distributed.shard_model(model)
+        distributed.shard_model(model, precision.compute)
     trainer = Trainer(model, settings, reference, topology)
     if trainer_state is not None:
         trainer.load_state_dict(trainer_state, checkpoints[-1])

@@ -20,6 +20,10 @@ entropy over the tokens the loss acts on.
 
 Under torchrun (:mod:`services.learner.distributed`) each rank runs these on its block of the batch's rows
 with the whole batch's normalisers, and the metrics are summed across ranks.
+
+Precision (:mod:`services.learner.hardware`): the weights, their gradients and AdamW's state are in
+``param_dtype`` (float32); forwards run in ``compute_dtype`` under autocast on one device (FSDP2 casts the
+gathered weights itself under torchrun); logprobs and the loss are float32.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 from services.learner import distributed
 from services.learner.batch import TrainBatch
 from services.learner.distributed import Channel, Topology
+from services.learner.hardware import Precision, compute_context, resolve_precision
 from services.learner.importance import importance_weight_metrics, importance_weights
 from services.learner.loss import (
     DEFAULT_AGGREGATION,
@@ -110,6 +115,9 @@ class Trainer:
         # The shared-prompt forward runs a pass count that depends on group boundaries; FSDP's collectives
         # need the same count on every rank, which the padded forward gives.
         self.share_prompts = not self.topology.distributed
+        self.precision = resolve_precision(settings.param_dtype, settings.compute_dtype, settings.device)
+        # Sharded, FSDP2's MixedPrecisionPolicy casts the gathered weights (distributed.shard_model).
+        self.autocast = Precision() if self.topology.distributed else self.precision
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params,
@@ -209,9 +217,10 @@ class Trainer:
         try:
             parts, entropies = [], []
             for mb in passes:
-                logprobs, h = completion_logprobs_and_entropy(
-                    model, mb or self._padding(batch), share_prompts=self.share_prompts, entropy=entropy
-                )
+                with compute_context(self.autocast, self.device):
+                    logprobs, h = completion_logprobs_and_entropy(
+                        model, mb or self._padding(batch), share_prompts=self.share_prompts, entropy=entropy
+                    )
                 if mb is not None:
                     parts.append(logprobs)
                     entropies.append(h)
@@ -303,9 +312,10 @@ class Trainer:
         for planned in passes:
             mb = planned or self._padding(batch)
             rows = slice(start, start + mb.size)
-            logprobs, entropies = completion_logprobs_and_entropy(
-                self.model, mb, share_prompts=self.share_prompts, entropy=entropy_mode
-            )
+            with compute_context(self.autocast, self.device):
+                logprobs, entropies = completion_logprobs_and_entropy(
+                    self.model, mb, share_prompts=self.share_prompts, entropy=entropy_mode
+                )
             if planned is None:  # padding pass: keeps the ranks' collectives in step, adds no gradient
                 (logprobs.sum() * 0.0).backward()
                 continue

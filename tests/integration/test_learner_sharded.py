@@ -1,5 +1,6 @@
 """The learner on two ranks (FSDP2 over gloo, as under ``torchrun`` on CPU) takes exactly the step one
-process takes on the same batches, through a checkpoint of the sharded optimizer and a restart."""
+process takes on the same batches, through a checkpoint of the sharded optimizer and a restart; and with bf16
+compute over float32 shards (FSDP2's MixedPrecisionPolicy) it keeps the update, as one process does."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from services.learner.distributed import Topology, micro_batch_plan, split_rows
 from services.learner.settings import LearnerSettings
 from tests.support.factories import make_task
 from tests.support.fake_pipeline import scored_group_for
+from tests.support.mixed_precision import fixed_batch, moved_fraction, relative_l2, train_update, update_of
 from tests.support.sharded_trainer import build
 from tests.support.tiny_model import build_tiny_llama
 
@@ -61,6 +63,7 @@ def test_two_ranks_take_the_single_process_step_through_a_checkpoint(tmp_path):
     tiny = build_tiny_llama(tmp_path / "tiny", seed=3, logit_scale=1.0)
     fields = dict(
         model=str(tiny),
+        compute_dtype="float32",  # float64 weights compute in float64: equal to rounding
         group_size=4,
         groups_per_step=3,
         micro_batch_size=4,
@@ -119,3 +122,35 @@ def build_tiny_reference(tiny: Path, _cache: dict = {}) -> dict[str, torch.Tenso
         model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float64)
         _cache[tiny] = dict(model.named_parameters())
     return _cache[tiny]
+
+
+@pytest.mark.slow  # 20 s on an idle machine, 65-100 s with the 2 cores shared
+def test_two_ranks_with_bf16_compute_keep_the_float32_update(tmp_path, capsys):
+    """5 steps at lr 1e-6, bf16 gathers and float32 reduce-scatters: >= 90% of the float32 shards move and
+    the update is within 30% (relative L2) of one float32 process's on the same batch."""
+    tiny = build_tiny_llama(tmp_path / "tiny", seed=3, logit_scale=1.0)
+    fields = dict(
+        model=str(tiny),
+        param_dtype="float32",
+        compute_dtype="bfloat16",
+        group_size=4,
+        groups_per_step=2,
+        micro_batch_size=4,
+        num_iterations=5,
+        max_steps=1000,
+        lr=1e-6,
+        max_completion_length=16,
+    )
+    torch.save([fixed_batch()], tmp_path / "batch.pt")
+    _torchrun("--model", str(tiny), "--batches", str(tmp_path / "batch.pt"), "--settings", json.dumps(fields),
+              "--out", str(tmp_path / "out"), "--dtype", "float32")  # fmt: skip
+    after = torch.load(tmp_path / "out" / "weights.pt")
+    before = {name: tensor.detach().float() for name, tensor in build_tiny_reference(tiny).items()}
+    assert all(tensor.dtype == torch.float32 for tensor in after.values())
+    reference = update_of(*train_update(tiny, "cpu", "float32", "float32"))
+    moved = moved_fraction(before, after)
+    distance = relative_l2(update_of(before, after), reference)
+    with capsys.disabled():
+        print(f"\ntwo ranks, bf16 compute: moved {moved:.4f}, relative L2 to one float32 process {distance:.4f}")
+    assert moved >= 0.90
+    assert 1e-4 < distance <= 0.30

@@ -1,14 +1,15 @@
 """Run under torchrun: the learner's sharded Trainer on batches saved by a test.
 
     torchrun --standalone --nproc_per_node 2 tests/support/sharded_trainer.py --model M --batches B.pt
-        --settings JSON --out DIR [--weights W.pt] [--resume DIR]
+        --settings JSON --out DIR [--weights W.pt] [--resume DIR] [--dtype float64|float32]
 
-Every rank loads the model (in float64, so the comparison with one process is exact to rounding), keeps a
-frozen copy as the reference model, replaces its weights with ``--weights`` when given, shards it with
-FSDP2 and builds the Trainer; with ``--resume`` it restores the trainer state and optimizer shards a
-previous run saved. The leader trains each batch (the others follow its commands, as in the service), then
-saves the trainer state and optimizer shards to ``DIR/state``, the full weights to ``DIR/weights.pt`` and
-the per-step metrics to ``DIR/metrics.json``.
+Every rank loads the model (in float64 by default, so the comparison with one process is exact to rounding;
+in float32 for the mixed-precision test, computing in the settings' compute dtype), keeps a frozen copy as
+the reference model (in the compute dtype when it is lower), replaces its weights with ``--weights`` when
+given, shards it with FSDP2 and builds the Trainer; with ``--resume`` it restores the trainer state and
+optimizer shards a previous run saved. The leader trains each batch (the others follow its commands, as in
+the service), then saves the trainer state and optimizer shards to ``DIR/state``, the full weights to
+``DIR/weights.pt`` and the per-step metrics to ``DIR/metrics.json``.
 """
 
 from __future__ import annotations
@@ -23,22 +24,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from services.learner import distributed
+from services.learner.hardware import Precision, resolve_precision
 from services.learner.policy import reference_model
 from services.learner.settings import LearnerSettings
 from services.learner.trainer import Trainer
 
 
-def build(model_path: str, weights: str | None, settings: LearnerSettings, topology) -> Trainer:
+def build(
+    model_path: str, weights: str | None, settings: LearnerSettings, topology, dtype: torch.dtype = torch.float64
+) -> Trainer:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model.config.use_cache = False
-    reference = reference_model(model) if settings.beta > 0 else None  # the initial model, as the service's
+    compute = resolve_precision(settings.param_dtype, settings.compute_dtype, settings.device).compute
+    compute = compute if Precision(param=dtype, compute=compute).mixed else dtype  # float64 stays float64
+    # The reference is the initial model, as the service's.
+    reference = reference_model(model, compute) if settings.beta > 0 else None
     if weights:
         missing, unexpected = model.load_state_dict(torch.load(weights), strict=False)
         assert not unexpected and all(name.endswith("rotary_emb.inv_freq") for name in missing), missing
     if topology.distributed:
-        distributed.shard_model(model)
+        distributed.shard_model(model, compute)
     return Trainer(model, settings, reference, topology)
 
 
@@ -50,11 +57,12 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--weights")
     parser.add_argument("--resume")
+    parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     args = parser.parse_args()
     topology = distributed.topology_from_env()
     distributed.start(topology, "cpu")
     settings = LearnerSettings(**json.loads(args.settings))
-    trainer = build(args.model, args.weights, settings, topology)
+    trainer = build(args.model, args.weights, settings, topology, getattr(torch, args.dtype))
     if args.resume:
         trainer.load_state_dict(torch.load(Path(args.resume) / "trainer.pt", weights_only=False), Path(args.resume))
     if not topology.is_leader:

@@ -198,10 +198,12 @@ def test_from_trl_maps_fields_and_lists_the_rest():
             "max_completion_length": 512,
             "use_liger_loss": True,
             "report_to": "wandb",
+            "bf16": True,
         }
     )
     tables, unmapped = result.tables, result.unmapped
     learner = tables["learner"]
+    assert learner["compute_dtype"] == "bfloat16"  # float32 master weights under bf16 autocast, as TRL's
     assert learner["group_size"] == 4 and learner["groups_per_step"] == 4 and learner["micro_batch_size"] == 8
     assert learner["lr"] == 1e-6 and learner["loss_type"] == "dapo" and learner["epsilon_low"] == 0.2
     assert tables["scorer"]["scale_rewards"] == "none"

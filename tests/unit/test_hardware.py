@@ -1,10 +1,10 @@
-"""dtype = "auto": bf16 only where the CPU computes in it."""
+"""compute_dtype = "auto": bf16 only where the CPU computes in it; the precision policy it resolves to."""
 
 from __future__ import annotations
 
 import torch
 
-from services.learner.hardware import cpu_flags, cpu_has_native_bf16, resolve_dtype
+from services.learner.hardware import Precision, cpu_flags, cpu_has_native_bf16, resolve_dtype, resolve_precision
 
 SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\nmodel name\t: X\n"
 EPYC_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx2 fma\n"
@@ -24,3 +24,13 @@ def test_explicit_dtypes_are_kept_and_auto_resolves_on_this_machine():
     assert resolve_dtype("bfloat16", "cpu") is torch.bfloat16
     expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     assert resolve_dtype("auto", "cpu") is expected
+
+
+def test_precision_keeps_float32_weights_and_lowers_only_compute():
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    auto = resolve_precision("float32", "auto", "cpu")
+    assert auto == Precision(param=torch.float32, compute=expected)
+    assert auto.mixed == (expected == torch.bfloat16)
+    mixed = resolve_precision("float32", "bfloat16", "cpu")
+    assert mixed.mixed and mixed.describe() == "float32 weights, bfloat16 compute"
+    assert not resolve_precision("bfloat16", "bfloat16", "cpu").mixed  # bf16 weights: nothing to cast

@@ -25,6 +25,7 @@ def tiny(tmp_path_factory):
 def _settings(model_path, **overrides) -> LearnerSettings:
     fields = dict(
         model=str(model_path),
+        compute_dtype="float32",  # "equal" below means float32/float64 arithmetic, also on a bf16-capable CPU
         group_size=4,
         groups_per_step=2,
         micro_batch_size=2,
