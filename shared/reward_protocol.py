@@ -87,3 +87,8 @@ def json_schema() -> dict[str, Any]:
 def schema_text() -> str:
     """:func:`json_schema` as the committed file's text."""
     return json.dumps(json_schema(), indent=2, sort_keys=False) + "\n"
+
+
+if __name__ == "__main__":  # python -m shared.reward_protocol: rewrite the committed schema
+    SCHEMA_PATH.write_text(schema_text())
+    print(f"wrote {SCHEMA_PATH}")
