@@ -265,3 +265,30 @@ def test_scored_group_combines_marks_zero_std_and_keeps_nan():
     flat = np.ones((4, 2), dtype=np.float32)
     same = scored_group(rollout, ["a", "b"], [1.0, 1.0], flat, AdvantageSpec(), drop_zero_std=True)
     assert same.zero_std and same.dropped and same.advantages.tolist() == [0.0] * 4
+
+
+def test_plugin_auth_settings_resolve_and_never_show_in_the_logged_settings(monkeypatch):
+    monkeypatch.setenv("JUDGE_TOKEN", "env-secret-1")
+    specs = [
+        RewardSpec(name="a", url="http://judge/score", bearer_token="inline-secret-2"),
+        RewardSpec(name="b", url="http://judge/score", bearer_token_env="JUDGE_TOKEN"),
+        RewardSpec(name="c", url="http://judge/score", headers={"X-Api-Key": "header-secret-3"}),
+    ]
+    assert specs[0].request_headers() == {"Authorization": "Bearer inline-secret-2"}
+    assert specs[1].request_headers() == {"Authorization": "Bearer env-secret-1"}
+    assert specs[2].request_headers() == {"X-Api-Key": "header-secret-3"}
+    logged = str(ScorerSettings(rewards=specs).masked())
+    for secret in ("env-secret-1", "inline-secret-2", "header-secret-3"):
+        assert secret not in logged
+    assert "JUDGE_TOKEN" in logged  # the variable's name is not a secret
+    with pytest.raises(ValidationError, match="'NO_SUCH_VAR_XYZ', which is not set"):
+        RewardSpec(name="d", url="http://judge/score", bearer_token_env="NO_SUCH_VAR_XYZ")
+    with pytest.raises(ValidationError, match="not both"):
+        RewardSpec(name="d", url="http://judge/score", bearer_token="x", bearer_token_env="JUDGE_TOKEN")
+    with pytest.raises(ValidationError, match="an Authorization header and a bearer token"):
+        RewardSpec(name="d", url="http://judge/score", bearer_token="x", headers={"authorization": "y"})
+    with pytest.raises(ValidationError, match="for HTTP plugins"):
+        RewardSpec(name="digit", bearer_token="x")
+    with pytest.raises(ValidationError, match="raise retry_backoff_max_s"):
+        ScorerSettings(retry_backoff_s=60, retry_backoff_max_s=30)
+    assert RewardSpec(name="digit").required and ScorerSettings().max_reward_wait_s >= 600
