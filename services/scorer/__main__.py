@@ -24,7 +24,7 @@ log = logging.getLogger("services.scorer")
 
 def _collector(loop: ScoringLoop, consumer: StreamConsumer) -> CallbackCollector:
     def counters() -> dict[str, float]:
-        out = {
+        out: dict[str, float] = {
             "scorer/groups": loop.stats.groups_scored,
             "scorer/groups_zero_std": loop.stats.groups_zero_std,
             "scorer/groups_dropped": loop.stats.groups_dropped,

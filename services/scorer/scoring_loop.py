@@ -189,7 +189,7 @@ class ScoringLoop:
             "group %s held: required reward %s failed (try %d); next try in %.1f s, dead-lettered in %.0f s",
             group_id, ", ".join(f.reward for _, f in failed), attempt + 1, delay, remaining_s,
         )  # fmt: skip
-        waiters = [asyncio.ensure_future(self._stop.wait())]
+        waiters: list[asyncio.Future] = [asyncio.ensure_future(self._stop.wait())]
         waiters += [asyncio.ensure_future(b.wait_closed(delay)) for b in breakers if b is not None]
         try:
             await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)

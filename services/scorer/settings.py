@@ -31,7 +31,9 @@ class RewardSpec(BaseModel):
     url: str | None = Field(None, description="HTTP plugin endpoint (protocol asyncgrpo.reward/v1).")
     params: dict[str, Any] = Field(default_factory=dict, description="Built-in parameters (overlong: buffer).")
     timeout_s: float = Field(10.0, gt=0, description="HTTP plugin: seconds per attempt.")
-    retries: int = Field(2, ge=0, description="HTTP plugin: retries within a call after a transport error, timeout, 5xx, 408 or 429.")
+    retries: int = Field(
+        2, ge=0, description="HTTP plugin: retries within a call after a transport error, timeout, 5xx, 408 or 429."
+    )
     backoff_s: float = Field(0.2, ge=0, description="HTTP plugin: first retry delay (doubles each time).")
     concurrency: int = Field(8, ge=1, description="HTTP plugin: requests in flight at once.")
     breaker_failures: int = Field(5, ge=1, description="Consecutive failed calls that open the breaker.")
