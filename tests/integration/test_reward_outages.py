@@ -269,7 +269,6 @@ def _ready(scorer: ServiceProcess) -> httpx.Response:
     return httpx.get(f"{scorer.url}/ready", timeout=5)
 
 
-@pytest.mark.slow
 async def test_plugin_down_10_s_then_back_delays_groups_and_pauses_the_scorer(redis_url, redis_client, keys):
     keys = Keys(keys.prefix)
     port = free_port()
