@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import math
 import secrets
@@ -25,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Header, HTTPException
 from fastapi.responses import JSONResponse
 
-from shared.reward_protocol import SCHEMA_PATH, RewardItem, RewardRequest, RewardResponse
+from shared.reward_protocol import RewardItem, RewardRequest, RewardResponse, json_schema
 
 log = logging.getLogger("services.reward_plugin")
 
@@ -83,7 +82,7 @@ async def call_reward(function: Callable[..., Any], items: list[RewardItem]) -> 
 
 def build_app(function: Callable[..., Any], *, name: str = "reward", token: str = "") -> FastAPI:
     app = FastAPI(title=f"asyncgrpo reward plugin: {name}", description=__doc__)
-    schema = json.loads(SCHEMA_PATH.read_text())
+    schema = json_schema()  # equal to the committed shared/schemas/reward_v1.json (tested)
 
     def authorize(authorization: str | None) -> None:
         if token and not secrets.compare_digest((authorization or "").encode(), f"Bearer {token}".encode()):

@@ -283,15 +283,17 @@ async def test_plugin_down_10_s_then_back_delays_groups_and_pauses_the_scorer(re
         await _wait_done(redis_client, keys, 2, 30)
         plugin.stop()
         down_at = time.monotonic()
-        paused = None
+        paused, undelivered = None, 0
         for i in range(6):  # six groups arrive during a ~10 s outage
             fed += await _feed(redis_client, keys, 1, first=2 + i)
             await asyncio.sleep(1.5)
             reply = _ready(scorer)
             paused = reply if reply.status_code == 503 else paused
+            undelivered = max(undelivered, (await _account(redis_client, keys, len(fed)))[0].undelivered)
         plugin = _start_plugin(port)
-        print(f"plugin down for {time.monotonic() - down_at:.1f} s")
+        print(f"plugin down for {time.monotonic() - down_at:.1f} s; most rollouts left unread: {undelivered}")
         assert paused is not None, "/ready never reported the open breaker"
+        assert undelivered >= 3, "the scorer kept taking rollouts while the breaker was open"
         detail = paused.json()["detail"]
         assert detail.startswith("reward judge: breaker ") and "ConnectError" in detail
         await _wait_done(redis_client, keys, len(fed), 60, alive=lambda: scorer.process.poll() is None)
