@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -94,3 +96,14 @@ def test_function_plugin_serves_trl_functions_schema_and_auth():
     short = TestClient(build_app(lambda completions, **kw: [1.0])).post("/score", json=text)
     assert short.status_code == 500 and "returned 1 values for 2 items" in short.json()["detail"]
     assert TestClient(build_app(reward_len)).post("/score", json={**text, "protocol": "v0"}).status_code == 422
+
+
+def test_protocol_and_plugin_stay_light():
+    """shared/ stays torch-free, and a plugin process needs neither torch nor the scorer."""
+    code = (
+        "import sys, shared.reward_protocol, services.reward_plugin.__main__; "
+        "bad = [m for m in ('torch', 'vllm', 'services.scorer') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
