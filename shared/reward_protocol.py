@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 PROTOCOL = "asyncgrpo.reward/v1"
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "reward_v1.json"
 MAX_ITEMS = 4096  # a group is G completions; no sane G comes near this
+
+# A JSON number, nothing else: not "1" (lax pydantic would read it), not true, not NaN or Infinity.
+Reward = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 
 
 class Message(BaseModel):
@@ -61,7 +64,7 @@ class RewardResponse(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    rewards: list[float | None] = Field(description="One finite number or null per item, in order.")
+    rewards: list[Reward | None] = Field(description="One finite number or null per item, in order.")
     extra: dict[str, Any] = Field(
         default_factory=dict, description="Optional, free-form; the scorer accepts and ignores it."
     )

@@ -4,15 +4,24 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
+import httpx
 import jsonschema
 import pytest
 from fastapi.testclient import TestClient
 
 from services.reward_plugin.app import build_app, make_brevity, trl_arguments
-from services.scorer.rewards.http_plugin import PROTOCOL, _items
+from services.scorer.rewards.http_plugin import (
+    PROTOCOL,
+    PluginCallError,
+    _items,
+    body_excerpt,
+    parse_answer,
+    transport_detail,
+)
 from services.scorer.scoring import reward_batch
 from shared.records import ChatMessage
 from shared.reward_protocol import SCHEMA_PATH, RewardRequest, schema_text
@@ -107,3 +116,26 @@ def test_protocol_and_plugin_stay_light():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_scorer_reads_answers_strictly_and_quotes_the_body():
+    def answer(body: str, expected: int = 2):
+        return parse_answer(httpx.Response(200, content=body.encode()), expected)
+
+    assert answer('{"rewards": [1, null]}') == [1.0, None]
+    assert answer('{"rewards": [0.5, 0.25], "extra": {"why": "x"}}') == [0.5, 0.25]
+    for body, problem in (
+        ('{"rewards": ["1", 0]}', "rewards.0: Input should be a valid number"),
+        ('{"rewards": [true, 0]}', "rewards.0: Input should be a valid number"),
+        ('{"rewards": [NaN, 0]}', "rewards.0: Input should be a finite number"),
+        ('{"rewards": [1, 0], "debug": 1}', "debug: Extra inputs are not permitted"),
+        ('{"rewards": [1.0,', "Invalid JSON"),
+        ('{"rewards": [1.0]}', "HTTP 200 with 1 rewards for 2 items"),
+    ):
+        with pytest.raises(PluginCallError, match=re.escape(problem)) as caught:
+            answer(body)
+        assert f"body {body!r}" in str(caught.value)
+    assert body_excerpt("") == "empty body"
+    assert body_excerpt("x" * 300) == f"body {'x' * 200!r} (first 200 of 300 chars)"
+    timeout = transport_detail(httpx.ReadTimeout(""), 2.5)
+    assert timeout == "ReadTimeout: no answer within timeout_s=2.5"
