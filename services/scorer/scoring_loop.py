@@ -6,12 +6,13 @@ pending for another scorer to claim.
 
 Failures of *required* rewards never become NaN. The group is held: it stays pending (kept fresh by the
 consumer's keepalive, so no other scorer takes it), and only its failed required rewards are called again
-after a backoff (``retry_backoff_s`` doubling to ``retry_backoff_max_s``, and no sooner than the reward's
-breaker allows a trial; a breaker that closes wakes every group waiting on it). A group still failing after
-``max_reward_wait_s`` is dead-lettered with the reason. While a required reward's breaker is open the loop
-takes no new rollouts, so the rollouts backlog fills and the generators stop at their backlog bound; when
-it is half-open and nothing is in flight, one rollout is taken as the trial. Optional rewards that fail are
-NaN for that group. On shutdown held groups are left pending (unacknowledged) for the next scorer.
+after a backoff (``retry_backoff_s`` doubling to ``retry_backoff_max_s``; while the reward's breaker is
+open, exactly when it lets a trial through; any change of the breaker wakes the groups waiting on it). A
+group still failing after ``max_reward_wait_s`` is dead-lettered with the reason. While a required
+reward's breaker is open the loop takes no new rollouts, so the rollouts backlog fills and the generators
+stop at their backlog bound; when it is half-open and nothing is in flight, one rollout is taken as the
+trial. Optional rewards that fail are NaN for that group. On shutdown held groups are left pending
+(unacknowledged) for the next scorer.
 """
 
 from __future__ import annotations
@@ -55,11 +56,15 @@ class ScorerStats:
     last_metrics: dict[str, float] = field(default_factory=dict)
 
 
-def retry_delay(attempt: int, first_s: float, max_s: float, until_trial_s: float, remaining_s: float) -> float:
-    """Seconds before a held group's next try: exponential backoff, not before the breaker's trial, and
-    not past the group's deadline (the last try happens at the deadline)."""
-    backoff = min(first_s * 2**attempt, max_s)
-    return max(0.0, min(max(backoff, until_trial_s), remaining_s))
+def retry_delay(attempt: int, first_s: float, max_s: float, until_trial_s: float | None, remaining_s: float) -> float:
+    """Seconds before a held group's next try, never past its deadline (the last try is at the deadline).
+
+    While the reward's breaker is open (``until_trial_s`` given) the try is due exactly when the breaker
+    lets a trial through: the group may be that trial, and trying earlier is refused anyway. Otherwise
+    exponential backoff: ``first_s * 2**attempt``, at most ``max_s``.
+    """
+    wait = until_trial_s if until_trial_s is not None else min(first_s * 2**attempt, max_s)
+    return max(0.0, min(wait, remaining_s))
 
 
 class ScoringLoop:
@@ -181,16 +186,27 @@ class ScoringLoop:
     async def _wait_to_retry(
         self, group_id: str, attempt: int, failed: list[tuple[int, RewardFailure]], remaining_s: float
     ) -> None:
-        breakers = [self.functions[index].breaker for index, _ in failed]
-        until_trial = max(b.seconds_until_trial() for b in breakers if b is not None)
-        delay = retry_delay(attempt, self.retry_backoff_s, self.retry_backoff_max_s, until_trial, remaining_s)
+        breakers = [b for b in (self.functions[index].breaker for index, _ in failed) if b is not None]
+        delay = min(
+            retry_delay(
+                attempt,
+                self.retry_backoff_s,
+                self.retry_backoff_max_s,
+                b.seconds_until_trial() if b.refresh() == "open" else None,
+                remaining_s,
+            )
+            for b in breakers
+        )
         self.stats.group_retries += 1
-        log.info(
+        # Refused by an open breaker: nothing new to say (the breaker's transitions are logged).
+        level = logging.DEBUG if all(f.short_circuited for _, f in failed) else logging.INFO
+        log.log(
+            level,
             "group %s held: required reward %s failed (try %d); next try in %.1f s, dead-lettered in %.0f s",
             group_id, ", ".join(f.reward for _, f in failed), attempt + 1, delay, remaining_s,
         )  # fmt: skip
         waiters: list[asyncio.Future] = [asyncio.ensure_future(self._stop.wait())]
-        waiters += [asyncio.ensure_future(b.wait_closed(delay)) for b in breakers if b is not None]
+        waiters += [asyncio.ensure_future(b.wait_for_change(delay)) for b in breakers]
         try:
             await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -190,10 +190,11 @@ def test_circuit_breaker_opens_half_opens_lets_one_trial_through_and_closes(capl
     assert "last error: group g3: ReadTimeout" in messages[-1]
 
 
-def test_retry_delay_backs_off_waits_for_the_trial_and_keeps_the_deadline():
-    assert [retry_delay(a, 1.0, 30.0, 0.0, 1e9) for a in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+def test_retry_delay_backs_off_tries_at_the_breakers_trial_and_keeps_the_deadline():
+    assert [retry_delay(a, 1.0, 30.0, None, 1e9) for a in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    assert retry_delay(6, 1.0, 30.0, until_trial_s=2.5, remaining_s=100.0) == 2.5  # open: at the trial
     assert retry_delay(0, 1.0, 30.0, until_trial_s=12.0, remaining_s=100.0) == 12.0
-    assert retry_delay(5, 1.0, 30.0, until_trial_s=0.0, remaining_s=3.5) == 3.5
+    assert retry_delay(5, 1.0, 30.0, until_trial_s=None, remaining_s=3.5) == 3.5
 
 
 async def test_required_and_optional_failures_are_reported_with_the_group_and_where(caplog):

@@ -3,7 +3,7 @@
 closed -> open after ``threshold`` consecutive failures -> half-open once ``reset_s`` has passed, when one
 trial call at a time is let through -> closed on its success, open again on its failure. While a *required*
 reward's breaker is not closed the scorer takes no new rollouts (see ``scoring_loop``); groups it already
-holds wait for :meth:`CircuitBreaker.wait_closed` instead of polling.
+holds wait for :meth:`CircuitBreaker.wait_for_change` instead of polling.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class CircuitBreaker:
         self.last_error = ""
         self._trial_in_flight = False
         self._announced = CLOSED  # the last state logged, so the lazy open -> half-open step is logged once
-        self._closed: asyncio.Event | None = None
+        self._changed: asyncio.Event | None = None
 
     @property
     def state(self) -> str:
@@ -75,9 +75,6 @@ class CircuitBreaker:
         self.opened_at = None
         if was_open:
             self._announce(CLOSED, "a call succeeded")
-            if self._closed is not None:
-                self._closed.set()
-                self._closed = None
 
     def failure(self, error: str, trial: bool = False) -> None:
         if trial:
@@ -106,15 +103,18 @@ class CircuitBreaker:
             f"({when}); last error: {self.last_error}"
         )
 
-    async def wait_closed(self, timeout_s: float) -> None:
-        """Return when the breaker next closes after being open, or after ``timeout_s``."""
-        if self._closed is None:
-            self._closed = asyncio.Event()
+    async def wait_for_change(self, timeout_s: float) -> None:
+        """Return at the next transition (opened, closed; half-open is seen lazily), or after ``timeout_s``."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._closed.wait(), timeout=timeout_s)
+            await asyncio.wait_for(self._changed.wait(), timeout=timeout_s)
 
     def _announce(self, state: str, why: str) -> None:
         self._announced = state
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
         log.warning(
             "reward %s: breaker %s (%s); last error: %s",
             self.name,
