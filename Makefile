@@ -12,10 +12,13 @@ TORCH_SOURCE = $(if $(wildcard $(TORCH_INDEX)),--no-index --find-links $(TORCH_I
 PIP_LOCKED = $(BIN)/python -m pip install -q --no-deps --require-hashes --only-binary :all:
 # uv resolves the lock; the one the lock pins is installed in .venv by `make setup`.
 UV ?= $(BIN)/uv
-LOCKS := requirements/cpu.txt requirements/gpu.txt requirements/scorer.txt requirements/torch-cpu.txt
+LOCKS := $(addprefix requirements/,cpu.txt gpu.txt gpu-dev.txt scorer.txt torch-cpu.txt)
+# A CUDA machine without Docker (`make setup-gpu`): the GPU image's packages plus the dev tools, Python 3.12.
+PYTHON_GPU ?= python3.12
+GPU_VENV ?= .venv-gpu
 PYTEST_ARGS ?=
 
-.PHONY: setup lock lock-check check-fresh-setup test test-fast lint demo bench bench-env bench-trl clean-venv
+.PHONY: setup setup-gpu lock lock-check check-fresh-setup test test-fast lint demo bench bench-env bench-trl clean-venv
 
 setup: $(STAMP)
 
@@ -27,6 +30,15 @@ $(STAMP): $(LOCKS) pyproject.toml
 	$(PIP_LOCKED) -r requirements/cpu.txt
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
+
+setup-gpu: $(GPU_VENV)/.installed
+
+$(GPU_VENV)/.installed: requirements/gpu-dev.txt pyproject.toml
+	$(PYTHON) tools/lock.py --check
+	$(PYTHON_GPU) -m venv --clear $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --no-deps --require-hashes --only-binary :all: -r requirements/gpu-dev.txt
+	$(GPU_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $@
 
 # Resolve requirements/*.txt again from pyproject.toml (PyPI and TORCH_INDEX must be reachable).
 lock:

