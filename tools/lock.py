@@ -142,7 +142,7 @@ def constraints(target: Target, pyproject: dict, source_lock: str) -> str:
     return "".join(f"{name}=={locked[name]}\n" for name in sorted(chosen) if name in locked)
 
 
-def compile_target(uv: str, target: Target, pyproject: dict, torch_links: str, work: Path) -> str:
+def compile_target(uv: str, target: Target, pyproject: dict, torch_folder: Path, work: Path) -> str:
     """Run ``uv pip compile`` for one target; returns the lock file's text, header included."""
     args = [uv, "pip", "compile", "--quiet", "--no-header", "--generate-hashes", "--only-binary", ":all:"]
     args += ["--python-version", target.python, "--python-platform", PLATFORM, "--exclude-newer", EXCLUDE_NEWER]
@@ -151,7 +151,7 @@ def compile_target(uv: str, target: Target, pyproject: dict, torch_links: str, w
     args += [arg for package in target.no_emit for arg in ("--no-emit-package", package)]
     extra_constraints = ""
     if target.needs_cpu_torch:
-        args += ["--find-links", torch_links]
+        args += ["--find-links", str(torch_folder)]
         extra_constraints += TORCH_CPU + "\n"
     if target.constrain != "none":
         source = (LOCK_DIR / f"{target.constrain_to}.txt").read_text()
@@ -166,19 +166,27 @@ def compile_target(uv: str, target: Target, pyproject: dict, torch_links: str, w
     return header(pyproject, target) + body
 
 
-def torch_links_for(torch_index: str) -> str:
-    """uv's ``--find-links`` for the CPU torch: a local folder as is, an index URL's page for ``torch``."""
-    if Path(torch_index).is_dir():
-        return torch_index
-    return torch_index.rstrip("/") + "/torch/"
+def fetch_cpu_torch(torch_index: str, python: str, dest: Path) -> None:
+    """Download the CPU torch wheel for ``python`` on linux x86_64 into ``dest``.
+
+    uv then reads it from that folder, so the lock lists the hash of exactly that file whether it came from
+    the PyTorch index or a local folder (uv emits no hash for a wheel it only saw as a link on a page).
+    """
+    source = ["--no-index", "--find-links", torch_index] if Path(torch_index).is_dir() else ["--index-url", torch_index]
+    platform = ["--platform", "manylinux_2_28_x86_64", "--python-version", python, "--only-binary", ":all:"]
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", *platform, *source, "-d", str(dest)]
+    subprocess.run([*command, TORCH_CPU], check=True)
 
 
 def lock(uv: str, torch_index: str) -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     LOCK_DIR.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
+        torch_folder = Path(tmp) / "torch"
+        for python in sorted({target.python for target in TARGETS if target.needs_cpu_torch}):
+            fetch_cpu_torch(torch_index, python, torch_folder)
         for target in TARGETS:  # in order: each is constrained to one written before it
-            text = compile_target(uv, target, pyproject, torch_links_for(torch_index), Path(tmp))
+            text = compile_target(uv, target, pyproject, torch_folder, Path(tmp))
             (LOCK_DIR / f"{target.name}.txt").write_text(text)
     torch_only = "# The CPU torch of requirements/cpu.txt, installed first from TORCH_INDEX (see the Makefile).\n"
     (LOCK_DIR / "torch-cpu.txt").write_text(torch_only + torch_block((LOCK_DIR / "cpu.txt").read_text()))
