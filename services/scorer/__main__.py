@@ -24,10 +24,12 @@ log = logging.getLogger("services.scorer")
 
 def _collector(loop: ScoringLoop, consumer: StreamConsumer) -> CallbackCollector:
     def counters() -> dict[str, float]:
-        out = {
+        out: dict[str, float] = {
             "scorer/groups": loop.stats.groups_scored,
             "scorer/groups_zero_std": loop.stats.groups_zero_std,
             "scorer/groups_dropped": loop.stats.groups_dropped,
+            "scorer/groups_dead_lettered": loop.stats.groups_dead_lettered,
+            "scorer/group_retries": loop.stats.group_retries,
             "scorer/failures": loop.stats.failures,
             "scorer/rejected": loop.stats.rejected,
             "stream/rollouts/claimed": consumer.stats.claimed,
@@ -39,7 +41,13 @@ def _collector(loop: ScoringLoop, consumer: StreamConsumer) -> CallbackCollector
         return out
 
     def gauges() -> dict[str, float]:
-        return {k: v for k, v in loop.stats.last_metrics.items() if v == v}  # last group's figures, NaN left out
+        out = {k: v for k, v in loop.stats.last_metrics.items() if v == v}  # last group's figures, NaN left out
+        out["scorer/groups_held"] = loop.stats.groups_held
+        out["scorer/intake_paused"] = float(bool(loop.not_ready_reason()))
+        for function in loop.functions:
+            if function.breaker is not None:
+                out[f"rewards/{function.name}/breaker_open"] = float(function.breaker.state != "closed")
+        return out
 
     return CallbackCollector(counters, gauges)
 
@@ -53,7 +61,7 @@ async def serve(settings: ScorerSettings) -> int:
         async with httpx.AsyncClient() as http:
             functions, plugins = build_functions(settings.rewards, http)
             app = build_app(
-                api_token=settings.api_token.get_secret_value(), registry=registry, stop=stop, plugins=plugins
+                api_token=settings.api_token.get_secret_value(), registry=registry, stop=stop, functions=functions
             )
             async with http_server(app, settings.host, settings.port):
                 await asyncio.gather(*(plugin.probe() for plugin in plugins))
@@ -77,11 +85,17 @@ async def serve(settings: ScorerSettings) -> int:
                     settings.advantage_spec,
                     drop_zero_std=settings.drop_zero_std_groups,
                     max_in_flight=settings.max_groups_in_flight,
+                    max_reward_wait_s=settings.max_reward_wait_s,
+                    retry_backoff_s=settings.retry_backoff_s,
+                    retry_backoff_max_s=settings.retry_backoff_max_s,
                 )
                 registry.register(_collector(loop, consumer))
+                app.state.not_ready_reason = loop.not_ready_reason
                 app.state.running = True
                 keepalive = asyncio.create_task(consumer.run_keepalive(stop))
-                print(f"scorer {settings.scorer_id} ready: rewards {', '.join(loop.names)}", flush=True)
+                paused = loop.not_ready_reason()
+                state = f"paused until a trial call succeeds: {paused}" if paused else "ready"
+                print(f"scorer {settings.scorer_id} {state}: rewards {', '.join(loop.names)}", flush=True)
                 await loop.run(stop)
                 stop.set()
                 await keepalive

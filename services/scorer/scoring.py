@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from services.scorer.advantages import combine_rewards, compute_advantages, zero_std_groups
+from services.scorer.rewards.breaker import CircuitBreaker
 from services.scorer.rewards.builtin import BUILTINS
 from services.scorer.rewards.functions import RewardBatch, RewardFunction, load_python_plugin, trl_style
 from services.scorer.rewards.http_plugin import HttpRewardPlugin
@@ -43,7 +44,8 @@ def reward_batch(rollout: Rollout) -> RewardBatch:
         completions = [[{"role": "assistant", "content": prefill + text}] for text in texts]
     columns = {key: [value] * size for key, value in task.columns.items()}
     columns.setdefault("max_completion_length", [task.sampling.max_tokens] * size)
-    return RewardBatch(prompts, completions, [c.token_ids.tolist() for c in rollout.completions], columns)
+    completion_ids = [c.token_ids.tolist() for c in rollout.completions]
+    return RewardBatch(prompts, completions, completion_ids, columns, group_id=rollout.group_id)
 
 
 def group_metrics(
@@ -106,25 +108,31 @@ def build_functions(
     """Reward functions from the settings, in order; also the HTTP plugins (to probe at start)."""
     functions, plugins = [], []
     for spec in specs:
-        if spec.kind == "builtin":
-            functions.append(trl_style(spec.name, BUILTINS[spec.name](**spec.params), in_thread=False))
-        elif spec.kind == "python":
-            assert spec.function is not None
-            functions.append(trl_style(spec.name, load_python_plugin(spec.function), in_thread=True))
-        else:
-            assert spec.url is not None
-            plugin = HttpRewardPlugin(
-                spec.name,
-                spec.url,
-                http,
-                timeout_s=spec.timeout_s,
-                retries=spec.retries,
-                backoff_s=spec.backoff_s,
-                concurrency=spec.concurrency,
-                breaker_failures=spec.breaker_failures,
-                breaker_reset_s=spec.breaker_reset_s,
-                health_url=spec.health_url,
-            )
+        if spec.kind == "http":
+            plugin = _http_plugin(spec, http)
             plugins.append(plugin)
             functions.append(plugin.as_function())
+            continue
+        in_thread = spec.kind == "python"  # a plugin's cost is unknown; the built-ins are fast
+        call = load_python_plugin(spec.function) if spec.function else BUILTINS[spec.name](**spec.params)
+        breaker = CircuitBreaker(spec.name, spec.breaker_failures, spec.breaker_reset_s)
+        functions.append(trl_style(spec.name, call, in_thread=in_thread, required=spec.required, breaker=breaker))
     return functions, plugins
+
+
+def _http_plugin(spec: RewardSpec, http: httpx.AsyncClient) -> HttpRewardPlugin:
+    assert spec.url is not None
+    return HttpRewardPlugin(
+        spec.name,
+        spec.url,
+        http,
+        timeout_s=spec.timeout_s,
+        retries=spec.retries,
+        backoff_s=spec.backoff_s,
+        concurrency=spec.concurrency,
+        breaker_failures=spec.breaker_failures,
+        breaker_reset_s=spec.breaker_reset_s,
+        health_url=spec.health_url,
+        headers=spec.request_headers(),
+        required=spec.required,
+    )

@@ -3,16 +3,31 @@
 Scores up to ``max_groups_in_flight`` rollouts at once (HTTP plugins are I/O bound). Each rollout's entry
 is acknowledged in the transaction that writes its ``ScoredGroup``; a scorer that dies leaves its rollouts
 pending for another scorer to claim.
+
+Failures of *required* rewards never become NaN. The group is held: it stays pending (kept fresh by the
+consumer's keepalive, so no other scorer takes it), and only its failed required rewards are called again
+after a backoff (``retry_backoff_s`` doubling to ``retry_backoff_max_s``; while the reward's breaker is
+open, exactly when it lets a trial through; any change of the breaker wakes the groups waiting on it). A
+group still failing after ``max_reward_wait_s`` is dead-lettered with the reason. While a required
+reward's breaker is open the loop takes no new rollouts, so the rollouts backlog fills and the generators
+stop at their backlog bound; when it is half-open and nothing is in flight, one rollout is taken as the
+trial. Optional rewards that fail are NaN for that group. On shutdown held groups are left pending
+(unacknowledged) for the next scorer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.scorer.rewards.functions import RewardFunction, score_batch
+import numpy as np
+
+from services.scorer.rewards.functions import RewardFailure, RewardFunction, intake_state, run_function
 from services.scorer.scoring import reward_batch, scored_group
 from shared.codec import WireError, decode, encode
 from shared.records import AdvantageSpec, Rollout
@@ -21,15 +36,35 @@ from shared.streams import Delivery, Output, StreamConsumer, StreamProducer
 
 log = logging.getLogger(__name__)
 
+_IDLE_POLL_S = 0.2  # how often a paused loop looks at the breakers again
+
+
+class _Released(Exception):
+    """The scorer is stopping while the group waits for a required reward."""
+
 
 @dataclass
 class ScorerStats:
     groups_scored: int = 0
     groups_zero_std: int = 0
     groups_dropped: int = 0
+    groups_dead_lettered: int = 0  # a required reward failed for max_reward_wait_s
+    groups_held: int = 0  # now waiting for a required reward (a gauge)
+    group_retries: int = 0  # retries of held groups' required rewards
     failures: int = 0
     rejected: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def retry_delay(attempt: int, first_s: float, max_s: float, until_trial_s: float | None, remaining_s: float) -> float:
+    """Seconds before a held group's next try, never past its deadline (the last try is at the deadline).
+
+    While the reward's breaker is open (``until_trial_s`` given) the try is due exactly when the breaker
+    lets a trial through: the group may be that trial, and trying earlier is refused anyway. Otherwise
+    exponential backoff: ``first_s * 2**attempt``, at most ``max_s``.
+    """
+    wait = until_trial_s if until_trial_s is not None else min(first_s * 2**attempt, max_s)
+    return max(0.0, min(wait, remaining_s))
 
 
 class ScoringLoop:
@@ -43,21 +78,41 @@ class ScoringLoop:
         *,
         drop_zero_std: bool,
         max_in_flight: int,
+        max_reward_wait_s: float = 1800.0,
+        retry_backoff_s: float = 1.0,
+        retry_backoff_max_s: float = 30.0,
     ) -> None:
         self.consumer, self.scored = consumer, scored
         self.functions, self.weights = list(functions), list(weights)
         self.names = [f.name for f in self.functions]
         self.spec, self.drop_zero_std = spec, drop_zero_std
         self.max_in_flight = max_in_flight
+        self.max_reward_wait_s = max_reward_wait_s
+        self.retry_backoff_s, self.retry_backoff_max_s = retry_backoff_s, retry_backoff_max_s
         self.stats = ScorerStats()
         self._tasks: set[asyncio.Task] = set()
+        self._stop = asyncio.Event()
         self.redis = RedisRetry()
 
+    def not_ready_reason(self) -> str:
+        """Why the scorer takes no (or only trial) rollouts now; empty when it takes them freely."""
+        state, reasons = intake_state(self.functions)
+        return "" if state == "closed" else "; ".join(reasons)
+
+    def _room(self) -> int:
+        state, _ = intake_state(self.functions)
+        if state == "open":
+            return 0
+        if state == "half_open":
+            return 0 if self._tasks else 1  # one rollout is the trial
+        return self.max_in_flight - len(self._tasks)
+
     async def run(self, stop: asyncio.Event) -> None:
+        self._stop = stop
         while not stop.is_set():
-            room = self.max_in_flight - len(self._tasks)
+            room = self._room()
             if room <= 0:
-                await asyncio.wait(self._tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                await self._idle()
                 continue
             deliveries = await self.redis.run(
                 lambda room=room: self.consumer.read(count=room, block_ms=500), "reading rollouts"
@@ -69,6 +124,13 @@ class ScoringLoop:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    async def _idle(self) -> None:
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=_IDLE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), timeout=_IDLE_POLL_S)
+
     async def handle(self, delivery: Delivery) -> None:
         try:
             rollout = decode(delivery.payload, Rollout)
@@ -78,23 +140,102 @@ class ScoringLoop:
             await self.redis.run(lambda: self.consumer.dead_letter(delivery, reason), "dead-lettering a rollout")
             return
         try:
-            per_func = await score_batch(self.functions, reward_batch(rollout))
-            group = scored_group(
-                rollout,
-                self.names,
-                self.weights,
-                per_func,
-                self.spec,
-                drop_zero_std=self.drop_zero_std,
-                scorer_id=self.consumer.consumer,
-            )
-            output = Output(self.scored, group.group_id, encode(group))
-            committed = await self.redis.run(lambda: self.consumer.commit(delivery, [output]), "writing a scored group")
+            outcome = await self.score_rewards(rollout)
+            if isinstance(outcome, str):
+                await self._dead_letter(delivery, outcome)
+            else:
+                await self._commit(delivery, rollout, outcome)
+        except _Released:
+            await self.consumer.release(delivery, "the scorer stopped while a required reward was failing")
         except Exception as exc:
             self.stats.failures += 1
             log.exception("scoring group %s failed; it will be retried", delivery.record_id)
             await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
-            return
+
+    async def score_rewards(self, rollout: Rollout) -> np.ndarray | str:
+        """Rewards [G, F] once every required reward has answered, or the reason to dead-letter the group."""
+        batch = reward_batch(rollout)
+        per_func = np.full((len(batch), len(self.functions)), np.nan, dtype=np.float32)
+        todo = list(range(len(self.functions)))
+        started = time.monotonic()
+        held = False
+        try:
+            for attempt in itertools.count():
+                results = await asyncio.gather(*(run_function(self.functions[i], batch) for i in todo))
+                failed: list[tuple[int, RewardFailure]] = []
+                for index, result in zip(todo, results, strict=True):
+                    if not isinstance(result, RewardFailure):
+                        per_func[:, index] = result
+                    elif self.functions[index].required:
+                        failed.append((index, result))
+                if not failed:
+                    return per_func
+                todo = [index for index, _ in failed]
+                waited = time.monotonic() - started
+                if waited >= self.max_reward_wait_s:
+                    return self._give_up_reason(failed, waited)
+                if not held:
+                    held = True
+                    self.stats.groups_held += 1
+                await self._wait_to_retry(rollout.group_id, attempt, failed, self.max_reward_wait_s - waited)
+        finally:
+            if held:
+                self.stats.groups_held -= 1
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _wait_to_retry(
+        self, group_id: str, attempt: int, failed: list[tuple[int, RewardFailure]], remaining_s: float
+    ) -> None:
+        breakers = [b for b in (self.functions[index].breaker for index, _ in failed) if b is not None]
+        delay = min(
+            retry_delay(
+                attempt,
+                self.retry_backoff_s,
+                self.retry_backoff_max_s,
+                b.seconds_until_trial() if b.refresh() == "open" else None,
+                remaining_s,
+            )
+            for b in breakers
+        )
+        self.stats.group_retries += 1
+        # Refused by an open breaker: nothing new to say (the breaker's transitions are logged).
+        level = logging.DEBUG if all(f.short_circuited for _, f in failed) else logging.INFO
+        log.log(
+            level,
+            "group %s held: required reward %s failed (try %d); next try in %.1f s, dead-lettered in %.0f s",
+            group_id, ", ".join(f.reward for _, f in failed), attempt + 1, delay, remaining_s,
+        )  # fmt: skip
+        waiters: list[asyncio.Future] = [asyncio.ensure_future(self._stop.wait())]
+        waiters += [asyncio.ensure_future(b.wait_for_change(delay)) for b in breakers]
+        try:
+            await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        if self._stop.is_set():
+            raise _Released
+
+    def _give_up_reason(self, failed: list[tuple[int, RewardFailure]], waited: float) -> str:
+        details = "; ".join(str(failure) for _, failure in failed)
+        return f"required reward failed for {waited:.1f} s (max_reward_wait_s={self.max_reward_wait_s:g}): {details}"
+
+    async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
+        log.error("group %s dead-lettered: %s", delivery.record_id, reason)
+        await self.redis.run(lambda: self.consumer.dead_letter(delivery, reason), "dead-lettering a group")
+        self.stats.groups_dead_lettered += 1
+
+    async def _commit(self, delivery: Delivery, rollout: Rollout, per_func: np.ndarray) -> None:
+        group = scored_group(
+            rollout,
+            self.names,
+            self.weights,
+            per_func,
+            self.spec,
+            drop_zero_std=self.drop_zero_std,
+            scorer_id=self.consumer.consumer,
+        )
+        output = Output(self.scored, group.group_id, encode(group))
+        committed = await self.redis.run(lambda: self.consumer.commit(delivery, [output]), "writing a scored group")
         if committed:
             self.stats.groups_scored += 1
             self.stats.groups_zero_std += group.zero_std

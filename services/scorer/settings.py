@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.scorer.rewards.builtin import BUILTIN_PARAMS, BUILTIN_RANGES, BUILTINS
@@ -21,16 +22,34 @@ class RewardSpec(BaseModel):
 
     name: str = Field(min_length=1, description="Built-in name, or the label of a plugin.")
     weight: float = Field(1.0, description="Multiplies this function's reward in the combined reward.")
+    required: bool = Field(
+        True,
+        description="A failure holds the group back (retried until max_reward_wait_s, then dead-lettered) and "
+        "an open breaker pauses the scorer; False: a failure gives NaN for this reward on that group.",
+    )
     function: str | None = Field(None, description="Python plugin 'module:function' (TRL's signature).")
     url: str | None = Field(None, description="HTTP plugin endpoint (protocol asyncgrpo.reward/v1).")
     params: dict[str, Any] = Field(default_factory=dict, description="Built-in parameters (overlong: buffer).")
     timeout_s: float = Field(10.0, gt=0, description="HTTP plugin: seconds per attempt.")
-    retries: int = Field(2, ge=0, description="HTTP plugin: retries after a transport error or 5xx.")
+    retries: int = Field(
+        2, ge=0, description="HTTP plugin: retries within a call after a transport error, timeout, 5xx, 408 or 429."
+    )
     backoff_s: float = Field(0.2, ge=0, description="HTTP plugin: first retry delay (doubles each time).")
     concurrency: int = Field(8, ge=1, description="HTTP plugin: requests in flight at once.")
-    breaker_failures: int = Field(5, ge=1, description="HTTP plugin: consecutive failures that open the breaker.")
-    breaker_reset_s: float = Field(30.0, gt=0, description="HTTP plugin: seconds the breaker stays open.")
+    breaker_failures: int = Field(5, ge=1, description="Consecutive failed calls that open the breaker.")
+    breaker_reset_s: float = Field(
+        30.0, gt=0, description="Seconds the breaker stays open before one trial call is let through."
+    )
     health_url: str | None = Field(None, description="HTTP plugin: probed at start; default <url dir>/health.")
+    headers: dict[str, SecretStr] = Field(
+        default_factory=dict, description="HTTP plugin: headers sent with every request (values masked in logs)."
+    )
+    bearer_token: SecretStr | None = Field(
+        None, description="HTTP plugin: sent as 'Authorization: Bearer <token>' (masked in logs)."
+    )
+    bearer_token_env: str | None = Field(
+        None, description="HTTP plugin: environment variable holding the bearer token (read at start)."
+    )
 
     @model_validator(mode="after")
     def _one_kind(self) -> RewardSpec:
@@ -55,7 +74,32 @@ class RewardSpec(BaseModel):
                 )
         elif ":" not in self.function:
             raise ValueError(f"reward {self.name!r}: function must be 'module:function', got {self.function!r}")
+        self._check_auth()
         return self
+
+    def _check_auth(self) -> None:
+        if self.url is None and (self.headers or self.bearer_token or self.bearer_token_env):
+            raise ValueError(f"reward {self.name!r}: headers and bearer tokens are for HTTP plugins (set url)")
+        if self.bearer_token is not None and self.bearer_token_env:
+            raise ValueError(f"reward {self.name!r}: set bearer_token or bearer_token_env, not both")
+        has_token = self.bearer_token is not None or self.bearer_token_env
+        if has_token and any(key.lower() == "authorization" for key in self.headers):
+            raise ValueError(f"reward {self.name!r}: an Authorization header and a bearer token; keep one")
+        if self.bearer_token_env and not os.environ.get(self.bearer_token_env):
+            raise ValueError(
+                f"reward {self.name!r}: bearer_token_env names {self.bearer_token_env!r}, which is not set "
+                "(or empty) in the scorer's environment"
+            )
+
+    def request_headers(self) -> dict[str, str]:
+        """The headers to send to an HTTP plugin, secrets revealed (never log the result)."""
+        headers = {key: value.get_secret_value() for key, value in self.headers.items()}
+        token = self.bearer_token.get_secret_value() if self.bearer_token is not None else None
+        if self.bearer_token_env:
+            token = os.environ[self.bearer_token_env]
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        return headers
 
     @property
     def kind(self) -> Literal["builtin", "python", "http"]:
@@ -97,6 +141,16 @@ class ScorerSettings(ServiceSettings):
     claim_idle_ms: int = Field(30_000, ge=100, description="Rollouts pending this long on a dead scorer move.")
     max_deliveries: int = Field(3, ge=1, description="Deliveries of a rollout before it is dead-lettered.")
     max_scored_backlog: int = Field(512, ge=1, description="Scored groups waiting for the learner before we wait.")
+    max_reward_wait_s: float = Field(
+        1800.0,
+        gt=0,
+        description="A group whose required reward keeps failing is dead-lettered (with the reason) after "
+        "this many seconds of retries, counted from this scorer's first attempt.",
+    )
+    retry_backoff_s: float = Field(
+        1.0, gt=0, description="First delay before a held group's failed required rewards are retried (doubles)."
+    )
+    retry_backoff_max_s: float = Field(30.0, gt=0, description="Longest delay between a held group's retries.")
     host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
     port: int = Field(8002, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
 
@@ -120,6 +174,15 @@ class ScorerSettings(ServiceSettings):
             raise ValueError(
                 "reward_aggregation = 'normalize_then_sum' (GDPO) makes its own group-then-batch advantages; "
                 f"set estimator = 'grpo' (got {self.estimator!r}) or use sum_then_normalize"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _backoff_order(self) -> ScorerSettings:
+        if self.retry_backoff_s > self.retry_backoff_max_s:
+            raise ValueError(
+                f"retry_backoff_s ({self.retry_backoff_s}) exceeds retry_backoff_max_s ({self.retry_backoff_max_s});"
+                " raise retry_backoff_max_s or lower retry_backoff_s"
             )
         return self
 

@@ -25,7 +25,8 @@ from tests.support.processes import ServiceProcess, start_service, wait_http_ok
 from tests.support.redis_server import free_port, start_redis
 from tests.support.tiny_model import build_tiny_llama
 
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow]
+# Every service starts its own vLLM or torch on 2 cores: minutes on an idle machine, more under load.
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 STEPS = 90  # enough that every fault below lands while training runs (about 1.2 s per step)
 PLUGIN_DOWN_S = 30

@@ -1,5 +1,6 @@
-"""The scorer against real Redis and real plugin processes: faulty plugins give NaN and counts, every group
-is still scored; the example plugin speaks the protocol; two scorer replicas never score a group twice."""
+"""The scorer against real Redis and real plugin processes: faulty optional plugins give NaN and counts,
+every group is still scored; the example plugin speaks the protocol; two scorer replicas never score a group
+twice. (Required rewards' faults: ``test_reward_outages.py``.)"""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import httpx
 import numpy as np
 import pytest
 
+from services.scorer.rewards.functions import RewardBatch, score_batch
 from services.scorer.rewards.http_plugin import HttpRewardPlugin
-from services.scorer.scoring import build_functions
+from services.scorer.scoring import build_functions, reward_batch
 from services.scorer.scoring_loop import ScoringLoop
 from services.scorer.settings import RewardSpec
 from shared.codec import decode, encode
@@ -52,7 +54,9 @@ async def _scored(client, keys: Keys) -> list[ScoredGroup]:
     return [decode(fields[b"data"], ScoredGroup) for _, fields in await client.xrange(keys.scored)]
 
 
-async def test_faulty_plugins_give_nan_and_counted_errors_and_every_group_is_scored(fault_plugin, redis_client, keys):
+async def test_faulty_optional_plugins_give_nan_and_counted_errors_and_every_group_is_scored(
+    fault_plugin, redis_client, keys
+):
     keys = Keys(keys.prefix)
     specs = [RewardSpec(name="digit")] + [
         RewardSpec(
@@ -62,6 +66,7 @@ async def test_faulty_plugins_give_nan_and_counted_errors_and_every_group_is_sco
             retries=1,
             backoff_s=0.01,
             breaker_failures=100,
+            required=mode == "ok",
         )
         for mode in ("ok", "slow", "error", "malformed", "wrong-count")
     ]
@@ -120,17 +125,17 @@ async def test_open_breaker_short_circuits_and_down_plugin_fails_probe(redis_cli
             retries=0,
             breaker_failures=2,
             breaker_reset_s=60,
+            required=False,
         )
         assert await down.probe(attempts=2, delay_s=0.01) is False
-        assert down.breaker.state == "open"
+        assert down.breaker.state == "open" and "health probe of" in down.breaker.last_error
+        assert "ConnectError" in down.breaker.last_error
         functions, _ = build_functions([RewardSpec(name="digit")], http)
         function = down.as_function()
-        from services.scorer.rewards.functions import RewardBatch, score_batch
-
-        batch = RewardBatch(["p"], ["<answer>1</answer>"], [[1]], {})
+        batch = RewardBatch(["p"], ["<answer>1</answer>"], [[1]], {}, group_id="g")
         matrix = await score_batch([functions[0], function], batch)
         assert matrix[0, 0] == 1.0 and math.isnan(matrix[0, 1])
-        assert function.stats.short_circuited == 1
+        assert function.stats.short_circuited == 1 and function.stats.calls == 0
 
 
 def test_example_plugin_speaks_the_protocol():
@@ -156,7 +161,35 @@ def test_example_plugin_speaks_the_protocol():
         assert reply.status_code == 200
         assert reply.json()["rewards"] == [1.0, pytest.approx(0.4)]
         bad = httpx.post(f"http://127.0.0.1:{port}/score", json={**body, "protocol": "v0"})
-        assert bad.status_code == 400
+        assert bad.status_code == 422
+        assert httpx.get(f"http://127.0.0.1:{port}/schema").json()["title"] == "asyncgrpo.reward/v1"
+    finally:
+        service.stop()
+
+
+async def test_one_command_plugin_serves_a_trl_function_to_the_scorer(redis_client, keys):
+    """``python -m services.reward_plugin --function module:function`` with a bearer token, scored through
+    the scorer's HTTP client: the same values as the function called in-process."""
+    port = free_port()
+    service = start_service(
+        "function-plugin",
+        "services.reward_plugin",
+        {"JUDGE_TOKEN": "tok-123"},
+        ["--port", str(port), "--function", "tests.support.trl_doc_rewards:reward_len", "--token-env", "JUDGE_TOKEN"],
+    )
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", 60)
+        rollout = make_rollout(make_task(group_size=4, prompt="2+3?"))
+        spec = RewardSpec(name="len", url=f"http://127.0.0.1:{port}/score", bearer_token="tok-123")
+        wrong = RewardSpec(name="len", url=f"http://127.0.0.1:{port}/score", bearer_token="nope", required=False)
+        async with httpx.AsyncClient() as http:
+            (function,), _ = build_functions([spec], http)
+            (refused,), _ = build_functions([wrong], http)
+            batch = reward_batch(rollout)
+            matrix = await score_batch([function, refused], batch)
+        expected = [-abs(20 - len(c.text)) for c in rollout.completions]
+        assert matrix[:, 0].tolist() == expected
+        assert np.isnan(matrix[:, 1]).all() and "HTTP 401" in refused.stats.last_error
     finally:
         service.stop()
 

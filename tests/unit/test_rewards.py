@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from services.scorer.rewards.breaker import CircuitBreaker, CircuitOpenError
 from services.scorer.rewards.builtin import (
     correctness,
     digit,
@@ -21,13 +23,16 @@ from services.scorer.rewards.builtin import (
 from services.scorer.rewards.functions import (
     RewardBatch,
     RewardError,
+    RewardFailure,
+    intake_state,
     load_python_plugin,
+    run_function,
     score_batch,
     trl_style,
     validate_rewards,
 )
-from services.scorer.rewards.http_plugin import CircuitBreaker
 from services.scorer.scoring import reward_batch, scored_group
+from services.scorer.scoring_loop import retry_delay
 from services.scorer.settings import RewardSpec, ScorerSettings
 from shared.records import AdvantageSpec, ChatMessage
 from tests.support.factories import make_rollout, make_task
@@ -151,20 +156,76 @@ def test_plugin_paths_are_checked():
         load_python_plugin("tests.support.trl_doc_rewards:missing")
 
 
-def test_circuit_breaker_opens_half_opens_and_closes():
+def test_circuit_breaker_opens_half_opens_lets_one_trial_through_and_closes(caplog):
     now = [0.0]
-    breaker = CircuitBreaker(threshold=2, reset_s=10, clock=lambda: now[0])
-    breaker.failure()
-    assert breaker.allow()
-    breaker.failure()
-    assert breaker.state == "open" and not breaker.allow()
+    breaker = CircuitBreaker("judge", threshold=2, reset_s=10, clock=lambda: now[0])
+    caplog.set_level(logging.WARNING, logger="services.scorer.rewards.breaker")
+    assert breaker.before_call() is False
+    breaker.failure("group g1: HTTP 503; body 'boom'")
+    assert breaker.refresh() == "closed"
+    breaker.failure("group g2: ConnectError: refused")
+    assert breaker.state == "open" and breaker.seconds_until_trial() == 10
+    with pytest.raises(CircuitOpenError, match=r"breaker open after 2 consecutive failures.*ConnectError"):
+        breaker.before_call()
     now[0] = 10.0
-    assert breaker.state == "half_open" and breaker.allow()
-    breaker.failure()  # the trial call failed: open again
+    assert breaker.refresh() == "half_open"
+    assert breaker.before_call() is True  # the trial
+    with pytest.raises(CircuitOpenError):
+        breaker.before_call()  # only one trial at a time
+    breaker.failure("group g3: ReadTimeout: no answer within timeout_s=1", trial=True)
     assert breaker.state == "open" and breaker.trips == 2
     now[0] = 20.0
-    breaker.success()
+    trial = breaker.before_call()
+    breaker.success(trial)
     assert breaker.state == "closed" and breaker.failures == 0
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [m.split(" (")[0] for m in messages] == [
+        "reward judge: breaker open",
+        "reward judge: breaker half-open",
+        "reward judge: breaker open",
+        "reward judge: breaker half-open",
+        "reward judge: breaker closed",
+    ]
+    assert "last error: group g2: ConnectError: refused" in messages[0]
+    assert "last error: group g3: ReadTimeout" in messages[-1]
+
+
+def test_retry_delay_backs_off_tries_at_the_breakers_trial_and_keeps_the_deadline():
+    assert [retry_delay(a, 1.0, 30.0, None, 1e9) for a in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    assert retry_delay(6, 1.0, 30.0, until_trial_s=2.5, remaining_s=100.0) == 2.5  # open: at the trial
+    assert retry_delay(0, 1.0, 30.0, until_trial_s=12.0, remaining_s=100.0) == 12.0
+    assert retry_delay(5, 1.0, 30.0, until_trial_s=None, remaining_s=3.5) == 3.5
+
+
+async def test_required_and_optional_failures_are_reported_with_the_group_and_where(caplog):
+    batch = RewardBatch(["p"], ["x"], [[1]], {}, group_id="g-42")
+    broken = trl_style("broken", load_python_plugin("tests.support.trl_doc_rewards:broken_reward"), in_thread=True)
+    result = await run_function(broken, batch)
+    assert isinstance(result, RewardFailure) and result.group_id == "g-42"
+    assert result.detail.startswith("RuntimeError: this plugin always fails (at trl_doc_rewards.py:")
+    assert "in broken_reward" in result.detail
+    assert "group g-42" in caplog.text and "the group waits and is retried" in caplog.text
+    assert "Traceback" in caplog.text  # the first failure after a success carries the traceback
+    optional = trl_style("opt", lambda completions, **kw: [1.0, 2.0], in_thread=False, required=False)
+    result = await run_function(optional, batch)
+    assert "returned 2 rewards for 1 completions" in result.detail
+    assert "its rewards are NaN for this group" in caplog.text
+
+
+def test_intake_state_follows_required_breakers_only():
+    now = [0.0]
+    required = trl_style("req", lambda **kw: [], in_thread=False)
+    optional = trl_style("opt", lambda **kw: [], in_thread=False, required=False)
+    for function in (required, optional):
+        function.breaker = CircuitBreaker(function.name, threshold=1, reset_s=5, clock=lambda: now[0])
+    assert intake_state([required, optional]) == ("closed", [])
+    optional.breaker.failure("down")
+    assert intake_state([required, optional]) == ("closed", [])
+    required.breaker.failure("group g: HTTP 502; empty body")
+    state, reasons = intake_state([required, optional])
+    assert state == "open" and reasons[0].startswith("reward req: breaker open after 1 consecutive failures")
+    now[0] = 5.0
+    assert intake_state([required, optional])[0] == "half_open"
 
 
 def test_reward_spec_validation_messages():
@@ -205,3 +266,30 @@ def test_scored_group_combines_marks_zero_std_and_keeps_nan():
     flat = np.ones((4, 2), dtype=np.float32)
     same = scored_group(rollout, ["a", "b"], [1.0, 1.0], flat, AdvantageSpec(), drop_zero_std=True)
     assert same.zero_std and same.dropped and same.advantages.tolist() == [0.0] * 4
+
+
+def test_plugin_auth_settings_resolve_and_never_show_in_the_logged_settings(monkeypatch):
+    monkeypatch.setenv("JUDGE_TOKEN", "env-secret-1")
+    specs = [
+        RewardSpec(name="a", url="http://judge/score", bearer_token="inline-secret-2"),
+        RewardSpec(name="b", url="http://judge/score", bearer_token_env="JUDGE_TOKEN"),
+        RewardSpec(name="c", url="http://judge/score", headers={"X-Api-Key": "header-secret-3"}),
+    ]
+    assert specs[0].request_headers() == {"Authorization": "Bearer inline-secret-2"}
+    assert specs[1].request_headers() == {"Authorization": "Bearer env-secret-1"}
+    assert specs[2].request_headers() == {"X-Api-Key": "header-secret-3"}
+    logged = str(ScorerSettings(rewards=specs).masked())
+    for secret in ("env-secret-1", "inline-secret-2", "header-secret-3"):
+        assert secret not in logged
+    assert "JUDGE_TOKEN" in logged  # the variable's name is not a secret
+    with pytest.raises(ValidationError, match="'NO_SUCH_VAR_XYZ', which is not set"):
+        RewardSpec(name="d", url="http://judge/score", bearer_token_env="NO_SUCH_VAR_XYZ")
+    with pytest.raises(ValidationError, match="not both"):
+        RewardSpec(name="d", url="http://judge/score", bearer_token="x", bearer_token_env="JUDGE_TOKEN")
+    with pytest.raises(ValidationError, match="an Authorization header and a bearer token"):
+        RewardSpec(name="d", url="http://judge/score", bearer_token="x", headers={"authorization": "y"})
+    with pytest.raises(ValidationError, match="for HTTP plugins"):
+        RewardSpec(name="digit", bearer_token="x")
+    with pytest.raises(ValidationError, match="raise retry_backoff_max_s"):
+        ScorerSettings(retry_backoff_s=60, retry_backoff_max_s=30)
+    assert RewardSpec(name="digit").required and ScorerSettings().max_reward_wait_s >= 600

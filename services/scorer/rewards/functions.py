@@ -1,9 +1,12 @@
 """Reward functions behind one async interface: built-ins, Python plugins and HTTP plugins.
 
 Every function is called with one group's :class:`RewardBatch` and returns G values (float, or None where
-it cannot judge). :func:`score_batch` runs all of them concurrently and returns the [G, F] matrix with NaN
-wherever a function returned None, raised, timed out, or answered something malformed - never a silent 0 -
-and counts every failure in the function's :class:`RewardStats`.
+it cannot judge, which becomes NaN). :func:`run_function` calls one through its circuit breaker and returns
+either the values or a :class:`RewardFailure` that names the reward, the group and what went wrong (the HTTP
+status and a body excerpt, or a Python traceback summary); it logs and counts every failure. What a failure
+means for the group - NaN for an optional reward, the group held back for a required one - is the scoring
+loop's decision. :func:`score_batch` is the simple form: the [G, F] matrix with NaN wherever a function
+failed.
 """
 
 from __future__ import annotations
@@ -14,13 +17,18 @@ import inspect
 import logging
 import math
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from services.scorer.rewards.breaker import CircuitBreaker, CircuitOpenError
+
 log = logging.getLogger(__name__)
+
+__all__ = ["CircuitOpenError", "RewardBatch", "RewardError", "RewardFailure", "RewardFunction"]
 
 
 class RewardError(RuntimeError):
@@ -35,6 +43,7 @@ class RewardBatch:
     completions: list[Any]
     completion_ids: list[list[int]]
     columns: dict[str, list[Any]]
+    group_id: str = ""  # for logs and errors only; reward functions never see it
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -46,6 +55,8 @@ class RewardStats:
     errors: int = 0
     short_circuited: int = 0
     nan_values: int = 0
+    retried_5xx: int = 0
+    retried_transport: int = 0
     latency_s_total: float = 0.0
     last_error: str = ""
 
@@ -55,17 +66,41 @@ class RewardStats:
             f"rewards/{name}/errors": self.errors,
             f"rewards/{name}/short_circuited": self.short_circuited,
             f"rewards/{name}/nan_values": self.nan_values,
+            f"rewards/{name}/retried_5xx": self.retried_5xx,
+            f"rewards/{name}/retried_transport": self.retried_transport,
             f"rewards/{name}/latency_seconds_total": self.latency_s_total,
         }
 
 
 @dataclass
 class RewardFunction:
-    """A named reward function: ``call(batch)`` -> G values."""
+    """A named reward function: ``call(batch)`` -> G values, behind its own breaker.
+
+    ``required``: a failure holds the group back (the scoring loop retries it) instead of giving NaN.
+    """
 
     name: str
     call: Callable[[RewardBatch], Any]
     stats: RewardStats = field(default_factory=RewardStats)
+    required: bool = True
+    breaker: CircuitBreaker | None = None
+
+    def __post_init__(self) -> None:
+        if self.breaker is None:
+            self.breaker = CircuitBreaker(self.name, threshold=5, reset_s=30.0)
+
+
+@dataclass(frozen=True)
+class RewardFailure:
+    """One reward function that gave no values for one group, and why."""
+
+    reward: str
+    group_id: str
+    detail: str  # "HTTP 503 after 3 attempts: body 'boom'", "ValueError: x (at m.py:3 in f)", ...
+    short_circuited: bool = False  # the breaker refused the call; nothing was sent
+
+    def __str__(self) -> str:
+        return f"reward {self.reward} on group {self.group_id}: {self.detail}"
 
 
 def validate_rewards(name: str, values: Any, expected: int) -> list[float]:
@@ -88,7 +123,14 @@ def validate_rewards(name: str, values: Any, expected: int) -> list[float]:
     return out
 
 
-def trl_style(name: str, function: Callable[..., Any], *, in_thread: bool) -> RewardFunction:
+def trl_style(
+    name: str,
+    function: Callable[..., Any],
+    *,
+    in_thread: bool,
+    required: bool = True,
+    breaker: CircuitBreaker | None = None,
+) -> RewardFunction:
     """Wrap a function with TRL's convention ``f(prompts, completions, completion_ids, **columns)``.
 
     Coroutine functions are awaited; plain ones run in a worker thread when ``in_thread`` (plugins, whose
@@ -108,7 +150,7 @@ def trl_style(name: str, function: Callable[..., Any], *, in_thread: bool) -> Re
             return await asyncio.to_thread(function, **kwargs)
         return function(**kwargs)
 
-    return RewardFunction(name, call)
+    return RewardFunction(name, call, required=required, breaker=breaker)
 
 
 def load_python_plugin(path: str) -> Callable[..., Any]:
@@ -126,32 +168,78 @@ def load_python_plugin(path: str) -> Callable[..., Any]:
     return function
 
 
-async def _run_one(function: RewardFunction, batch: RewardBatch) -> list[float]:
+def failure_detail(exc: BaseException) -> str:
+    """What went wrong, in one line: a RewardError's message, else the exception and where it was raised."""
+    if isinstance(exc, RewardError):
+        return str(exc)
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip() or type(exc).__name__
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        text += f" (at {last.filename.rsplit('/', 1)[-1]}:{last.lineno} in {last.name})"
+    return text
+
+
+async def run_function(function: RewardFunction, batch: RewardBatch) -> list[float] | RewardFailure:
+    """Call one reward function on one group through its breaker: G floats (None -> NaN) or the failure."""
+    breaker = function.breaker
+    assert breaker is not None
     started = time.perf_counter()
+    try:
+        trial = breaker.before_call()
+    except CircuitOpenError as exc:
+        function.stats.short_circuited += 1
+        log.debug("reward %s skipped group %s: %s", function.name, batch.group_id, exc)
+        return RewardFailure(function.name, batch.group_id, str(exc), short_circuited=True)
     function.stats.calls += 1
     try:
         values = validate_rewards(function.name, await function.call(batch), len(batch))
     except Exception as exc:
-        function.stats.errors += 1
-        function.stats.last_error = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, CircuitOpenError):
-            function.stats.short_circuited += 1
-        else:
-            log.warning("reward %s failed; its rewards are NaN for this group: %s", function.name, exc)
-        values = [math.nan] * len(batch)
+        return _failed(function, batch, exc, trial, first=breaker.failures == 0)
+    except BaseException:  # cancelled: the trial slot must not stay taken
+        breaker.release_trial(trial)
+        raise
     finally:
         function.stats.latency_s_total += time.perf_counter() - started
+    breaker.success(trial)
     function.stats.nan_values += sum(math.isnan(v) for v in values)
     return values
 
 
+def _failed(function: RewardFunction, batch: RewardBatch, exc: Exception, trial: bool, *, first: bool) -> RewardFailure:
+    failure = RewardFailure(function.name, batch.group_id, failure_detail(exc))
+    function.stats.errors += 1
+    function.stats.last_error = failure.detail
+    assert function.breaker is not None
+    function.breaker.failure(f"group {batch.group_id}: {failure.detail}", trial=trial)
+    what = "the group waits and is retried" if function.required else "its rewards are NaN for this group"
+    # The first failure after a success carries the whole traceback; the rest one line each.
+    log.warning("%s (%s)", failure, what, exc_info=exc if first and not isinstance(exc, RewardError) else None)
+    return failure
+
+
 async def score_batch(functions: Sequence[RewardFunction], batch: RewardBatch) -> np.ndarray:
-    """Rewards [G, F] (float32), NaN where a function could not give a value."""
-    columns = await asyncio.gather(*(_run_one(f, batch) for f in functions))
-    if not columns:
+    """Rewards [G, F] (float32), NaN wherever a function returned None or failed."""
+    results = await asyncio.gather(*(run_function(f, batch) for f in functions))
+    if not results:
         return np.zeros((len(batch), 0), dtype=np.float32)
+    columns = [[math.nan] * len(batch) if isinstance(r, RewardFailure) else r for r in results]
     return np.asarray(columns, dtype=np.float32).T.copy()
 
 
-class CircuitOpenError(RewardError):
-    """The plugin failed too often; calls fail fast until its reset time passes."""
+def intake_state(functions: Sequence[RewardFunction]) -> tuple[str, list[str]]:
+    """Whether the scorer may take new rollouts, from its *required* rewards' breakers.
+
+    ``("closed", [])``: take as many as fit; ``("half_open", reasons)``: take one, as the trial, when
+    nothing is in flight; ``("open", reasons)``: take none. Optional rewards never pause the scorer.
+    """
+    states, reasons = set(), []
+    for function in functions:
+        if not function.required or function.breaker is None:
+            continue
+        state = function.breaker.refresh()
+        if state != "closed":
+            states.add(state)
+            reasons.append(function.breaker.describe())
+    worst = "open" if "open" in states else "half_open" if states else "closed"
+    return worst, reasons

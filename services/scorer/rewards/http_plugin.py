@@ -1,79 +1,77 @@
-"""HTTP reward plugins: a versioned JSON protocol, retries with backoff, a concurrency limit, a breaker.
+"""HTTP reward plugins: protocol ``asyncgrpo.reward/v1`` (``shared/reward_protocol.py``), retries, auth.
 
-Protocol ``asyncgrpo.reward/v1`` (documented in the README, served by ``services/reward_plugin``):
+    POST <url>   {"protocol": "asyncgrpo.reward/v1", "items": [{"prompt", "completion", "completion_ids",
+                  "columns"}, ...]}  ->  200 {"rewards": [float | null, ...], "extra": {...}}
+    GET <health_url>  -> 200 when the plugin can score (probed once at start)
 
-    POST <url>
-    {"protocol": "asyncgrpo.reward/v1",
-     "items": [{"prompt": <str | chat messages>, "completion": <str | chat messages>,
-                "completion_ids": [int, ...], "columns": {<name>: <value>, ...}}, ...]}
-    -> 200 {"rewards": [float | null, ...], "extra": {...}}     (one reward per item, in order)
-
-    GET <health_url>  -> 200 when the plugin can score
-
-Transport errors, timeouts and 5xx answers are retried (tenacity, exponential backoff); 4xx answers,
-malformed JSON and a wrong number of rewards are not. Every failure gives NaN for that function on that
-group and is counted; after ``breaker_failures`` consecutive failures the breaker opens and calls fail fast
-for ``breaker_reset_s``, then one trial call decides whether it closes.
+Within one call, transport errors, timeouts, 5xx, 408 and 429 are retried ``retries`` times with
+exponential backoff (each retry counted and logged at DEBUG); other answers are not, since the same bytes
+would get the same answer. Whatever still fails raises :class:`PluginCallError` with the HTTP status and an
+excerpt of the body; the caller (``functions.run_function``) counts it against the reward's breaker, and
+the scoring loop holds the group back (required reward) or uses NaN (optional). ``headers`` (including a
+bearer token) go with every request and are never logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, ConfigDict, ValidationError
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from pydantic import ValidationError
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
-from services.scorer.rewards.functions import CircuitOpenError, RewardBatch, RewardError, RewardFunction
+from services.scorer.rewards.breaker import CircuitBreaker
+from services.scorer.rewards.functions import RewardBatch, RewardError, RewardFunction, RewardStats
+from shared.reward_protocol import PROTOCOL, RewardResponse
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "asyncgrpo.reward/v1"
+_BODY_EXCERPT_CHARS = 200
+_RETRYABLE_STATUS = {408, 429}  # besides 5xx: the plugin asks to be called again later
 
 
-class PluginResponse(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PluginCallError(RewardError):
+    """The plugin gave no usable answer; the message names the status and quotes the body."""
 
-    rewards: list[float | None]
-    extra: dict[str, Any] = {}
-
-
-class _Retryable(RewardError):
-    pass
+    def __init__(self, message: str, status: int | None = None, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.status, self.retryable = status, retryable
 
 
-class CircuitBreaker:
-    """Closed -> open after ``threshold`` consecutive failures -> half-open after ``reset_s`` -> closed
-    on one success (or open again on a failure)."""
+def body_excerpt(text: str, limit: int = _BODY_EXCERPT_CHARS) -> str:
+    """``body '...'`` with at most ``limit`` characters, or ``empty body``."""
+    if not text:
+        return "empty body"
+    cut = text[:limit]
+    return f"body {cut!r}" + (f" (first {limit} of {len(text)} chars)" if len(text) > limit else "")
 
-    def __init__(self, threshold: int, reset_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.threshold, self.reset_s, self.clock = threshold, reset_s, clock
-        self.failures = 0
-        self.opened_at: float | None = None
-        self.trips = 0
 
-    @property
-    def state(self) -> str:
-        if self.opened_at is None:
-            return "closed"
-        return "half_open" if self.clock() - self.opened_at >= self.reset_s else "open"
+def transport_detail(exc: httpx.HTTPError, timeout_s: float) -> str:
+    """Never an empty ``ReadTimeout:``: httpx's timeouts usually carry no message."""
+    text = str(exc).strip()
+    if isinstance(exc, httpx.TimeoutException):
+        return f"{type(exc).__name__}: no answer within timeout_s={timeout_s:g}" + (f" ({text})" if text else "")
+    return f"{type(exc).__name__}: {text or 'no detail from httpx'}"
 
-    def allow(self) -> bool:
-        return self.state != "open"
 
-    def success(self) -> None:
-        self.failures = 0
-        self.opened_at = None
-
-    def failure(self) -> None:
-        self.failures += 1
-        if self.state == "half_open" or (self.opened_at is None and self.failures >= self.threshold):
-            self.trips += 1
-            self.opened_at = self.clock()
+def parse_answer(reply: httpx.Response, expected: int) -> list[float | None]:
+    """The rewards of a 200 answer, or PluginCallError saying what is wrong with it."""
+    try:
+        body = RewardResponse.model_validate_json(reply.content)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        problem = f"{where}: {error['msg']}" if where else error["msg"]
+        raise PluginCallError(
+            f"HTTP 200 with a malformed answer ({problem}); {body_excerpt(reply.text)}", reply.status_code
+        ) from None
+    if len(body.rewards) != expected:
+        raise PluginCallError(
+            f"HTTP 200 with {len(body.rewards)} rewards for {expected} items; {body_excerpt(reply.text)}", 200
+        )
+    return list(body.rewards)
 
 
 class HttpRewardPlugin:
@@ -91,80 +89,96 @@ class HttpRewardPlugin:
         breaker_reset_s: float = 30.0,
         health_url: str | None = None,
         headers: dict[str, str] | None = None,
+        required: bool = True,
     ) -> None:
         self.name, self.url, self.client = name, url, client
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self.health_url = health_url or url.rsplit("/", 1)[0] + "/health"
-        self.headers = headers or {}
+        self._headers = dict(headers or {})  # may hold secrets: never logged or exported
         self.semaphore = asyncio.Semaphore(concurrency)
-        self.breaker = CircuitBreaker(breaker_failures, breaker_reset_s)
+        self.breaker = CircuitBreaker(name, breaker_failures, breaker_reset_s)
+        self.stats = RewardStats()
+        self.function = RewardFunction(name, self.score, self.stats, required=required, breaker=self.breaker)
 
     def as_function(self) -> RewardFunction:
-        return RewardFunction(self.name, self.score)
+        return self.function
 
     async def probe(self, attempts: int = 5, delay_s: float = 1.0) -> bool:
-        """GET the health URL until it answers 200; False (and the breaker opened) if it never does."""
+        """GET the health URL until it answers 200; if it never does, open the breaker and return False.
+
+        The scorer still starts: it is not ready, takes no rollouts while a required plugin's breaker is
+        open, and lets one rollout through as the trial once ``breaker_reset_s`` has passed.
+        """
+        reason = "not probed"
         for attempt in range(attempts):
             try:
-                reply = await self.client.get(self.health_url, timeout=self.timeout_s, headers=self.headers)
+                reply = await self.client.get(self.health_url, timeout=self.timeout_s, headers=self._headers)
                 if reply.status_code == 200:
                     log.info("reward plugin %s is healthy at %s", self.name, self.health_url)
                     return True
-                reason = f"HTTP {reply.status_code}"
+                reason = f"HTTP {reply.status_code}; {body_excerpt(reply.text)}"
             except httpx.HTTPError as exc:
-                reason = f"{type(exc).__name__}: {exc}"
+                reason = transport_detail(exc, self.timeout_s)
             if attempt + 1 < attempts:
                 await asyncio.sleep(delay_s)
-        log.error(
-            "reward plugin %s failed its health probe (%s); its rewards are NaN until it recovers",
-            self.name,
-            reason,
-        )
-        for _ in range(self.breaker.threshold):
-            self.breaker.failure()
+        self.breaker.force_open(f"health probe of {self.health_url} failed {attempts} times: {reason}")
         return False
 
     async def score(self, batch: RewardBatch) -> list[float | None]:
-        if not self.breaker.allow():
-            raise CircuitOpenError(f"{self.name}: circuit open after {self.breaker.failures} failures")
         payload = {"protocol": PROTOCOL, "items": _items(batch)}
-        try:
-            async with self.semaphore:
-                rewards = await self._post_with_retries(payload, len(batch))
-        except Exception:
-            self.breaker.failure()
-            raise
-        self.breaker.success()
-        return rewards
+        async with self.semaphore:
+            return await self._post_with_retries(payload, len(batch), batch.group_id)
 
-    async def _post_with_retries(self, payload: dict, expected: int) -> list[float | None]:
+    async def _post_with_retries(self, payload: dict, expected: int, group_id: str) -> list[float | None]:
         retrying = AsyncRetrying(
-            retry=retry_if_exception_type(_Retryable),
+            retry=retry_if_exception(_is_retryable),
             stop=stop_after_attempt(self.retries + 1),
             wait=wait_exponential(multiplier=self.backoff_s, max=10 * self.backoff_s),
+            before_sleep=lambda state: self._count_retry(state, group_id),
             reraise=True,
         )
-        async for attempt in retrying:
-            with attempt:
-                return await self._post(payload, expected)
+        attempts = 0
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    attempts += 1
+                    return await self._post(payload, expected)
+        except PluginCallError as exc:
+            if attempts > 1:
+                raise PluginCallError(f"{exc} (after {attempts} attempts)", exc.status) from exc
+            raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _count_retry(self, state: RetryCallState, group_id: str) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        status = getattr(exc, "status", None)
+        if status is not None and status >= 500:
+            self.stats.retried_5xx += 1
+        else:
+            self.stats.retried_transport += 1
+        delay = state.next_action.sleep if state.next_action else 0.0
+        log.debug(
+            "reward %s, group %s: %s; retry %d of %d in %.2f s",
+            self.name, group_id, exc, state.attempt_number, self.retries, delay,
+        )  # fmt: skip
 
     async def _post(self, payload: dict, expected: int) -> list[float | None]:
         try:
-            reply = await self.client.post(self.url, json=payload, timeout=self.timeout_s, headers=self.headers)
-        except (httpx.TransportError, httpx.TimeoutException) as exc:
-            raise _Retryable(f"{self.name}: {type(exc).__name__}: {exc}") from exc
-        if reply.status_code >= 500:
-            raise _Retryable(f"{self.name}: HTTP {reply.status_code}")
-        if reply.status_code != 200:
-            raise RewardError(f"{self.name}: HTTP {reply.status_code}: {reply.text[:200]}")
-        try:
-            body = PluginResponse.model_validate_json(reply.content)
-        except ValidationError as exc:
-            raise RewardError(f"{self.name}: malformed response: {exc.errors()[0]['msg']}") from None
-        if len(body.rewards) != expected:
-            raise RewardError(f"{self.name}: {len(body.rewards)} rewards for {expected} items")
-        return body.rewards
+            reply = await self.client.post(self.url, json=payload, timeout=self.timeout_s, headers=self._headers)
+        except httpx.HTTPError as exc:
+            raise PluginCallError(transport_detail(exc, self.timeout_s), retryable=True) from exc
+        status = reply.status_code
+        if status != 200:
+            raise PluginCallError(
+                f"HTTP {status}; {body_excerpt(reply.text)}",
+                status,
+                retryable=status >= 500 or status in _RETRYABLE_STATUS,
+            )
+        return parse_answer(reply, expected)
+
+
+def _is_retryable(exc: BaseException) -> bool:
+    return isinstance(exc, PluginCallError) and exc.retryable
 
 
 def _items(batch: RewardBatch) -> list[dict[str, Any]]:

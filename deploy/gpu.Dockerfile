@@ -1,0 +1,24 @@
+# The one GPU image (asyncgrpo-gpu:0.1.0) that both the generator and the learner run, so the two ends of the
+# NCCL weight push have the same torch, NCCL, CUDA libraries and vLLM: requirements/gpu.txt (vllm 0.32.0 from
+# PyPI, torch 2.13.0 with nvidia-nccl-cu13 2.29.7 and the CUDA 13 wheels it pins; Python 3.12, linux x86_64).
+# Only the command differs: the default runs the generator; the learner runs with the command
+# `services.learner` (compose `command: ["services.learner"]`). The host needs an NVIDIA driver for CUDA 13.
+#
+# Base: the full Debian image, not -slim: Triton and FlashInfer compile kernels at run time and need gcc and
+# the Python headers it ships. Pinned by exact tag and digest; the digest is the one public material gives for
+# python:3.12.12-bookworm (hseshadr/agentic-saga, .dagger/src/agentic_saga_ci/main.py, PYTHON_IMAGES).
+FROM python:3.12.12-bookworm@sha256:c0abd0758831ad99b7a29e0c1a875da9c4abb9a2e3f21e2eeb585dbcadfb6cd0
+ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /app
+# Every package exactly as locked, each checked against its hash; no resolver runs here.
+COPY requirements/gpu.txt requirements/gpu.txt
+RUN pip install --no-cache-dir --no-deps --require-hashes --only-binary :all: -r requirements/gpu.txt
+# The project runs from /app (`python -m services.…`), so nothing unlocked is installed for it. The settings
+# file is mounted at /config (compose, k8s).
+COPY shared ./shared
+COPY services ./services
+EXPOSE 8001 8003 29500
+# The generator's port unless HEALTH_PORT says otherwise (compose sets its own check per service).
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('HEALTH_PORT', '8001'))"]
+ENTRYPOINT ["python", "-m"]
+CMD ["services.generator"]

@@ -1,0 +1,1 @@
+"""Maintenance scripts run by the Makefile (``make lock``, ``make check-fresh-setup``)."""
