@@ -189,12 +189,10 @@ def cuda_uuid(device: torch.device) -> str | None:
 # Direct loading: the engine side -----------------------------------------------------------------------
 
 
-def describe_targets(model: torch.nn.Module) -> list[TargetParam]:
+def describe_targets(model: torch.nn.Module, tensor_parallel_size: int) -> list[TargetParam]:
     """Every parameter of a vLLM model as a :class:`TargetParam`; raises DirectLoadUnavailable where a
     direct copy would not give the same weights as vLLM's own loader (quantized or sharded layers)."""
-    from vllm.distributed import get_tensor_model_parallel_world_size
-
-    if get_tensor_model_parallel_world_size() != 1:
+    if tensor_parallel_size != 1:
         raise DirectLoadUnavailable("the engine is tensor-parallel: its parameters are shards")
     packed = getattr(type(model), "packed_modules_mapping", {}) or {}
     targets = []
@@ -295,6 +293,11 @@ class WeightReceiverExtension:
     _weight_receiver_id: str = ""
     _direct_plan: Any = None  # (layout key, plan, targets) of the last push, or (layout key, reason)
 
+    def _tensor_parallel_size(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size()
+
     def weight_runtime(self) -> dict[str, Any]:
         """This worker's device UUID, engine dtype and library versions (for the generator's registration)."""
         from importlib import metadata
@@ -360,7 +363,7 @@ class WeightReceiverExtension:
         key = tuple((spec["name"], tuple(spec["shape"])) for spec in layout)
         if self._direct_plan is None or self._direct_plan[0] != key:
             try:
-                targets = describe_targets(model)
+                targets = describe_targets(model, self._tensor_parallel_size())
                 plan = plan_direct_load({name: shape for name, shape in key}, targets)
                 self._direct_plan = (key, plan, targets)
             except DirectLoadUnavailable as exc:

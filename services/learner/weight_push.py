@@ -216,7 +216,7 @@ class WeightPusher:
             return PyNcclCommunicator(StatelessProcessGroup(rank=0, world_size=world_size, store=store), self.device)
         return torch.distributed.ProcessGroupGloo(store, 0, world_size, self.timeout)
 
-    def _send_all(self, namespace: str, plan: PushPlan, named, buckets, done: dict) -> None:
+    def send_buckets(self, namespace: str, plan: PushPlan, named, buckets, done: dict) -> None:
         """Form the push's group (when a generator needs one) and send every bucket to it and to the IPC
         receivers; on gloo, bucket k+1 is packed while k is sent."""
         try:
@@ -294,7 +294,7 @@ class WeightPusher:
         )
         started = time.perf_counter()
         done: dict = {}
-        sender = threading.Thread(target=self._send_all, args=(namespace, plan, named, buckets, done), daemon=True)
+        sender = threading.Thread(target=self.send_buckets, args=(namespace, plan, named, buckets, done), daemon=True)
         sender.start()
         replies = await self._announce(announcement, generators, http)
         await asyncio.to_thread(sender.join, self.timeout.total_seconds())
