@@ -315,7 +315,7 @@ class WeightReceiverExtension:
         return {
             "device_uuid": cuda_uuid(self.device),
             "dtype": str(self.vllm_config.model_config.dtype).removeprefix("torch."),
-            "torch": torch.__version__,
+            "torch": str(torch.__version__),
             "nccl": nccl,
             "vllm": vllm_version,
         }

