@@ -85,6 +85,7 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
                 # vLLM fuses q/k/v and gate/up; compare the unfused embedding and norms directly.
                 for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
                     assert fingerprint[name] == pytest.approx(reference[name], rel=1e-6), (service.name, name)
+                assert "loaded over gloo (direct copy)" in service.output(), service.output()[-3000:]
 
             # 40 prompts through both replicas; kill one while it holds prompts.
             tasks = [
