@@ -287,6 +287,11 @@ class _PendingBucket:
 class WeightReceiverExtension:
     """Mixed into vLLM's worker: ``self.model_runner``, ``self.device`` and ``self.vllm_config`` exist."""
 
+    # Given by vLLM's worker (declared here for type checkers; the stand-in in tests/gpu sets them too).
+    device: torch.device
+    model_runner: Any
+    vllm_config: Any
+
     _weight_group: Any = None
     _weight_transport: str = ""
     _weight_store: Any = None

@@ -110,7 +110,7 @@ def version_mismatches(learner: RuntimeVersions, generator: RuntimeVersions, tra
     match wherever both sides have it (its NCCL wrapper and the receiver's loading code).
     """
     found = []
-    pairs = [("torch", learner.torch, generator.torch)]
+    pairs: list[tuple[str, str | None, str | None]] = [("torch", learner.torch, generator.torch)]
     if transport == "nccl":
         pairs.append(("NCCL", learner.nccl, generator.nccl))
     if learner.vllm is not None and generator.vllm is not None:
