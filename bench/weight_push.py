@@ -100,6 +100,16 @@ def raw_broadcast(named, receivers: int, repeats: int, dtype: str) -> float:
     return best
 
 
+async def _registered(client, keys: Keys, count: int, timeout_s: float = 60.0):
+    """The generators once all ``count`` have registered (their first heartbeat follows the ready line)."""
+    deadline = time.monotonic() + timeout_s
+    while len(generators := await live_generators(client, keys)) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(generators)} of {count} generators registered")
+        await asyncio.sleep(0.2)
+    return generators
+
+
 async def our_push(named, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str) -> float:
     prefix = f"bench-push-{os.getpid()}-{receivers}"
     services = []
@@ -127,7 +137,7 @@ async def our_push(named, model_dir: Path, receivers: int, repeats: int, redis_u
     try:
         for service in services:
             await asyncio.to_thread(service.wait_for_line, "ready on port", 600)
-        generators = await live_generators(client, Keys(prefix))
+        generators = await _registered(client, Keys(prefix), receivers)
         pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN, bucket_bytes=BUCKET_BYTES)
         best = float("inf")
         async with httpx.AsyncClient() as http:

@@ -69,6 +69,16 @@ def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {TOKEN}"}
 
 
+async def _registration(redis_client, keys):
+    """g1's registration (its first heartbeat follows the ready line, after the engine described itself)."""
+    deadline = time.monotonic() + 60
+    while not (registered := await live_generators(redis_client, keys)):
+        assert time.monotonic() < deadline, "g1 never registered"
+        await asyncio.sleep(0.2)
+    [registration] = registered
+    return registration
+
+
 def _reference_logprobs(model_dir, prompt_ids, completion_ids, temperature) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
@@ -148,7 +158,7 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
     from shared.keys import Keys
 
     keys = Keys(prefix)
-    [registration] = await live_generators(redis_client, keys)
+    registration = await _registration(redis_client, keys)
     assert registration.generator_id == "g1"
     # What the learner plans the push from: CPU (gloo), the engine's dtype, and the versions it runs.
     assert registration.device_uuids == () and registration.engine_dtype == "float32"
@@ -197,7 +207,7 @@ async def test_a_generator_with_other_versions_is_refused_before_any_group(gener
     from services.learner.weight_push import WeightPushError
     from shared.keys import Keys
 
-    [registration] = await live_generators(redis_client, Keys(prefix))
+    registration = await _registration(redis_client, Keys(prefix))
     served = registration.policy_version
     other = registration.versions.model_copy(update={"vllm": "0.11.0"})
     stale = registration.model_copy(update={"versions": other})
