@@ -109,3 +109,16 @@ def test_push_dtype_is_the_engines_and_must_agree():
     assert push_dtype([gen("a")]) is None
     with pytest.raises(PushRefused, match="a: bfloat16, b: float32"):
         push_dtype([gen("a", dtype="bfloat16"), gen("b", dtype="float32")])
+
+
+def test_runtime_records_round_trip_and_old_registrations_still_decode():
+    from shared.codec import decode, encode
+    from shared.records import LearnerRuntime
+
+    runtime = LearnerRuntime(device="cuda:0", device_uuid="uuid-a", versions=V)
+    assert decode(encode(runtime), LearnerRuntime) == runtime
+    registration = gen("g", "uuid-b", dtype="bfloat16")
+    assert decode(encode(registration), GeneratorRegistration) == registration
+    # A registration written before these fields existed: no UUIDs, no dtype, unknown versions.
+    old = GeneratorRegistration(generator_id="g", url="http://g", policy_version=0)
+    assert old.device_uuids == () and old.engine_dtype is None and old.versions.torch == ""
