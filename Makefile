@@ -63,7 +63,8 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy shared services/scorer/advantages.py services/learner/loss.py services/learner/importance.py
+	$(BIN)/mypy shared services/scorer/advantages.py services/learner/loss.py services/learner/importance.py \
+		services/learner/weight_transport.py services/generator/placement.py
 
 demo: $(STAMP)
 	$(BIN)/python -m services.launcher demo

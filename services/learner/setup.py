@@ -25,6 +25,7 @@ from services.learner.settings import LearnerSettings
 from services.learner.train_loop import FEEDER_POSITION, LearnerLoop
 from services.learner.trainer import Trainer
 from services.learner.weight_push import WeightPusher
+from shared.codec import encode
 from shared.keys import Keys
 from shared.records import ChatMessage, DatasetPosition, SamplingSpec
 from shared.streams import StreamConsumer
@@ -146,6 +147,8 @@ async def build_learner(
         join_timeout_s=settings.weight_join_timeout_s,
         device=torch.device(settings.device),
     )
+    # Published at start for operators and generators: the learner's physical GPU and library versions.
+    await client.hset(keys.learner_state, "runtime", encode(pusher.runtime()))
     sink = MetricsSink(Path(settings.log_dir), MetricsGauges(registry), settings.max_steps, settings.progress)
     loop = LearnerLoop(
         settings=settings,

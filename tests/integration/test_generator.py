@@ -69,6 +69,16 @@ def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {TOKEN}"}
 
 
+async def _registration(redis_client, keys):
+    """g1's registration (its first heartbeat follows the ready line, after the engine described itself)."""
+    deadline = time.monotonic() + 60
+    while not (registered := await live_generators(redis_client, keys)):
+        assert time.monotonic() < deadline, "g1 never registered"
+        await asyncio.sleep(0.2)
+    [registration] = registered
+    return registration
+
+
 def _reference_logprobs(model_dir, prompt_ids, completion_ids, temperature) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
@@ -148,8 +158,11 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
     from shared.keys import Keys
 
     keys = Keys(prefix)
-    [registration] = await live_generators(redis_client, keys)
+    registration = await _registration(redis_client, keys)
     assert registration.generator_id == "g1"
+    # What the learner plans the push from: CPU (gloo), the engine's dtype, and the versions it runs.
+    assert registration.device_uuids == () and registration.engine_dtype == "float32"
+    assert registration.versions.torch == str(torch.__version__) and registration.versions.vllm
     model_b = AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32)
     pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN, bucket_bytes=256 << 10)
     long_body = {
@@ -185,7 +198,28 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
     expected = model_b.generate(torch.tensor([prompt_ids]), max_new_tokens=40, do_sample=False)[0, len(prompt_ids) :]
     got = result["completions"][0]["token_ids"]
     assert got == expected.tolist()[: len(got)] and len(got) >= 1
+    # Loaded by copying straight into the engine's parameters, not through the layerwise reload.
+    assert "loaded over gloo (direct copy)" in generator.output(), generator.output()[-3000:]
     print(f"\npush: {report.bytes / 1e6:.2f} MB in {report.seconds:.2f} s; greedy tokens equal: {len(got)}")
+
+
+async def test_a_generator_with_other_versions_is_refused_before_any_group(generator, models, redis_client, prefix):
+    from services.learner.weight_push import WeightPushError
+    from shared.keys import Keys
+
+    registration = await _registration(redis_client, Keys(prefix))
+    served = registration.policy_version
+    other = registration.versions.model_copy(update={"vllm": "0.11.0"})
+    stale = registration.model_copy(update={"versions": other})
+    pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN)
+    named = list(AutoModelForCausalLM.from_pretrained(models[1], dtype=torch.float32).named_parameters())
+    async with httpx.AsyncClient(timeout=60) as http:
+        with pytest.raises(WeightPushError) as caught:
+            await pusher.push(named, served + 1, [stale], http)
+        assert caught.value.failed == ["g1"] and pusher.refused == 1
+        assert f"vLLM {registration.versions.vllm} (learner) vs 0.11.0 (generator)" in str(caught.value)
+        ready = (await http.get(f"{generator.url}/ready")).json()
+    assert ready["policy_version"] == served  # nothing was sent
 
 
 def test_pause_and_resume_with_the_token(generator):

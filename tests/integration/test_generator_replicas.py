@@ -67,7 +67,9 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
     try:
         for service in (survivor, victim):
             await asyncio.to_thread(service.wait_for_line, "ready on port", 300)
-        generators = await live_generators(redis_client, keys)
+        deadline = time.monotonic() + 60  # the first heartbeat (registration) follows the ready line
+        while len(generators := await live_generators(redis_client, keys)) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
         assert sorted(g.generator_id for g in generators) == ["gen-a", "gen-b"]
 
         # One push reaches both processes over gloo, and both then hold model B's weights.
@@ -85,6 +87,7 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
                 # vLLM fuses q/k/v and gate/up; compare the unfused embedding and norms directly.
                 for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
                     assert fingerprint[name] == pytest.approx(reference[name], rel=1e-6), (service.name, name)
+                assert "loaded over gloo (direct copy)" in service.output(), service.output()[-3000:]
 
             # 40 prompts through both replicas; kill one while it holds prompts.
             tasks = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -111,11 +112,27 @@ def _batches(log_dir: Path) -> dict[int, list[str]]:
     return batches
 
 
+def _skip_without_enough_gpus(ranks: int) -> None:
+    """Under ``LEARNER_DEVICE=cuda`` every torchrun rank takes a GPU of its own (NCCL refuses two ranks on one
+    GPU): a test with more ranks than GPUs skips and says why instead of failing."""
+    if not os.environ.get("LEARNER_DEVICE", "cpu").startswith("cuda") or ranks == 1:
+        return
+    import torch
+
+    available = torch.cuda.device_count()
+    if available < ranks:
+        pytest.skip(
+            f"{ranks} learner ranks on CUDA need {ranks} GPUs (one per NCCL rank); this machine has {available}"
+        )
+
+
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow, id="torchrun-2-ranks")])
 async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
     tiny, tmp_path, redis_client, redis_url, keys, ranks
 ):
-    """One learner process, or two FSDP2 ranks under torchrun (gloo): the same guarantees."""
+    """One learner process, or two FSDP2 ranks under torchrun (gloo; NCCL under LEARNER_DEVICE=cuda): the
+    same guarantees."""
+    _skip_without_enough_gpus(ranks)
     keys = Keys(keys.prefix)
     env = {
         "LEARNER_MODEL": str(tiny),

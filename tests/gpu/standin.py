@@ -1,0 +1,75 @@
+"""A receiver process for the GPU tests: the generator's ``WeightReceiverExtension`` around a plain torch
+model standing in for vLLM's model runner (vLLM's CUDA build is not installed on the GPU test machine).
+
+It runs the same receiving and loading code as a generator's engine worker; only the model differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import torch
+
+from services.generator.weight_receiver import WeightReceiverExtension
+
+
+def build_model(seed: int, hidden: int, layers: int, device: str) -> torch.nn.Module:
+    """The same architecture on both sides; ``seed`` makes the weights differ."""
+    torch.manual_seed(seed)
+    blocks = [torch.nn.Linear(hidden, hidden) for _ in range(layers)]
+    return torch.nn.Sequential(torch.nn.Embedding(64, hidden), *blocks).to(device)
+
+
+def digests(model: torch.nn.Module) -> dict[str, str]:
+    """sha256 of every parameter's bytes (bitwise comparison across processes)."""
+    out = {}
+    for name, param in model.named_parameters():
+        raw = param.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        out[name] = hashlib.sha256(raw).hexdigest()
+    return out
+
+
+class _Runner:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model
+
+
+class StandInWorker(WeightReceiverExtension):
+    """What vLLM's worker gives the extension: ``model_runner``, ``device``, ``rank``."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model_runner = _Runner(model)
+        self.device = device
+        self.rank = 0
+
+    def _tensor_parallel_size(self) -> int:
+        return 1
+
+
+def receive(conn: Any, device_name: str, seed: int, hidden: int, layers: int) -> None:
+    """Process entry point: answer ``ready`` with the device's UUID, then for every push message (the
+    ``weight_channel_open`` arguments, layout, bucket count) receive it and answer with the result and the
+    digests; ``None`` ends it."""
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    worker = StandInWorker(build_model(seed, hidden, layers, device_name), device)
+    uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+    conn.send({"ready": True, "uuid": uuid})
+    while (push := conn.recv()) is not None:
+        started = time.perf_counter()
+        try:
+            worker.weight_channel_open(*push["open"])
+            result = worker.weight_channel_receive(push["layout"], push["num_buckets"])
+            worker.weight_channel_close()
+        except Exception as exc:
+            conn.send({"error": f"{type(exc).__name__}: {exc}"})
+            continue
+        result["wall_seconds"] = time.perf_counter() - started
+        conn.send({"result": result, "digests": digests(worker.model_runner.get_model())})
+    conn.close()

@@ -1,0 +1,89 @@
+"""The push driven the way ``WeightPusher.push`` drives it, minus HTTP: plan, layout, ``send_buckets`` to a
+stand-in receiver process (:mod:`tests.gpu.standin`). Shared by the CPU (gloo) and GPU (IPC) tests."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.learner.weight_push import WeightPusher, plan_buckets
+from services.learner.weight_transport import PushPlan, plan_push
+from shared.records import GeneratorRegistration
+from tests.gpu import standin
+
+
+@dataclass
+class Receiver:
+    process: Any
+    conn: Any
+    uuid: str | None
+
+
+def start_receiver(device: str, seed: int, hidden: int, layers: int) -> Receiver:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=standin.receive, args=(child, device, seed, hidden, layers), daemon=True)
+    process.start()
+    if not parent.poll(120):
+        raise TimeoutError("the stand-in receiver did not start")
+    hello = parent.recv()
+    return Receiver(process, parent, hello["uuid"])
+
+
+def stop_receiver(receiver: Receiver) -> None:
+    receiver.conn.send(None)
+    receiver.process.join(30)
+    if receiver.process.is_alive():
+        receiver.process.kill()
+
+
+def registration(receiver: Receiver, pusher: WeightPusher, dtype: str) -> GeneratorRegistration:
+    return GeneratorRegistration(
+        generator_id="standin",
+        url="http://127.0.0.1:1",
+        policy_version=0,
+        device="cuda:0" if receiver.uuid else "cpu",
+        device_uuids=(receiver.uuid,) if receiver.uuid else (),
+        engine_dtype=dtype,
+        versions=pusher.learner.versions,
+    )
+
+
+def push(
+    pusher: WeightPusher, receiver: Receiver, model: torch.nn.Module, version: int, dtype: str
+) -> tuple[PushPlan, dict[str, Any], float]:
+    """One push to the stand-in: returns the plan, the receiver's answer and the sender's seconds."""
+    plan = plan_push(pusher.learner, [registration(receiver, pusher, dtype)])
+    named = [(name, param.detach()) for name, param in model.named_parameters()]
+    specs, buckets = plan_buckets(named, pusher.bucket_bytes, plan.dtype)
+    namespace = f"push/{version}/test"
+    receiver.conn.send(
+        {
+            "open": (
+                "127.0.0.1",
+                pusher.port,
+                namespace,
+                plan.ranks.get("standin", 0),
+                plan.world_size,
+                30.0,
+                120.0,
+                plan.transports["standin"],
+                "standin",
+            ),
+            "layout": [s.model_dump() for s in specs],
+            "num_buckets": len(buckets),
+        }
+    )
+    done: dict = {}
+    started = time.perf_counter()
+    pusher.send_buckets(namespace, plan, named, buckets, done)
+    seconds = time.perf_counter() - started
+    if "error" in done:
+        raise done["error"]
+    if not receiver.conn.poll(120):
+        raise TimeoutError("the stand-in receiver did not answer")
+    return plan, receiver.conn.recv(), seconds
