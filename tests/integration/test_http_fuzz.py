@@ -17,7 +17,7 @@ TOKEN = "fuzz-token"
 
 
 def _apps():
-    scorer = scorer_app(api_token=TOKEN, registry=CollectorRegistry(), stop=asyncio.Event(), plugins=[])
+    scorer = scorer_app(api_token=TOKEN, registry=CollectorRegistry(), stop=asyncio.Event(), functions=[])
     scorer.state.running = True
     learner = learner_app(api_token=TOKEN, registry=CollectorRegistry(), stop=asyncio.Event())
     return {"scorer": scorer, "learner": learner}
