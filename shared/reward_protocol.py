@@ -9,7 +9,9 @@ served by the example plugin at ``GET /schema``, so a plugin in any language can
 
 from __future__ import annotations
 
+import importlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -95,3 +97,20 @@ def schema_text() -> str:
 if __name__ == "__main__":  # python -m shared.reward_protocol: rewrite the committed schema
     SCHEMA_PATH.write_text(schema_text())
     print(f"wrote {SCHEMA_PATH}")
+
+
+def load_reward_function(path: str) -> Callable[..., Any]:
+    """Import a reward function named ``module:function`` (the module must be importable, e.g. on PYTHONPATH);
+    ValueError naming what is wrong when it cannot. The scorer's Python rewards and ``python -m
+    services.reward_plugin --function`` both load theirs this way."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"a reward function is named 'module:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import reward function module {module_name!r}: {exc}") from exc
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ValueError(f"{module_name!r} has no callable {attribute!r}")
+    return function

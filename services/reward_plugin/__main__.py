@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import os
 import signal
 from collections.abc import Callable
@@ -19,22 +18,16 @@ from typing import Any
 import uvicorn
 
 from services.reward_plugin.app import build_app, make_brevity
+from shared.reward_protocol import load_reward_function
 from shared.telemetry import setup_logging
 
 
 def load_function(path: str) -> Callable[..., Any]:
-    """Import ``module:function``; SystemExit with a clear message when it cannot."""
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise SystemExit(f"--function must be 'module:function', got {path!r}")
+    """The ``--function`` to serve; SystemExit with the loader's message when it cannot be imported."""
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise SystemExit(f"cannot import {module_name!r}: {exc}") from exc
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise SystemExit(f"{module_name!r} has no callable {attribute!r}")
-    return function
+        return load_reward_function(path)
+    except ValueError as exc:
+        raise SystemExit(f"--function: {exc}") from exc
 
 
 def main() -> None:

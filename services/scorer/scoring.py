@@ -23,10 +23,11 @@ import torch
 from services.scorer.advantages import combine_rewards, compute_advantages, zero_std_groups
 from services.scorer.rewards.breaker import CircuitBreaker
 from services.scorer.rewards.builtin import BUILTINS
-from services.scorer.rewards.functions import RewardBatch, RewardFunction, load_python_plugin, trl_style
+from services.scorer.rewards.functions import RewardBatch, RewardFunction, trl_style
 from services.scorer.rewards.http_plugin import HttpRewardPlugin
 from services.scorer.settings import RewardSpec
 from shared.records import AdvantageSpec, Rollout, ScoredGroup
+from shared.reward_protocol import load_reward_function
 
 
 def reward_batch(rollout: Rollout) -> RewardBatch:
@@ -114,7 +115,7 @@ def build_functions(
             functions.append(plugin.as_function())
             continue
         in_thread = spec.kind == "python"  # a plugin's cost is unknown; the built-ins are fast
-        call = load_python_plugin(spec.function) if spec.function else BUILTINS[spec.name](**spec.params)
+        call = load_reward_function(spec.function) if spec.function else BUILTINS[spec.name](**spec.params)
         breaker = CircuitBreaker(spec.name, spec.breaker_failures, spec.breaker_reset_s)
         functions.append(trl_style(spec.name, call, in_thread=in_thread, required=spec.required, breaker=breaker))
     return functions, plugins

@@ -25,7 +25,6 @@ from services.scorer.rewards.functions import (
     RewardError,
     RewardFailure,
     intake_state,
-    load_python_plugin,
     run_function,
     score_batch,
     trl_style,
@@ -35,6 +34,7 @@ from services.scorer.scoring import reward_batch, scored_group
 from services.scorer.scoring_loop import retry_delay
 from services.scorer.settings import RewardSpec, ScorerSettings
 from shared.records import AdvantageSpec, ChatMessage
+from shared.reward_protocol import load_reward_function
 from tests.support.factories import make_rollout, make_task
 
 TAGGED = "<think>\n{reasoning}\n</think>\n<answer>\n{answer}\n</answer>"
@@ -132,7 +132,7 @@ async def test_trl_documentation_functions_run_unchanged():
         columns={},
     )
     functions = {
-        name: trl_style(name, load_python_plugin(f"tests.support.trl_doc_rewards:{name}"), in_thread=True)
+        name: trl_style(name, load_reward_function(f"tests.support.trl_doc_rewards:{name}"), in_thread=True)
         for name in ("reward_len", "format_reward_func", "reward_func", "async_reward", "broken_reward")
     }
     text = await score_batch([functions["reward_len"], functions["reward_func"]], text_batch)
@@ -149,11 +149,11 @@ async def test_trl_documentation_functions_run_unchanged():
 
 def test_plugin_paths_are_checked():
     with pytest.raises(ValueError, match="module:function"):
-        load_python_plugin("no_colon")
+        load_reward_function("no_colon")
     with pytest.raises(ValueError, match="cannot import"):
-        load_python_plugin("no_such_module_xyz:f")
+        load_reward_function("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="no callable"):
-        load_python_plugin("tests.support.trl_doc_rewards:missing")
+        load_reward_function("tests.support.trl_doc_rewards:missing")
 
 
 def test_circuit_breaker_opens_half_opens_lets_one_trial_through_and_closes(caplog):
@@ -199,7 +199,7 @@ def test_retry_delay_backs_off_tries_at_the_breakers_trial_and_keeps_the_deadlin
 
 async def test_required_and_optional_failures_are_reported_with_the_group_and_where(caplog):
     batch = RewardBatch(["p"], ["x"], [[1]], {}, group_id="g-42")
-    broken = trl_style("broken", load_python_plugin("tests.support.trl_doc_rewards:broken_reward"), in_thread=True)
+    broken = trl_style("broken", load_reward_function("tests.support.trl_doc_rewards:broken_reward"), in_thread=True)
     result = await run_function(broken, batch)
     assert isinstance(result, RewardFailure) and result.group_id == "g-42"
     assert result.detail.startswith("RuntimeError: this plugin always fails (at trl_doc_rewards.py:")

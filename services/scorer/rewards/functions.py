@@ -12,7 +12,6 @@ failed.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import math
@@ -151,21 +150,6 @@ def trl_style(
         return function(**kwargs)
 
     return RewardFunction(name, call, required=required, breaker=breaker)
-
-
-def load_python_plugin(path: str) -> Callable[..., Any]:
-    """Import ``module:function`` (the module must be importable, e.g. on PYTHONPATH)."""
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"a Python reward plugin is 'module:function', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import reward plugin module {module_name!r}: {exc}") from exc
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ValueError(f"{module_name!r} has no callable {attribute!r}")
-    return function
 
 
 def failure_detail(exc: BaseException) -> str:
