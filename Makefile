@@ -64,7 +64,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy shared services/scorer/advantages.py services/learner/loss.py services/learner/importance.py \
-		services/learner/weight_transport.py services/generator/placement.py services/learner/entropy.py
+		services/learner/weight_transport.py shared/placement.py services/learner/entropy.py
 
 demo: $(STAMP)
 	$(BIN)/python -m services.launcher demo

@@ -33,8 +33,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from services.learner.batch import TrainBatch, collate  # noqa: E402
 from services.learner.hardware import Precision, compute_context, resolve_precision  # noqa: E402
-from services.learner.settings import LearnerSettings  # noqa: E402
 from services.learner.trainer import Trainer  # noqa: E402
+from shared.config.learner import LearnerSettings  # noqa: E402
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, ScoredGroup  # noqa: E402
 
 VOCAB = 49152

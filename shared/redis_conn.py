@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.settings import mask_url
+from shared.config.base import mask_url
 
 log = logging.getLogger(__name__)
 

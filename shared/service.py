@@ -1,8 +1,9 @@
 """What every service process does the same way: its command line, stop signals, and its HTTP server.
 
-``main(...)`` parses ``--config``, loads the settings (a clear message and exit status 2 when invalid), sets
-up logging, logs the resolved settings with secrets masked, and runs the service's ``serve(settings)``.
-:func:`http_server` runs a FastAPI app in the service's own event loop next to its I/O loop.
+``main(...)`` parses ``--config``, validates the whole configuration file across services (a clear message and
+exit status 2 when invalid), takes the service's own table, sets up logging, logs the resolved settings with
+secrets masked, and runs the service's ``serve(settings)``. :func:`http_server` runs a FastAPI app in the
+service's own event loop next to its I/O loop.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import signal
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
-from shared.settings import ServiceSettings, load_or_exit
+from shared.config.base import ServiceSettings
+from shared.config.pipeline import load_or_exit
 from shared.telemetry import setup_logging
 
 S = TypeVar("S", bound=ServiceSettings)
@@ -34,7 +36,9 @@ def main(
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=description)
     parser.add_argument("--config", help=f"TOML file (else $ASYNCGRPO_CONFIG); {tables} and [common] are read")
     args = parser.parse_args(argv)
-    settings = load_or_exit(settings_cls, args.config, name)
+    settings = getattr(load_or_exit(args.config, name), name)
+    if settings.requires_api_token and not settings.api_token.get_secret_value():
+        parser.exit(2, f"{name}: api_token is required: set API_TOKEN (control endpoints need a bearer token)\n")
     setup_logging(name, settings.log_level)
     logging.getLogger(f"services.{name}").info("settings: %s", settings.masked())
     return asyncio.run(serve(settings))

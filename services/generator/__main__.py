@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from services.generator.settings import GeneratorSettings
+from shared.config.generator import GeneratorSettings
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.service import http_server, main, stop_on_signals
@@ -24,8 +24,8 @@ log = logging.getLogger("services.generator")
 
 def check_colocated_memory(settings: GeneratorSettings) -> None:
     """One-GPU mode: vLLM's share and the learner's (read as the learner reads it) must fit one GPU."""
-    from services.generator.placement import PlacementError, learner_memory_share, memory_share_error
-    from shared.settings import CONFIG_ENV, read_config_file
+    from shared.config.base import CONFIG_ENV, read_config_file
+    from shared.placement import PlacementError, learner_memory_share, memory_share_error
 
     config = os.environ.get(CONFIG_ENV)
     document = read_config_file(Path(config)) if config else {}
@@ -36,8 +36,8 @@ def check_colocated_memory(settings: GeneratorSettings) -> None:
 
 async def lease_gpus(settings: GeneratorSettings, lease: GpuLease) -> None:
     """Take this replica's GPU(s) in the host's lease namespace and make them the only ones CUDA sees."""
-    from services.generator.placement import leasable_gpus
     from services.generator.registry import host_gpu_count
+    from shared.placement import leasable_gpus
 
     if settings.colocated:
         check_colocated_memory(settings)
@@ -60,10 +60,10 @@ async def lease_gpus(settings: GeneratorSettings, lease: GpuLease) -> None:
 async def serve(settings: GeneratorSettings) -> int:
     from services.generator.app import build_app
     from services.generator.engine import Engine
-    from services.generator.placement import PlacementError
     from services.generator.registry import GpuLease, NoFreeGpuError
     from services.generator.rollout_loop import RolloutLoop
     from services.generator.telemetry import GeneratorTelemetry
+    from shared.placement import PlacementError
     from shared.registry import latest_checkpoint, latest_weights_version
     from shared.streams import StreamConsumer, StreamProducer
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from services.generator.settings import GeneratorSettings
+from shared.config.generator import GeneratorSettings
 from shared.records import ChatMessage, Completion, SamplingSpec, WeightVersionAnnouncement
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@
   takes free GPU indices with ``SET NX PX`` before CUDA starts, renews them with its heartbeat and releases
   them on exit. The keys live in one lease namespace per host (``generator.gpu_host_key``), which every
   replica that sees those GPUs must share; which indices a replica may take is
-  :func:`services.generator.placement.leasable_gpus`. No free GPU: no start, with a message naming the fix.
+  :func:`shared.placement.leasable_gpus`. No free GPU: no start, with a message naming the fix.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from services.generator.placement import PlacementError, no_free_gpu_message
 from shared.keys import Keys
+from shared.placement import PlacementError, no_free_gpu_message
 
 log = logging.getLogger(__name__)
 

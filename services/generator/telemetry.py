@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from services.generator.engine import Engine
 from services.generator.registry import GpuLease, heartbeat_forever
 from services.generator.rollout_loop import RolloutLoop
-from services.generator.settings import GeneratorSettings
+from shared.config.generator import GeneratorSettings
 from shared.keys import Keys
 from shared.records import GeneratorRegistration, RuntimeVersions
 from shared.registry import deregister, register

@@ -22,16 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from services.generator.settings import GeneratorSettings
-from services.launcher.supervisor import LauncherSettings
-from services.learner.settings import DataSettings, LearnerSettings
-from services.scorer.settings import RewardSpec, ScorerSettings
-from shared.settings import COMMON_ENV, read_config_file
-
-_PLACEHOLDER_TOKEN = "not-needed-to-explain"
-
+from shared.config.base import COMMON_ENV
+from shared.config.generator import GeneratorSettings
+from shared.config.launcher import LauncherSettings
+from shared.config.learner import DataSettings, LearnerSettings
+from shared.config.pipeline import PipelineConfig
+from shared.config.scorer import RewardSpec, ScorerSettings
 
 # Batch arithmetic of the other systems (pure) ---------------------------------------------------------------
 
@@ -104,65 +102,7 @@ def verl_batch(
 # Our configuration -----------------------------------------------------------------------------------------
 
 
-@dataclass
-class Pipeline:
-    generator: GeneratorSettings
-    scorer: ScorerSettings
-    learner: LearnerSettings
-    launcher: LauncherSettings
-
-
-def load_pipeline(path: Path) -> Pipeline:
-    """Every service's settings from one file (the environment still overrides); raises ValueError with
-    each problem's field and how to fix it."""
-    document = read_config_file(path)
-    errors: list[str] = []
-    loaded: dict[str, Any] = {}
-    for name, cls in (("generator", GeneratorSettings), ("scorer", ScorerSettings), ("learner", LearnerSettings)):
-        try:
-            settings = cls.load(path)
-        except ValidationError as exc:
-            token_only = all("api_token" in str(e["msg"]) for e in exc.errors())
-            if not token_only:
-                errors.extend(_describe(name, exc))
-                continue
-            settings = cls.load(path, api_token=_PLACEHOLDER_TOKEN)
-        loaded[name] = settings
-    try:
-        loaded["launcher"] = LauncherSettings(**document.get("launcher", {}))
-    except ValidationError as exc:
-        errors.extend(_describe("launcher", exc))
-    if not errors:
-        pipeline = Pipeline(**loaded)
-        errors.extend(cross_check(pipeline))
-        if not errors:
-            return pipeline
-    raise ValueError(f"{path} is not a valid configuration:\n  - " + "\n  - ".join(errors))
-
-
-def _describe(section: str, exc: ValidationError) -> list[str]:
-    out = []
-    for error in exc.errors():
-        field = ".".join(str(part) for part in error["loc"])
-        where = f"[{section}] {field}" if field else f"[{section}]"
-        out.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
-    return out
-
-
-def cross_check(pipeline: Pipeline) -> list[str]:
-    """Checks that span services."""
-    learner, generator = pipeline.learner, pipeline.generator
-    errors = []
-    needed = learner.max_prompt_length + learner.max_completion_length
-    if needed > generator.max_model_len:
-        errors.append(
-            f"[generator] max_model_len ({generator.max_model_len}) is below the learner's max_prompt_length + "
-            f"max_completion_length ({needed}); raise it or lower those"
-        )
-    return errors
-
-
-def explain(pipeline: Pipeline) -> str:
+def explain(pipeline: PipelineConfig) -> str:
     s = pipeline.learner
     completions = s.completions_per_step
     micro = completions // s.micro_batch_size
@@ -686,7 +626,7 @@ def main(args) -> int:
         return 0
     try:
         if args.config_command == "explain":
-            print(explain(load_pipeline(args.file)))
+            print(explain(PipelineConfig.load(args.file)))
             return 0
         result, kind, defaults_from = _translate(args)
         if result.unmapped and not args.allow_unmapped:

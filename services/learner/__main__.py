@@ -8,7 +8,7 @@ import sys
 
 from prometheus_client import CollectorRegistry
 
-from services.learner.settings import LearnerSettings
+from shared.config.learner import LearnerSettings
 from shared.redis_conn import connect
 from shared.service import http_server, main, stop_on_signals
 

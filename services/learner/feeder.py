@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.learner.settings import DataSettings
 from services.learner.tasks import BUILTIN_TASKS
+from shared.config.learner import DataSettings
 from shared.records import ChatMessage, DatasetPosition, PromptTask, SamplingSpec
 
 

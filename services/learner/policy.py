@@ -18,7 +18,7 @@ import torch
 from services.learner.batch import TrainBatch
 from services.learner.entropy import token_entropy
 from services.learner.hardware import resolve_precision
-from services.learner.settings import LearnerSettings
+from shared.config.learner import LearnerSettings
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from services.learner.feeder import PromptFeeder, load_rows
 from services.learner.hardware import resolve_precision
 from services.learner.observability import MetricsSink
 from services.learner.policy import load_policy, reference_model
-from services.learner.settings import LearnerSettings
 from services.learner.train_loop import FEEDER_POSITION, LearnerLoop
 from services.learner.trainer import Trainer
 from services.learner.weight_push import WeightPusher
 from shared.codec import encode
+from shared.config.learner import LearnerSettings
 from shared.keys import Keys
 from shared.records import ChatMessage, DatasetPosition, SamplingSpec
 from shared.streams import StreamConsumer

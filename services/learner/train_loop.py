@@ -34,10 +34,10 @@ from services.learner.checkpoint import LearnerState, save_checkpoint
 from services.learner.feeder import PromptFeeder, admission_budget, replacement_cap_reached
 from services.learner.importance import is_stale
 from services.learner.observability import MetricsSink
-from services.learner.settings import LearnerSettings
 from services.learner.trainer import Trainer
 from services.learner.weight_push import WeightPusher, WeightPushError
 from shared.codec import WireError, decode, encode
+from shared.config.learner import LearnerSettings
 from shared.keys import Keys
 from shared.records import CheckpointAnnouncement, ScoredGroup, WeightVersionAnnouncement
 from shared.redis_conn import RedisRetry

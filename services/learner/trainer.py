@@ -52,7 +52,7 @@ from services.learner.loss import (
     high_entropy_mask,
 )
 from services.learner.policy import EntropyMode, completion_logprobs_and_entropy, merged_weights
-from services.learner.settings import LearnerSettings
+from shared.config.learner import LearnerSettings
 
 
 def loss_config(s: LearnerSettings) -> LossConfig:

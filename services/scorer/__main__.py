@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from services.scorer.app import build_app
 from services.scorer.scoring import build_functions
 from services.scorer.scoring_loop import ScoringLoop
-from services.scorer.settings import ScorerSettings
+from shared.config.scorer import ScorerSettings
 from shared.keys import Keys
 from shared.redis_conn import connect
 from shared.service import http_server, main, stop_on_signals

@@ -25,7 +25,7 @@ from services.scorer.rewards.breaker import CircuitBreaker
 from services.scorer.rewards.builtin import BUILTINS
 from services.scorer.rewards.functions import RewardBatch, RewardFunction, trl_style
 from services.scorer.rewards.http_plugin import HttpRewardPlugin
-from services.scorer.settings import RewardSpec
+from shared.config.scorer import RewardSpec
 from shared.records import AdvantageSpec, Rollout, ScoredGroup
 from shared.reward_protocol import load_reward_function
 

@@ -15,7 +15,7 @@ import pytest
 
 from services.scorer.scoring import build_functions
 from services.scorer.scoring_loop import ScoringLoop
-from services.scorer.settings import RewardSpec
+from shared.config.scorer import RewardSpec
 from shared.keys import Keys
 from shared.records import AdvantageSpec
 from shared.redis_conn import connect

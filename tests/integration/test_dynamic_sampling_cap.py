@@ -11,9 +11,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.learner.settings import LearnerSettings
 from services.learner.setup import build_learner
 from shared.codec import decode, encode
+from shared.config.learner import LearnerSettings
 from shared.keys import Keys
 from shared.records import PromptTask
 from shared.streams import Output, StreamConsumer, StreamProducer

@@ -13,9 +13,9 @@ import socket
 import pytest
 
 from services.generator.__main__ import lease_gpus
-from services.generator.placement import PlacementError, parse_gpu_list
 from services.generator.registry import GpuLease, NoFreeGpuError
-from services.generator.settings import GeneratorSettings
+from shared.config.generator import GeneratorSettings
+from shared.placement import PlacementError, parse_gpu_list
 from tests.support import compose
 from tests.support.processes import start_service
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.learner.settings import LearnerSettings
 from services.learner.setup import build_learner
+from shared.config.learner import LearnerSettings
 from shared.keys import Keys
 from tests.support.fake_pipeline import run_fake_pipeline
 from tests.support.processes import start_service

@@ -15,7 +15,7 @@ import torch
 
 from services.learner.batch import collate
 from services.learner.distributed import Topology, micro_batch_plan, split_rows
-from services.learner.settings import LearnerSettings
+from shared.config.learner import LearnerSettings
 from tests.support.factories import make_task
 from tests.support.fake_pipeline import scored_group_for
 from tests.support.mixed_precision import fixed_batch, moved_fraction, relative_l2, train_update, update_of

@@ -22,8 +22,8 @@ import pytest
 
 from services.scorer.scoring import build_functions
 from services.scorer.scoring_loop import ScoringLoop
-from services.scorer.settings import RewardSpec
 from shared.codec import decode, encode
+from shared.config.scorer import RewardSpec
 from shared.keys import Keys
 from shared.records import AdvantageSpec, ScoredGroup
 from shared.streams import StreamConsumer, StreamProducer

@@ -18,8 +18,8 @@ from services.scorer.rewards.functions import RewardBatch, score_batch
 from services.scorer.rewards.http_plugin import HttpRewardPlugin
 from services.scorer.scoring import build_functions, reward_batch
 from services.scorer.scoring_loop import ScoringLoop
-from services.scorer.settings import RewardSpec
 from shared.codec import decode, encode
+from shared.config.scorer import RewardSpec
 from shared.keys import Keys
 from shared.records import AdvantageSpec, ScoredGroup
 from shared.streams import StreamConsumer, StreamProducer

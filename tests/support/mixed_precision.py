@@ -13,8 +13,8 @@ import torch
 
 from services.learner.batch import collate
 from services.learner.policy import load_policy
-from services.learner.settings import LearnerSettings
 from services.learner.trainer import Trainer
+from shared.config.learner import LearnerSettings
 from tests.support.factories import make_task
 from tests.support.fake_pipeline import scored_group_for
 

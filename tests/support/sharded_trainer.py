@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from services.learner import distributed
 from services.learner.hardware import Precision, resolve_precision
 from services.learner.policy import reference_model
-from services.learner.settings import LearnerSettings
 from services.learner.trainer import Trainer
+from shared.config.learner import LearnerSettings
 
 
 def build(

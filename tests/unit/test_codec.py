@@ -178,7 +178,7 @@ def test_truncated_or_corrupted_bytes_raise_wire_error(data):
 
 def test_shared_does_not_import_torch():
     code = (
-        "import sys, shared, shared.records, shared.codec, shared.streams, shared.settings, "
+        "import sys, shared, shared.records, shared.codec, shared.streams, shared.config.base, "
         "shared.telemetry, shared.keys, shared.redis_conn; "
         "assert 'torch' not in sys.modules, 'torch imported'; "
         "assert 'vllm' not in sys.modules, 'vllm imported'"

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from services.generator.settings import GeneratorSettings
-from services.launcher.config_tools import explain, from_trl, from_verl, load_pipeline, trl_batch, verl_batch
-from services.learner.settings import LearnerSettings
-from services.scorer.settings import RewardSpec, ScorerSettings
-from shared.settings import ConfigFileError
+from services.launcher.config_tools import explain, from_trl, from_verl, trl_batch, verl_batch
+from shared.config.base import ConfigFileError
+from shared.config.generator import GeneratorSettings
+from shared.config.learner import LearnerSettings
+from shared.config.pipeline import PipelineConfig
+from shared.config.scorer import RewardSpec, ScorerSettings
 from tests.support.processes import ROOT
 
 # GRPOConfig's defaults as the installed trl==1.16.0 reports them (TRL is not a dependency of this project).
@@ -150,16 +151,18 @@ def test_pipeline_cross_checks_report_every_problem(tmp_path, monkeypatch):
         )
     )
     with pytest.raises(ValueError) as error:
-        load_pipeline(path)
+        PipelineConfig.load(path)
     text = str(error.value)
     assert "[scorer] rewards.0: unknown reward 'marks'" in text
     path.write_text(CONFIG.replace("max_model_len = 1024", "max_model_len = 300"))
-    with pytest.raises(ValueError, match=r"\[generator\] max_model_len \(300\) is below .* \(512\)"):
-        load_pipeline(path)
+    with pytest.raises(
+        ValueError, match=r"generator.max_model_len \(300\) is below learner.max_prompt_length .* = 512"
+    ):
+        PipelineConfig.load(path)
 
 
 def test_explain_prints_the_step_and_the_equivalents(config_file):
-    text = explain(load_pipeline(config_file))
+    text = explain(PipelineConfig.load(config_file))
     assert "completions                             32" in text
     assert "micro-batches (gradient accumulation)   4  of 8 completions" in text
     assert "token upper bound                       16384" in text

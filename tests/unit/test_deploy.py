@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.generator.placement import leasable_gpus, memory_share_error, parse_gpu_list
-from services.generator.settings import GeneratorSettings
-from services.launcher.config_tools import load_pipeline
-from services.learner.settings import LearnerSettings
-from services.scorer.settings import ScorerSettings
+from shared.config.generator import GeneratorSettings
+from shared.config.learner import LearnerSettings
+from shared.config.pipeline import PipelineConfig
+from shared.config.scorer import ScorerSettings
+from shared.placement import leasable_gpus, memory_share_error, parse_gpu_list
 from tests.support import compose
 from tests.support.processes import ROOT
 
@@ -140,9 +140,9 @@ def test_compose_and_launcher_read_the_same_settings(monkeypatch):
     compose_file = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     assert compose_file["x-common-env"]["ASYNCGRPO_CONFIG"] == "/config/gpu.toml"  # configs/ is mounted at /config
     monkeypatch.setenv("API_TOKEN", "x")
-    pipeline = load_pipeline(ROOT / "configs" / "gpu.toml")  # the schema `asyncgrpo run` validates
+    pipeline = PipelineConfig.load(ROOT / "configs" / "gpu.toml")  # the schema `asyncgrpo run` validates
     assert pipeline.learner.weight_sync_host == "learner" and pipeline.generator.port == 8001
-    one_gpu = load_pipeline(ROOT / "configs" / "gpu-1.toml")
+    one_gpu = PipelineConfig.load(ROOT / "configs" / "gpu-1.toml")
     assert memory_share_error(one_gpu.generator.gpu_memory_utilization, one_gpu.learner.gpu_memory_share) is None
 
 
@@ -155,7 +155,7 @@ def test_k8s_images_carry_the_release_tag():
 
 def test_demo_config_is_valid(monkeypatch):
     monkeypatch.setenv("API_TOKEN", "x")
-    pipeline = load_pipeline(ROOT / "configs" / "demo-cpu.toml")
+    pipeline = PipelineConfig.load(ROOT / "configs" / "demo-cpu.toml")
     assert pipeline.learner.model == "@smollm2"
 
 

@@ -10,9 +10,9 @@ import torch
 from services.learner.batch import collate
 from services.learner.loss import policy_loss
 from services.learner.policy import completion_logprobs, load_policy, logprobs_no_grad
-from services.learner.settings import LearnerSettings
 from services.learner.trainer import Trainer, lr_lambda
 from services.scorer.advantages import group_advantages
+from shared.config.learner import LearnerSettings
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, SamplingSpec, ScoredGroup
 from tests.support.tiny_model import build_tiny_llama
 

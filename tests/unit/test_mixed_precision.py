@@ -18,8 +18,8 @@ from services.learner.checkpoint import LearnerState, save_checkpoint
 from services.learner.distributed import mixed_precision_policy
 from services.learner.hardware import Precision, compute_context, resolve_precision
 from services.learner.policy import load_policy, reference_model
-from services.learner.settings import LearnerSettings
 from services.learner.trainer import Trainer
+from shared.config.learner import LearnerSettings
 from tests.support.mixed_precision import fixed_batch, moved_fraction, relative_l2, train_update, update_of
 from tests.support.tiny_model import build_tiny_llama
 
@@ -125,7 +125,7 @@ def test_fsdp_policy_gathers_in_bf16_and_reduces_in_float32():
 
 
 def test_old_dtype_setting_is_read_as_compute_dtype_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="services.learner.settings"):
+    with caplog.at_level(logging.WARNING, logger="shared.config.learner"):
         settings = LearnerSettings(model="m", dtype="bfloat16")
     assert (settings.param_dtype, settings.compute_dtype, settings.dtype) == ("float32", "bfloat16", None)
     assert "deprecated" in caplog.text and "compute_dtype" in caplog.text

@@ -27,9 +27,9 @@ from services.learner.loss import (
     policy_loss,
 )
 from services.learner.policy import completion_logprobs_and_entropy, load_policy, reference_model
-from services.learner.settings import LearnerSettings
 from services.learner.trainer import Trainer
 from services.scorer.advantages import compute_advantages
+from shared.config.learner import LearnerSettings
 from shared.records import AdvantageSpec
 from tests.support.factories import make_rollout, make_scored, make_task
 from tests.support.tiny_model import build_tiny_llama
@@ -603,6 +603,7 @@ def tiny_settings(model_path, **overrides) -> LearnerSettings:
         max_completion_length=8,
         max_steps=4,
         api_token="t",
+        compute_dtype="float32",  # exact comparisons below; "auto" is bfloat16 on an AMX CPU
     )
     fields.update(overrides)
     return LearnerSettings(**fields)

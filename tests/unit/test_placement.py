@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.generator.placement import (
+from shared.config.generator import GeneratorSettings
+from shared.placement import (
     PlacementError,
     first_free,
     learner_memory_share,
@@ -15,7 +16,6 @@ from services.generator.placement import (
     parse_gpu_list,
     plan,
 )
-from services.generator.settings import GeneratorSettings
 
 
 def test_parse_gpu_list():

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from services.generator.settings import GeneratorSettings
-from services.launcher.supervisor import LauncherSettings
-from services.learner.settings import DataSettings, LearnerSettings
-from services.scorer.settings import RewardSpec, ScorerSettings
+from shared.config.generator import GeneratorSettings
+from shared.config.launcher import LauncherSettings
+from shared.config.learner import DataSettings, LearnerSettings
+from shared.config.scorer import RewardSpec, ScorerSettings
 from tests.support.processes import ROOT
 
 README = (ROOT / "README.md").read_text()

@@ -32,7 +32,7 @@ from services.scorer.rewards.functions import (
 )
 from services.scorer.scoring import reward_batch, scored_group
 from services.scorer.scoring_loop import retry_delay
-from services.scorer.settings import RewardSpec, ScorerSettings
+from shared.config.scorer import RewardSpec, ScorerSettings
 from shared.records import AdvantageSpec, ChatMessage
 from shared.reward_protocol import load_reward_function
 from tests.support.factories import make_rollout, make_task
@@ -293,3 +293,11 @@ def test_plugin_auth_settings_resolve_and_never_show_in_the_logged_settings(monk
     with pytest.raises(ValidationError, match="raise retry_backoff_max_s"):
         ScorerSettings(retry_backoff_s=60, retry_backoff_max_s=30)
     assert RewardSpec(name="digit").required and ScorerSettings().max_reward_wait_s >= 600
+
+
+def test_the_config_catalogue_names_exactly_the_built_ins_the_scorer_implements():
+    from services.scorer.rewards.builtin import BUILTINS
+    from shared.config.scorer import BUILTIN_PARAMS, BUILTIN_RANGES
+
+    assert set(BUILTIN_RANGES) == set(BUILTINS)
+    assert set(BUILTIN_PARAMS) <= set(BUILTINS)

@@ -161,16 +161,3 @@ BUILTINS: dict[str, Callable[..., Callable[..., list[float | None]]]] = {
     "mark": lambda: mark,
     "overlong": make_overlong,
 }
-
-# The range of each built-in's value, for checking a BNPO configuration's reward bounds at start.
-BUILTIN_RANGES: dict[str, tuple[float, float]] = {
-    "correctness": (0.0, 1.0),
-    "digit": (0.0, 1.0),
-    "hard_format": (0.0, 1.0),
-    "soft_format": (0.0, 1.0),
-    "mark": (0.0, 1.0),
-    "overlong": (-1.0, 0.0),
-}
-
-# Parameters a built-in accepts in its ``params`` table.
-BUILTIN_PARAMS: dict[str, set[str]] = {"overlong": {"buffer"}}

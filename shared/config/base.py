@@ -96,6 +96,7 @@ class ServiceSettings(BaseSettings):
 
     toml_table: ClassVar[str] = ""
     extra_toml_tables: ClassVar[dict[str, str]] = {}
+    requires_api_token: ClassVar[bool] = False  # checked when the service starts (not to explain a file)
 
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
@@ -179,22 +180,3 @@ def _mask(data: Any, model: Any) -> Any:
         items = model if isinstance(model, list | tuple) else [None] * len(data)
         return [_mask(v, m) for v, m in zip(data, items, strict=False)]
     return data
-
-
-def load_or_exit(cls: type[S], config_file: str | Path | None, service: str) -> S:
-    """:meth:`ServiceSettings.load`, or a message naming each bad field and exit status 2 (no traceback)."""
-    import sys
-
-    from pydantic import ValidationError
-
-    try:
-        return cls.load(config_file)
-    except ConfigFileError as exc:
-        print(f"{service}: {exc}", file=sys.stderr)
-    except ValidationError as exc:
-        lines = []
-        for error in exc.errors():
-            field = ".".join(str(part) for part in error["loc"]) or "(settings)"
-            lines.append(f"  {cls.toml_table}.{field}: {error['msg'].removeprefix('Value error, ')}")
-        print(f"{service}: invalid configuration:\n" + "\n".join(lines), file=sys.stderr)
-    raise SystemExit(2)

@@ -10,9 +10,21 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.scorer.rewards.builtin import BUILTIN_PARAMS, BUILTIN_RANGES, BUILTINS
+from shared.config.base import ServiceSettings
 from shared.records import AdvantageSpec
-from shared.settings import ServiceSettings
+
+# The built-in reward functions the scorer implements (services/scorer/rewards/builtin.py, a test keeps the
+# two in step): each one's range of values, for checking a BNPO configuration's bounds at start, and the
+# parameters its ``params`` table accepts.
+BUILTIN_RANGES: dict[str, tuple[float, float]] = {
+    "correctness": (0.0, 1.0),
+    "digit": (0.0, 1.0),
+    "hard_format": (0.0, 1.0),
+    "soft_format": (0.0, 1.0),
+    "mark": (0.0, 1.0),
+    "overlong": (-1.0, 0.0),
+}
+BUILTIN_PARAMS: dict[str, set[str]] = {"overlong": {"buffer"}}
 
 
 class RewardSpec(BaseModel):
@@ -59,9 +71,9 @@ class RewardSpec(BaseModel):
             for url in (self.url, self.health_url):
                 if url is not None and urlsplit(url).scheme not in ("http", "https"):
                     raise ValueError(f"reward {self.name!r}: plugin URL {url!r} must start with http:// or https://")
-        elif self.function is None and self.name not in BUILTINS:
+        elif self.function is None and self.name not in BUILTIN_RANGES:
             raise ValueError(
-                f"unknown reward {self.name!r}: built-ins are {', '.join(sorted(BUILTINS))}; "
+                f"unknown reward {self.name!r}: built-ins are {', '.join(sorted(BUILTIN_RANGES))}; "
                 "for your own, set function = 'module:function' (Python) or url = 'http://...' (HTTP plugin)"
             )
         elif self.function is None:

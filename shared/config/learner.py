@@ -20,8 +20,8 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from shared.config.base import ServiceSettings
 from shared.records import ChatMessage
-from shared.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 

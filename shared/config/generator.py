@@ -8,13 +8,14 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.generator.placement import leasable_gpus, parse_gpu_list
-from shared.settings import ServiceSettings
+from shared.config.base import ServiceSettings
+from shared.placement import leasable_gpus, parse_gpu_list
 
 
 class GeneratorSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="GENERATOR_", extra="forbid", env_nested_delimiter="__")
     toml_table = "generator"
+    requires_api_token = True  # its control endpoints (weights, pause) take the bearer token
 
     model: str = Field("", description="Path of the initial model (a transformers/vLLM checkpoint directory).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -79,8 +80,6 @@ class GeneratorSettings(ServiceSettings):
     def _check(self) -> GeneratorSettings:
         if not self.model:
             raise ValueError("generator.model is required: set GENERATOR_MODEL to a checkpoint directory")
-        if not self.api_token.get_secret_value():
-            raise ValueError("api_token is required: set API_TOKEN (control endpoints need a bearer token)")
         if self.tensor_parallel_size > 1 and self.gpu_count == 0:
             raise ValueError("tensor_parallel_size > 1 needs GPUs: set generator.gpu_count")
         self._check_placement()
