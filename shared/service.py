@@ -36,7 +36,7 @@ def main(
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=description)
     parser.add_argument("--config", help=f"TOML file (else $ASYNCGRPO_CONFIG); {tables} and [common] are read")
     args = parser.parse_args(argv)
-    settings = getattr(load_or_exit(args.config, name), name)
+    settings = load_or_exit(args.config, name)
     if settings.requires_api_token and not settings.api_token.get_secret_value():
         parser.exit(2, f"{name}: api_token is required: set API_TOKEN (control endpoints need a bearer token)\n")
     setup_logging(name, settings.log_level)

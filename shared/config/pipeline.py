@@ -8,13 +8,14 @@ is refused before anything starts, with the fields named.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from shared.config.base import ConfigFileError, ServiceSettings, read_config_file
+from shared.config.base import CONFIG_ENV, ConfigFileError, ServiceSettings, read_config_file
 from shared.config.generator import GeneratorSettings
 from shared.config.launcher import LauncherSettings
 from shared.config.learner import LearnerSettings
@@ -50,7 +51,7 @@ class PipelineConfig(BaseModel):
     def load(cls, path: str | Path | None = None) -> PipelineConfig:
         """The file at ``path`` (else ``$ASYNCGRPO_CONFIG``; none: defaults and the environment only).
         Raises :class:`PipelineError` naming every problem, or :class:`ConfigFileError` for the file itself."""
-        source = Path(path) if path else None
+        source = config_path(path)
         document = read_config_file(source) if source else {}
         problems: list[str] = []
         loaded: dict[str, Any] = {}
@@ -95,10 +96,28 @@ def describe(section: str, exc: ValidationError) -> list[str]:
     return out
 
 
-def load_or_exit(path: str | Path | None, service: str) -> PipelineConfig:
-    """:meth:`PipelineConfig.load`, or the problems on stderr and exit status 2 (no traceback)."""
+def config_path(path: str | Path | None) -> Path | None:
+    """The configuration file: ``path``, else ``$ASYNCGRPO_CONFIG``, else None."""
+    chosen = path or os.environ.get(CONFIG_ENV)
+    return Path(chosen) if chosen else None
+
+
+def load_service(path: str | Path | None, service: str) -> ServiceSettings:
+    """A starting service's settings. With a configuration file, the whole file is validated across services
+    first (a bad learner table stops the generator too); without one, only the service's own settings (its
+    environment) are read."""
+    source = config_path(path)
+    if source is None:
+        return SECTIONS[service].load(None)
+    return getattr(PipelineConfig.load(source), service)
+
+
+def load_or_exit(path: str | Path | None, service: str) -> ServiceSettings:
+    """:func:`load_service`, or the problems on stderr and exit status 2 (no traceback)."""
     try:
-        return PipelineConfig.load(path)
+        return load_service(path, service)
     except (ConfigFileError, PipelineError) as exc:
         print(f"{service}: {exc}", file=sys.stderr)
+    except ValidationError as exc:
+        print(f"{service}: invalid settings:\n  - " + "\n  - ".join(describe(service, exc)), file=sys.stderr)
     raise SystemExit(2)
