@@ -119,5 +119,5 @@ def load_or_exit(path: str | Path | None, service: str) -> ServiceSettings:
     except (ConfigFileError, PipelineError) as exc:
         print(f"{service}: {exc}", file=sys.stderr)
     except ValidationError as exc:
-        print(f"{service}: invalid settings:\n  - " + "\n  - ".join(describe(service, exc)), file=sys.stderr)
+        print(f"{service}: invalid configuration:\n  - " + "\n  - ".join(describe(service, exc)), file=sys.stderr)
     raise SystemExit(2)
