@@ -91,7 +91,7 @@ def describe(section: str, exc: ValidationError) -> list[str]:
     out = []
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"])
-        where = f"[{section}] {field}" if field else f"[{section}]"
+        where = f"{section}.{field}" if field else f"[{section}]"
         out.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
     return out
 

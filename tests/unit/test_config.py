@@ -153,7 +153,7 @@ def test_pipeline_cross_checks_report_every_problem(tmp_path, monkeypatch):
     with pytest.raises(ValueError) as error:
         PipelineConfig.load(path)
     text = str(error.value)
-    assert "[scorer] rewards.0: unknown reward 'marks'" in text
+    assert "scorer.rewards.0: unknown reward 'marks'" in text
     path.write_text(CONFIG.replace("max_model_len = 1024", "max_model_len = 300"))
     with pytest.raises(
         ValueError, match=r"generator.max_model_len \(300\) is below learner.max_prompt_length .* = 512"
