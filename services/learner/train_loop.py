@@ -23,7 +23,9 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import redis.asyncio as aioredis
@@ -49,8 +51,14 @@ log = logging.getLogger(__name__)
 FEEDER_POSITION = b"feeder_position"
 
 
+DropReason = Literal["already_trained", "zero_std_dropped", "from_lost_versions", "stale_dropped"]
+
+
 @dataclasses.dataclass
 class Counters:
+    """The run's counts of groups and weight pushes: checkpointed with the learner's state and written with
+    every step's metrics as ``counters/<name>``. Changed only through the methods below."""
+
     groups_admitted: int = 0
     groups_trained: int = 0
     groups_stale_dropped: int = 0
@@ -60,6 +68,41 @@ class Counters:
     groups_rejected: int = 0
     weight_pushes: int = 0
     weight_push_failures: int = 0
+
+    @classmethod
+    def restore(cls, saved: Mapping[str, float]) -> Counters:
+        """The counters a checkpoint saved (names this version does not know are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{name: int(value) for name, value in saved.items() if name in names})
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def admitted(self, groups: int) -> None:
+        self.groups_admitted += groups
+
+    def trained(self, groups: int) -> None:
+        self.groups_trained += groups
+
+    def rejected(self) -> None:
+        self.groups_rejected += 1
+
+    def dropped(self, reason: DropReason) -> None:
+        match reason:
+            case "already_trained":
+                self.groups_already_trained += 1
+            case "zero_std_dropped":
+                self.groups_zero_std_dropped += 1
+            case "from_lost_versions":
+                self.groups_from_lost_versions += 1
+            case "stale_dropped":
+                self.groups_stale_dropped += 1
+
+    def pushed(self, *, ok: bool) -> None:
+        if ok:
+            self.weight_pushes += 1
+        else:
+            self.weight_push_failures += 1
 
 
 class LearnerLoop:
@@ -84,11 +127,10 @@ class LearnerLoop:
         self.prompts = StreamProducer(client, keys.prompts)
         self.trained_ids = set(state.trained_group_ids)
         self.trained_order = list(state.trained_group_ids)
-        self.counters = Counters(**{k: int(v) for k, v in state.counters.items() if hasattr(Counters, k)})
+        self.counters = Counters.restore(state.counters)
         self.buffer: list[tuple[Delivery, ScoredGroup]] = []  # read, not yet trained
         self.unacked: list[Delivery] = []  # trained, acknowledged at the next checkpoint
         self.in_flight = 0
-        self.in_training = 0  # groups of the batch being trained (consumed: not in flight any more)
         self.redis = RedisRetry()
         self.running = False
         self.last_checkpoint: Path | None = None
@@ -125,7 +167,7 @@ class LearnerLoop:
                 self.feeder.position = before  # not admitted: the next attempt starts from the same row
                 raise
             admitted += 1
-        self.counters.groups_admitted += admitted
+        self.counters.admitted(admitted)
         self.in_flight += admitted
         return admitted
 
@@ -139,7 +181,7 @@ class LearnerLoop:
 
     # Batches -------------------------------------------------------------------------------------------
 
-    def _drop_reason(self, group: ScoredGroup) -> str | None:
+    def _drop_reason(self, group: ScoredGroup) -> DropReason | None:
         version = group.rollout.policy_version
         if group.group_id in self.trained_ids:
             return "already_trained"
@@ -156,7 +198,7 @@ class LearnerLoop:
         try:
             group = decode(delivery.payload, ScoredGroup)
         except WireError as exc:
-            self.counters.groups_rejected += 1
+            self.counters.rejected()
             reason = f"WireError: {exc}"
             await self.redis.run(lambda: self.consumer.dead_letter(delivery, reason), "dead-lettering a group")
             return
@@ -164,8 +206,7 @@ class LearnerLoop:
         if reason is None:
             self.buffer.append((delivery, group))
             return
-        counter = f"groups_{reason}"
-        setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+        self.counters.dropped(reason)
         self.sink.write_drop(group.group_id, reason, group.rollout.policy_version, self.policy_version)
         await self.redis.run(lambda: self.consumer.commit(delivery), "acknowledging a dropped group")
 
@@ -183,12 +224,7 @@ class LearnerLoop:
                 )
                 break
             await self.admit()
-            count = wanted - len(self.buffer)
-            deliveries = await self.redis.run(
-                lambda count=count: self.consumer.read(count=count, block_ms=200), "reading groups"
-            )
-            for delivery in deliveries:
-                await self._accept(delivery)
+            await self._read(wanted - len(self.buffer))
             drained = self.feeder.exhausted and len(self.buffer) < wanted
             if drained and await self.measure_in_flight() == len(self.buffer):
                 break
@@ -200,6 +236,12 @@ class LearnerLoop:
         }
         batch, self.buffer = self.buffer[:wanted], self.buffer[wanted:]
         return batch
+
+    async def _read(self, count: int) -> None:
+        """Read up to ``count`` scored groups: each is buffered for training, or dropped with its reason."""
+        deliveries = await self.redis.run(lambda: self.consumer.read(count=count, block_ms=200), "reading groups")
+        for delivery in deliveries:
+            await self._accept(delivery)
 
     def _train(self, groups: list[ScoredGroup]) -> list[dict[str, float]]:
         advantages = finalize_advantages(groups)
@@ -219,7 +261,7 @@ class LearnerLoop:
             try:
                 with self.trainer.full_weights() as named:
                     await self.pusher.push(named, self.policy_version, generators, self.http, reset=reset)
-                self.counters.weight_pushes += 1
+                self.counters.pushed(ok=True)
                 announcement = encode(WeightVersionAnnouncement(policy_version=self.policy_version))
                 await self.redis.run(
                     lambda announcement=announcement: self.client.set(self.keys.weights, announcement),
@@ -227,7 +269,7 @@ class LearnerLoop:
                 )
                 break
             except WeightPushError as exc:
-                self.counters.weight_push_failures += 1
+                self.counters.pushed(ok=False)
                 failed.update(exc.failed)
                 log.error("weight push attempt %d failed: %s", attempt, exc)
         return time.perf_counter() - started
@@ -239,7 +281,7 @@ class LearnerLoop:
             feeder_epoch=self.feeder.position.epoch,
             feeder_index=self.feeder.position.index,
             trained_group_ids=self.trained_order,
-            counters={k: float(v) for k, v in dataclasses.asdict(self.counters).items()},
+            counters={k: float(v) for k, v in self.counters.as_dict().items()},
         )
         path = await asyncio.to_thread(
             save_checkpoint,
@@ -275,56 +317,76 @@ class LearnerLoop:
             await asyncio.sleep(0.5)
 
     async def run(self, stop: asyncio.Event, *, resumed: bool) -> None:
+        """Train until ``max_steps``, the data runs out or ``stop``; then checkpoint what is not saved yet."""
         await self.wait_for_generators(stop)
         if resumed:
             await self.push_weights(reset=True)
         self.running = True
         while self.trainer.step < self.settings.max_steps and not stop.is_set():
-            started = time.perf_counter()
-            collected = await self.collect(stop)
-            if collected is None:
+            if not await self.run_step(stop):
                 break
-            waited = time.perf_counter() - started
-            deliveries = [d for d, _ in collected]
-            groups = [g for _, g in collected]
-            metrics = {**batch_metrics(groups, self.policy_version), **self.dynamic_sampling}
-            self.sink.write_batch(
-                self.trainer.step + 1,
-                [g.group_id for g in groups],
-                [g.rollout.policy_version for g in groups],
-            )
-            self.in_training = len(groups)
-            train_started = time.perf_counter()
-            results = await asyncio.to_thread(self._train, groups)
-            train_wall = time.perf_counter() - train_started
-            for delivery, group in zip(deliveries, groups, strict=True):
-                self.trained_ids.add(group.group_id)
-                self.trained_order.append(group.group_id)
-                self.unacked.append(delivery)
-            self.counters.groups_trained += len(groups)
-            self.in_training = 0
-            sync_seconds = 0.0
-            if self.trainer.step % self.settings.sync_every == 0:
-                sync_seconds = await self.push_weights()
-            if self.trainer.step % self.settings.checkpoint_every == 0 or self.trainer.step >= self.settings.max_steps:
-                await self.checkpoint()
-            step_seconds = time.perf_counter() - started
-            for offset, result in enumerate(results):
-                step = self.trainer.step - len(results) + offset + 1
-                record = {
-                    **metrics,
-                    **result,
-                    "seconds/wait": waited,
-                    "seconds/sync": sync_seconds,
-                    "seconds/train_wall": train_wall,
-                    "seconds/step": step_seconds,
-                    "policy_version": step,
-                    "groups_in_flight": self.in_flight,
-                    "tokens_per_second": metrics["num_tokens"] / max(step_seconds, 1e-9),
-                    "train_tokens_per_second": metrics["num_tokens"] / max(result["seconds/train"], 1e-9),
-                }
-                record.update({f"counters/{k}": v for k, v in dataclasses.asdict(self.counters).items()})
-                self.sink.write(step, record)
         if self.unacked or (self.trainer.step and self.last_checkpoint is None):
             await self.checkpoint()
         self.running = False
+
+    async def run_step(self, stop: asyncio.Event) -> bool:
+        """One batch: collect, train, push and checkpoint when due, write the metrics. False: nothing left."""
+        started = time.perf_counter()
+        collected = await self.collect(stop)
+        if collected is None:
+            return False
+        waited = time.perf_counter() - started
+        groups = [g for _, g in collected]
+        metrics = {**batch_metrics(groups, self.policy_version), **self.dynamic_sampling}
+        self.sink.write_batch(
+            self.trainer.step + 1, [g.group_id for g in groups], [g.rollout.policy_version for g in groups]
+        )
+        train_started = time.perf_counter()
+        results = await asyncio.to_thread(self._train, groups)
+        train_wall = time.perf_counter() - train_started
+        self._trained(collected)
+        sync_seconds = await self._sync_and_checkpoint()
+        seconds = {
+            "seconds/wait": waited,
+            "seconds/sync": sync_seconds,
+            "seconds/train_wall": train_wall,
+            "seconds/step": time.perf_counter() - started,
+        }
+        self._write_metrics(metrics, results, seconds)
+        return True
+
+    def _trained(self, collected: list[tuple[Delivery, ScoredGroup]]) -> None:
+        """Remember the groups just trained; they are acknowledged at the next checkpoint."""
+        for delivery, group in collected:
+            self.trained_ids.add(group.group_id)
+            self.trained_order.append(group.group_id)
+            self.unacked.append(delivery)
+        self.counters.trained(len(collected))
+
+    async def _sync_and_checkpoint(self) -> float:
+        """Push weights every ``sync_every`` steps, checkpoint every ``checkpoint_every`` and at the last
+        step; returns the seconds the push took (0 without one)."""
+        sync_seconds = 0.0
+        if self.trainer.step % self.settings.sync_every == 0:
+            sync_seconds = await self.push_weights()
+        if self.trainer.step % self.settings.checkpoint_every == 0 or self.trainer.step >= self.settings.max_steps:
+            await self.checkpoint()
+        return sync_seconds
+
+    def _write_metrics(
+        self, metrics: dict[str, float], results: list[dict[str, float]], seconds: dict[str, float]
+    ) -> None:
+        """One record per optimizer step of the batch: the batch's figures, the step's, timings, counters."""
+        for offset, result in enumerate(results):
+            step = self.trainer.step - len(results) + offset + 1
+            record = {
+                **metrics,
+                **result,
+                **seconds,
+                "policy_version": step,
+                "groups_in_flight": self.in_flight,
+                "tokens_per_second": metrics["num_tokens"] / max(seconds["seconds/step"], 1e-9),
+                "train_tokens_per_second": metrics["num_tokens"] / max(result["seconds/train"], 1e-9),
+            }
+            record.update({f"counters/{k}": v for k, v in self.counters.as_dict().items()})
+            self.sink.write(step, record)

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -96,20 +96,12 @@ def plan_buckets(
         if tensor.dtype not in _DTYPE_NAMES:
             raise ValueError(f"{name} has dtype {tensor.dtype}; pushes carry float32, float16 or bfloat16")
         by_dtype.setdefault(target or tensor.dtype, []).append(index)
+    buckets = [
+        bucket
+        for travels_as, indices in by_dtype.items()
+        for bucket in _cut_into_buckets(named, indices, travels_as, bucket_bytes)
+    ]
     specs: list[TensorSpec | None] = [None] * len(named)
-    buckets: list[list[int]] = []
-    for travels_as, indices in by_dtype.items():
-        current: list[int] = []
-        size = 0
-        for index in indices:
-            nbytes = named[index][1].numel() * travels_as.itemsize
-            if current and size + nbytes > bucket_bytes:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(index)
-            size += nbytes
-        if current:
-            buckets.append(current)
     for bucket, indices in enumerate(buckets):
         for index in indices:
             name, tensor = named[index]
@@ -118,6 +110,26 @@ def plan_buckets(
             )
     ordered = [spec for bucket in buckets for spec in (specs[i] for i in bucket)]
     return [s for s in ordered if s is not None], buckets
+
+
+def _cut_into_buckets(
+    named: Sequence[tuple[str, torch.Tensor]], indices: list[int], travels_as: torch.dtype, bucket_bytes: int
+) -> list[list[int]]:
+    """``indices`` (tensors of one dtype) in order, cut into buckets of at most ``bucket_bytes`` each (a larger
+    tensor gets a bucket of its own)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for index in indices:
+        nbytes = named[index][1].numel() * travels_as.itemsize
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(index)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 def pack_bucket(tensors: Sequence[torch.Tensor], dtype: DType | None = None) -> torch.Tensor:
@@ -179,10 +191,7 @@ class WeightPusher:
         self.bucket_bytes = bucket_bytes
         self.device = device or torch.device("cpu")
         self.learner = learner_device(self.device)
-        self.pushes = 0
-        self.failures = 0
-        self.refused = 0  # generators refused by the push plan (duplicate GPU, versions, devices)
-        self.skipped = 0  # generators left out of a push because they did not answer
+        self.refused = 0  # generators refused by push plans (duplicate GPU, versions, devices), in all
         log.info(
             "weight pushes from %s%s (torch %s, NCCL %s, vLLM %s)",
             self.device,
@@ -202,7 +211,6 @@ class WeightPusher:
         alive = await asyncio.gather(*(_health(http, g.url) for g in generators))
         silent = [g.generator_id for g, ok in zip(generators, alive, strict=True) if not ok]
         if silent:
-            self.skipped += len(silent)
             log.warning("leaving out of this push generators that do not answer: %s", ", ".join(silent))
         return [g for g, ok in zip(generators, alive, strict=True) if ok]
 
@@ -216,45 +224,49 @@ class WeightPusher:
             return PyNcclCommunicator(StatelessProcessGroup(rank=0, world_size=world_size, store=store), self.device)
         return torch.distributed.ProcessGroupGloo(store, 0, world_size, self.timeout)
 
-    def send_buckets(self, namespace: str, plan: PushPlan, named, buckets, done: dict) -> None:
+    def send_buckets(self, namespace: str, plan: PushPlan, named, buckets: Sequence[Sequence[int]]) -> int:
         """Form the push's group (when a generator needs one) and send every bucket to it and to the IPC
-        receivers; on gloo, bucket k+1 is packed while k is sent."""
-        try:
-            store = torch.distributed.PrefixStore(namespace, self.store)
-            group = self._group(store, plan.world_size) if plan.ranks else None
-            ipc = None
-            if plan.ipc:
-                from services.learner.weight_transport_ipc import IpcPublisher
+        receivers; returns the bytes sent. On gloo, bucket k+1 is packed while k is sent."""
+        store = torch.distributed.PrefixStore(namespace, self.store)
+        group = self._group(store, plan.world_size) if plan.ranks else None
+        ipc = None
+        if plan.ipc:
+            from services.learner.weight_transport_ipc import IpcPublisher
 
-                ipc = IpcPublisher(store, plan.ipc, self.learner.uuid or "", self.timeout)
-            in_flight = None
-            for index, indices in enumerate(buckets):
-                buffer = pack_bucket([named[i][1] for i in indices], plan.dtype).to(self.device)
-                if ipc is not None:
-                    ipc.publish(index, buffer)
-                if group is not None and self.device.type == "cuda":
-                    group.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
-                    torch.cuda.current_stream().synchronize()
-                elif group is not None:
-                    options = torch.distributed.BroadcastOptions()
-                    options.rootRank = 0
-                    work = group.broadcast([buffer], options)
-                    if in_flight is not None:
-                        in_flight.wait()
-                    in_flight = work
-                done["bytes"] = done.get("bytes", 0) + buffer.numel()
-            if in_flight is not None:
-                in_flight.wait()
+            ipc = IpcPublisher(store, plan.ipc, self.learner.uuid or "", self.timeout)
+        in_flight = None
+        sent = 0
+        for index, indices in enumerate(buckets):
+            buffer = pack_bucket([named[i][1] for i in indices], plan.dtype).to(self.device)
             if ipc is not None:
-                ipc.finish()
-        except BaseException as exc:  # reported to the awaiting coroutine
-            done["error"] = exc
+                ipc.publish(index, buffer)
+            if group is not None:
+                in_flight = self._broadcast(group, buffer, in_flight)
+            sent += buffer.numel()
+        if in_flight is not None:
+            in_flight.wait()
+        if ipc is not None:
+            ipc.finish()
+        return sent
+
+    def _broadcast(self, group, buffer: torch.Tensor, previous):
+        """Send one bucket to the group: NCCL at once; gloo in the background once the previous bucket is
+        through. Returns the gloo send still in flight (None on NCCL)."""
+        if self.device.type == "cuda":
+            group.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
+            torch.cuda.current_stream().synchronize()
+            return None
+        options = torch.distributed.BroadcastOptions()
+        options.rootRank = 0
+        work = group.broadcast([buffer], options)
+        if previous is not None:
+            previous.wait()
+        return work
 
     def _plan(self, generators: Sequence[GeneratorRegistration]) -> PushPlan:
         try:
             return plan_push(self.learner, generators)
         except PushRefused as exc:
-            self.failures += 1
             self.refused += len(exc.generator_ids)
             log.error("weight push refused: %s", exc)
             raise WeightPushError(str(exc), exc.generator_ids) from None
@@ -280,44 +292,39 @@ class WeightPusher:
             return PushReport(policy_version, (), 0, 0.0)
         plan = self._plan(generators)
         specs, buckets = plan_buckets(named, self.bucket_bytes, plan.dtype)
-        namespace = f"push/{policy_version}/{uuid.uuid4().hex[:8]}"
-        announcement = WeightVersionAnnouncement(
+        announcement = self._announcement(policy_version, plan, specs, len(buckets), reset)
+        started = time.perf_counter()
+        sender = _Sender(lambda: self.send_buckets(announcement.namespace, plan, named, buckets))
+        replies = await self._announce(announcement, generators, http)
+        sent = await self._sent(sender, announcement)
+        seconds = time.perf_counter() - started
+        report = PushReport(policy_version, tuple(plan.transports), sent, seconds, _slowest_phases(replies))
+        _log_push(report, plan)
+        return report
+
+    async def _sent(self, sender: _Sender, announcement: WeightVersionAnnouncement) -> int:
+        """The bytes ``sender`` sent; WeightPushError naming every generator of the push if sending failed."""
+        try:
+            return await sender.wait(self.timeout.total_seconds())
+        except Exception as exc:
+            message = f"weight push {announcement.policy_version}: sending failed: {exc}"
+            raise WeightPushError(message, list(announcement.transports)) from exc
+
+    def _announcement(
+        self, policy_version: int, plan: PushPlan, specs: Sequence[TensorSpec], num_buckets: int, reset: bool
+    ) -> WeightVersionAnnouncement:
+        """What every generator of the push is told: the layout, its rank and transport, a fresh namespace."""
+        return WeightVersionAnnouncement(
             policy_version=policy_version,
             layout=tuple(specs),
-            num_buckets=len(buckets),
+            num_buckets=num_buckets,
             rendezvous=f"{self.advertise_host}:{self.port}",
-            namespace=namespace,
+            namespace=f"push/{policy_version}/{uuid.uuid4().hex[:8]}",
             ranks=plan.ranks,
             world_size=plan.world_size,
             transports=plan.transports,
             reset=reset,
         )
-        started = time.perf_counter()
-        done: dict = {}
-        sender = threading.Thread(target=self.send_buckets, args=(namespace, plan, named, buckets, done), daemon=True)
-        sender.start()
-        replies = await self._announce(announcement, generators, http)
-        await asyncio.to_thread(sender.join, self.timeout.total_seconds())
-        if "error" in done or sender.is_alive():
-            self.failures += 1
-            raise WeightPushError(
-                f"weight push {policy_version}: sending failed: {done.get('error')}", list(plan.transports)
-            )
-        seconds = time.perf_counter() - started
-        self.pushes += 1
-        phases = {k: max(r.json().get(k, 0.0) for r in replies) for k in _PHASES}
-        report = PushReport(policy_version, tuple(plan.transports), int(done.get("bytes", 0)), seconds, phases)
-        log.info(
-            "pushed version %d to %d generator(s) over %s: %.1f MB in %.2f s (%.3f GB/s; slowest generator: %s)",
-            policy_version,
-            len(generators),
-            ", ".join(sorted(set(plan.transports.values()))),
-            report.bytes / 1e6,
-            seconds,
-            report.gb_per_s,
-            ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.items()),
-        )
-        return report
 
     async def _announce(self, announcement: WeightVersionAnnouncement, generators, http) -> list:
         """POST the announcement to every generator; raises WeightPushError naming those that failed."""
@@ -334,10 +341,53 @@ class WeightPusher:
             if isinstance(reply, BaseException) or reply.status_code != 200
         }
         if failed:
-            self.failures += 1
             detail = ", ".join(f"{gid} ({why})" for gid, why in failed.items())
             raise WeightPushError(f"weight push {announcement.policy_version} failed on {detail}", list(failed))
         return replies
+
+
+class _Sender:
+    """Runs a push's sending on a daemon thread (while the event loop posts the announcement), so a group
+    that never forms cannot keep the process alive at exit."""
+
+    def __init__(self, send: Callable[[], int]) -> None:
+        self.sent = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(send,), daemon=True)
+        self._thread.start()
+
+    def _run(self, send: Callable[[], int]) -> None:
+        try:
+            self.sent = send()
+        except BaseException as exc:  # re-raised by wait(), in the awaiting coroutine
+            self.error = exc
+
+    async def wait(self, timeout_s: float) -> int:
+        """The bytes sent; raises what sending raised, or TimeoutError after ``timeout_s``."""
+        await asyncio.to_thread(self._thread.join, timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"still sending after {timeout_s:.0f} s")
+        if self.error is not None:
+            raise self.error
+        return self.sent
+
+
+def _slowest_phases(replies: Sequence[httpx.Response]) -> dict[str, float]:
+    """Per phase, the slowest generator's seconds (from each generator's answer to the announcement)."""
+    return {phase: max(reply.json().get(phase, 0.0) for reply in replies) for phase in _PHASES}
+
+
+def _log_push(report: PushReport, plan: PushPlan) -> None:
+    log.info(
+        "pushed version %d to %d generator(s) over %s: %.1f MB in %.2f s (%.3f GB/s; slowest generator: %s)",
+        report.policy_version,
+        len(report.generators),
+        ", ".join(sorted(set(plan.transports.values()))),
+        report.bytes / 1e6,
+        report.seconds,
+        report.gb_per_s,
+        ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in report.phases.items()),
+    )
 
 
 async def _health(http: httpx.AsyncClient, url: str) -> bool:

@@ -78,12 +78,9 @@ def push(
             "num_buckets": len(buckets),
         }
     )
-    done: dict = {}
     started = time.perf_counter()
-    pusher.send_buckets(namespace, plan, named, buckets, done)
+    pusher.send_buckets(namespace, plan, named, buckets)
     seconds = time.perf_counter() - started
-    if "error" in done:
-        raise done["error"]
     if not receiver.conn.poll(120):
         raise TimeoutError("the stand-in receiver did not answer")
     return plan, receiver.conn.recv(), seconds

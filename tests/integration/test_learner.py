@@ -74,10 +74,19 @@ async def test_admission_bounds_in_flight_and_stale_groups_are_dropped(tiny, tmp
 
         fake = asyncio.create_task(run_fake_pipeline(redis_client, keys, stop, version_of))
         observed = []
+        # Groups handed to training (being trained or trained): the loop writes each batch just before training.
+        taken: list[str] = []
+        write_batch = loop.sink.write_batch
+
+        def record_batch(step, group_ids, versions):
+            taken.extend(group_ids)
+            write_batch(step, group_ids, versions)
+
+        loop.sink.write_batch = record_batch
 
         async def watch():
             while not stop.is_set():
-                consumed = loop.counters.groups_trained + loop.counters.groups_stale_dropped + loop.in_training
+                consumed = len(taken) + loop.counters.groups_stale_dropped
                 observed.append(loop.counters.groups_admitted - consumed)
                 await asyncio.sleep(0.02)
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from redis.exceptions import ResponseError
 
 from shared.streams import Output, StreamConsumer, StreamProducer, stream_backlog, trim_processed
 
@@ -265,3 +266,45 @@ async def test_same_record_id_on_two_streams_is_applied_on_each(redis_client, ke
         await consumer.start()
         [delivery] = await consumer.read()
         assert await consumer.commit(delivery) is True
+
+
+class _CountingProducer(StreamProducer):
+    """A producer that counts the room it was asked to reserve."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reserved = 0
+
+    async def reserve(self, count: int = 1) -> None:
+        self.reserved += count
+        await super().reserve(count)
+
+
+async def test_commit_many_fallback_reserves_room_once(redis_client, keys):
+    """One record of a batch was applied elsewhere: the batch falls back to one by one without reserving the
+    downstream room a second time, and the duplicate's unused room goes back to the producer."""
+    source, sink_stream = f"{keys.prefix}:in", f"{keys.prefix}:out"
+    await _fill(redis_client, source, 3)
+    consumer = _consumer(redis_client, keys, source, "c1")
+    await consumer.start()
+    deliveries = await consumer.read(count=3)
+    await redis_client.set(keys.applied(source, "workers", deliveries[0].record_id), b"1")
+    sink = _CountingProducer(redis_client, sink_stream, max_backlog=10)
+    items = [(d, [Output(sink, d.record_id, d.payload)]) for d in deliveries]
+    assert await consumer.commit_many(items) == [False, True, True]
+    assert sink.reserved == 3
+    assert await _record_ids(redis_client, sink_stream) == [d.record_id for d in deliveries[1:]]
+    assert (await redis_client.xpending(source, "workers"))["pending"] == 0
+    assert consumer.stats.committed == 2 and consumer.stats.duplicates == 1
+
+
+async def test_trim_of_a_missing_stream_removes_nothing(redis_client, keys):
+    assert await trim_processed(redis_client, f"{keys.prefix}:nothing") == 0
+
+
+async def test_trim_does_not_hide_unexpected_errors(redis_client, keys):
+    """Only a missing stream means "nothing to trim"; any other error (here: the key is not a stream) is raised."""
+    wrong = f"{keys.prefix}:not-a-stream"
+    await redis_client.set(wrong, b"x")
+    with pytest.raises(ResponseError, match="WRONGTYPE"):
+        await trim_processed(redis_client, wrong)

@@ -1,0 +1,315 @@
+"""Reading one stream through a consumer group: recovery, claiming, exactly-once commits, dead-lettering.
+
+The guarantees are listed in :mod:`shared.streams`; this module is the consumer's side of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from shared.keys import Keys
+from shared.streams.dead_letter import DeadLetters
+from shared.streams.entries import DATA_FIELD, ID_FIELD, Delivery, read_entries, text
+from shared.streams.groups import ensure_group
+from shared.streams.producer import Output, outputs_per_producer
+
+log = logging.getLogger(__name__)
+
+Commit = tuple[Delivery, Sequence[Output]]  # a delivery and the records its processing writes downstream
+_Raw = list[tuple[str, dict | None]]  # entries as Redis returns them: (entry id, fields)
+
+
+@dataclass
+class StreamStats:
+    """Counters of one consumer; services export them to Prometheus."""
+
+    delivered: int = 0
+    redelivered: int = 0
+    claimed: int = 0
+    committed: int = 0
+    duplicates: int = 0
+    dead_lettered: int = 0
+    released: int = 0
+    keepalive_errors: int = 0
+
+
+@dataclass
+class _ConsumerState:
+    pending_cursor: str | None = "0"  # None once our own pending entries have been re-read
+    claim_cursor: str = "0-0"
+    next_claim_at: float = 0.0
+    in_flight: dict[str, Delivery] = field(default_factory=dict)
+    last_error: dict[str, str] = field(default_factory=dict)
+
+
+class StreamConsumer:
+    """Reads one stream through a consumer group, with claiming, dead-lettering and exactly-once commits."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        stream: str,
+        group: str,
+        consumer: str,
+        *,
+        batch_size: int = 16,
+        block_ms: int = 1000,
+        claim_idle_ms: int = 30_000,
+        max_deliveries: int = 5,
+        applied_ttl_s: int = 7 * 24 * 3600,
+        dead_letter_maxlen: int = 100_000,
+    ) -> None:
+        if max_deliveries < 1:
+            raise ValueError("max_deliveries must be at least 1")
+        self.client, self.keys = client, keys
+        self.stream, self.group, self.consumer = stream, group, consumer
+        self.batch_size = batch_size
+        self.block_ms = block_ms
+        self.claim_idle_ms = claim_idle_ms
+        self.max_deliveries = max_deliveries
+        self.applied_ttl_s = applied_ttl_s
+        self.dead_letters = DeadLetters(client, keys.dead_letter, dead_letter_maxlen)
+        self.stats = StreamStats()
+        self._state = _ConsumerState()
+
+    async def start(self) -> None:
+        await ensure_group(self.client, self.stream, self.group)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._state.in_flight)
+
+    # Reading -------------------------------------------------------------------------------------------
+
+    async def read(self, count: int | None = None, block_ms: int | None = None) -> list[Delivery]:
+        """Next deliveries: own pending entries first, then entries claimed from dead consumers, then new.
+
+        Entries past ``max_deliveries`` go to the dead-letter stream; entries whose record was already
+        applied are acknowledged and skipped. May return an empty list after blocking ``block_ms``.
+        """
+        count = count or self.batch_size
+        raw, redelivered = await self._read_own_pending(count)
+        if not raw and time.monotonic() >= self._state.next_claim_at:
+            raw = await self._claim_idle(count)
+            redelivered = True
+        if not raw:
+            raw = await self._read_new(count, self.block_ms if block_ms is None else block_ms)
+            redelivered = False
+        if not raw:
+            return []
+        counts = await self._delivery_counts([entry_id for entry_id, _ in raw]) if redelivered else {}
+        deliveries = []
+        for entry_id, fields in raw:
+            deliveries.append(await self._to_delivery(entry_id, fields, counts.get(entry_id, 1)))
+        return await self._drop_applied([d for d in deliveries if d is not None])
+
+    async def _read_own_pending(self, count: int) -> tuple[_Raw, bool]:
+        cursor = self._state.pending_cursor
+        if cursor is None:
+            return [], False
+        reply = await self.client.xreadgroup(self.group, self.consumer, {self.stream: cursor}, count=count)
+        entries = read_entries(reply)
+        if not entries:
+            self._state.pending_cursor = None
+            return [], False
+        self._state.pending_cursor = entries[-1][0]
+        return entries, True
+
+    async def _claim_idle(self, count: int) -> _Raw:
+        self._state.next_claim_at = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
+        next_cursor, entries, *_ = await self.client.xautoclaim(
+            self.stream,
+            self.group,
+            self.consumer,
+            min_idle_time=self.claim_idle_ms,
+            start_id=self._state.claim_cursor,
+            count=count,
+        )
+        self._state.claim_cursor = text(next_cursor)
+        claimed = [(text(entry_id), fields) for entry_id, fields in entries if fields]
+        if claimed:
+            self.stats.claimed += len(claimed)
+            log.info("claimed %d idle entries of %s from dead consumers", len(claimed), self.stream)
+        return claimed
+
+    async def _read_new(self, count: int, block_ms: int) -> _Raw:
+        reply = await self.client.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms or None
+        )
+        return read_entries(reply)
+
+    async def _delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for entry_id in entry_ids:
+                pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+            replies = await pipe.execute()
+        counts = {}
+        for entry_id, reply in zip(entry_ids, replies, strict=True):
+            counts[entry_id] = int(reply[0]["times_delivered"]) if reply else 1
+        return counts
+
+    async def _to_delivery(self, entry_id: str, fields: dict | None, deliveries: int) -> Delivery | None:
+        fields = fields or {}  # an entry deleted while pending comes back without fields
+        record_id = fields.get(ID_FIELD)
+        payload = fields.get(DATA_FIELD)
+        if deliveries > 1:
+            self.stats.redelivered += 1
+        if record_id is None or payload is None:
+            bad = Delivery(entry_id, text(record_id or b""), payload or b"", deliveries)
+            await self.dead_letter(bad, f"entry lacks the {'id' if record_id is None else 'data'} field")
+            return None
+        delivery = Delivery(entry_id, text(record_id), payload, deliveries)
+        if deliveries > self.max_deliveries:
+            reason = self._state.last_error.pop(entry_id, None) or (
+                "not acknowledged after delivery (its consumer died or kept failing)"
+            )
+            await self.dead_letter(delivery, f"delivered {deliveries} times (limit {self.max_deliveries}): {reason}")
+            return None
+        self.stats.delivered += 1
+        self._state.in_flight[entry_id] = delivery
+        return delivery
+
+    async def _drop_applied(self, deliveries: list[Delivery]) -> list[Delivery]:
+        if not deliveries:
+            return []
+        applied = await self._applied_flags([d.record_id for d in deliveries])
+        fresh = []
+        duplicate_ids = []
+        for delivery, done in zip(deliveries, applied, strict=True):
+            if done:
+                duplicate_ids.append(delivery.entry_id)
+                self._state.in_flight.pop(delivery.entry_id, None)
+            else:
+                fresh.append(delivery)
+        if duplicate_ids:
+            self.stats.duplicates += len(duplicate_ids)
+            log.info("acknowledged %d already-applied entries of %s", len(duplicate_ids), self.stream)
+            await self.client.xack(self.stream, self.group, *duplicate_ids)
+        return fresh
+
+    async def _applied_flags(self, record_ids: list[str]) -> list[bool]:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for record_id in record_ids:
+                pipe.exists(self.keys.applied(self.stream, self.group, record_id))
+            return [bool(flag) for flag in await pipe.execute()]
+
+    # Finishing -----------------------------------------------------------------------------------------
+
+    async def commit(self, delivery: Delivery, outputs: Sequence[Output] = ()) -> bool:
+        """Write ``outputs`` downstream, mark the record applied and ack the entry, atomically.
+
+        Returns False (and writes nothing) when another consumer applied the same record first.
+        """
+        return (await self.commit_many([(delivery, outputs)]))[0]
+
+    async def commit_many(self, items: Sequence[Commit]) -> list[bool]:
+        """Commit several deliveries in one transaction; falls back to one by one on a conflict.
+
+        Room downstream is reserved once, here, for every output; a record someone else applied first
+        gives its room back.
+        """
+        if not items:
+            return []
+        for producer, n in outputs_per_producer([output for _, outputs in items for output in outputs]):
+            await producer.reserve(n)
+        try:
+            await self._commit_transaction(items)
+        except WatchError:
+            if len(items) == 1:
+                return [await self._ack_duplicate(*items[0])]
+            return [await self._commit_reserved(delivery, outputs) for delivery, outputs in items]
+        self._committed(items)
+        return [True] * len(items)
+
+    async def _commit_reserved(self, delivery: Delivery, outputs: Sequence[Output]) -> bool:
+        """Commit one delivery whose room downstream :meth:`commit_many` has already reserved."""
+        try:
+            await self._commit_transaction([(delivery, outputs)])
+        except WatchError:
+            return await self._ack_duplicate(delivery, outputs)
+        self._committed([(delivery, outputs)])
+        return True
+
+    async def _commit_transaction(self, items: Sequence[Commit]) -> None:
+        applied_keys = [self.keys.applied(self.stream, self.group, d.record_id) for d, _ in items]
+        async with self.client.pipeline(transaction=True) as pipe:
+            await pipe.watch(*applied_keys)
+            if await pipe.exists(*applied_keys):
+                raise WatchError("record already applied")
+            pipe.multi()
+            for _, outputs in items:
+                for output in outputs:
+                    output.producer.queue(pipe, output.record_id, output.payload)
+            pipe.xack(self.stream, self.group, *[d.entry_id for d, _ in items])
+            for key in applied_keys:
+                pipe.set(key, b"1", ex=self.applied_ttl_s)
+            await pipe.execute()
+
+    def _committed(self, items: Sequence[Commit]) -> None:
+        for delivery, _ in items:
+            self._finish(delivery.entry_id)
+        self.stats.committed += len(items)
+
+    async def _ack_duplicate(self, delivery: Delivery, outputs: Sequence[Output]) -> bool:
+        """The record was applied by someone else: acknowledge our copy, apply nothing, free the room."""
+        for producer, n in outputs_per_producer(outputs):
+            producer.unreserve(n)
+        await self.client.xack(self.stream, self.group, delivery.entry_id)
+        self._finish(delivery.entry_id)
+        self.stats.duplicates += 1
+        log.info("record %s of %s was already applied; acknowledged without effect", delivery.record_id, self.stream)
+        return False
+
+    async def release(self, delivery: Delivery, error: str) -> None:
+        """Give up on a delivery for now (processing failed); it is retried after ``claim_idle_ms``.
+
+        After ``max_deliveries`` attempts it goes to the dead-letter stream with ``error`` as its reason.
+        """
+        self._state.in_flight.pop(delivery.entry_id, None)
+        self._state.last_error[delivery.entry_id] = error
+        self.stats.released += 1
+
+    async def dead_letter(self, delivery: Delivery, reason: str) -> None:
+        """Move an entry to the dead-letter stream with its reason and original payload, and ack it."""
+        log.warning("dead-lettering entry %s of %s: %s", delivery.entry_id, self.stream, reason)
+        await self.dead_letters.move(self.stream, self.group, self.consumer, delivery, reason)
+        self._finish(delivery.entry_id)
+        self.stats.dead_lettered += 1
+
+    def _finish(self, entry_id: str) -> None:
+        self._state.in_flight.pop(entry_id, None)
+        self._state.last_error.pop(entry_id, None)
+
+    # Liveness ------------------------------------------------------------------------------------------
+
+    async def keepalive(self) -> None:
+        """Reset the idle time of our in-flight entries so live work is not claimed by others."""
+        entry_ids: list[str | bytes | int | memoryview] = list(self._state.in_flight)
+        if not entry_ids:
+            return
+        await self.client.xclaim(
+            self.stream, self.group, self.consumer, min_idle_time=0, message_ids=list(entry_ids), justid=True
+        )
+
+    async def run_keepalive(self, stop: asyncio.Event) -> None:
+        """Call :meth:`keepalive` every third of ``claim_idle_ms`` until ``stop`` is set."""
+        interval = max(self.claim_idle_ms / 3000, 0.05)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=interval)
+            if stop.is_set():
+                return
+            try:
+                await self.keepalive()
+            except Exception:
+                self.stats.keepalive_errors += 1
+                log.exception("keepalive of %d in-flight entries failed", self.in_flight)

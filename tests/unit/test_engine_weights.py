@@ -1,0 +1,138 @@
+"""The engine's weight update against a hand-written stand-in for vLLM's AsyncLLM: the order of the steps, and
+what every failure leaves behind (the push's channel closed, sampling paused until a push succeeds).
+
+The real update path (vLLM's workers receiving over gloo) is in ``tests/integration/test_generator.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.generator.engine import Engine, WeightUpdateError
+from shared.config.generator import GeneratorSettings
+from shared.records import WeightVersionAnnouncement
+
+RECEIVED = {"bytes": 64.0, "seconds": 0.1, "receive_wait_seconds": 0.01, "load_seconds": 0.02, "direct": 1.0}
+
+
+class FakeLLM:
+    """Records the calls the engine makes; ``fail`` names the one that raises."""
+
+    def __init__(self, fail: str = "") -> None:
+        self.fail = fail
+        self.calls: list[str] = []
+        self.channel_open = False
+        self.paused = False
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name == self.fail:
+            raise RuntimeError(f"{name} broke")
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        if method == "weight_channel_open":
+            self.channel_open = True  # even a join that fails may leave a half-made group behind
+        if method == "weight_channel_close":
+            self.channel_open = False
+        self._call(method)
+        return [dict(RECEIVED)] if method == "weight_channel_receive" else [None]
+
+    async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+        self._call("pause_generation")
+        self.paused = True
+
+    async def resume_generation(self) -> None:
+        self._call("resume_generation")
+        self.paused = False
+
+    async def reset_prefix_cache(self, *, reset_running_requests: bool) -> None:
+        self._call("reset_prefix_cache")
+
+
+@pytest.fixture
+async def store_port():
+    """A listening port standing in for the learner's store (the engine checks it is reachable)."""
+    server = await asyncio.start_server(lambda reader, writer: writer.close(), "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+
+
+def _engine(llm: FakeLLM) -> Engine:
+    return Engine(GeneratorSettings(model="tiny"), llm, tokenizer=None, policy_version=2)
+
+
+def _announcement(port: int, version: int = 3) -> WeightVersionAnnouncement:
+    return WeightVersionAnnouncement(
+        policy_version=version, rendezvous=f"127.0.0.1:{port}", namespace="push/3", ranks={"g1": 1}, world_size=2
+    )
+
+
+async def test_update_joins_pauses_receives_closes_resets_and_resumes(store_port):
+    llm = FakeLLM()
+    engine = _engine(llm)
+    result = await engine.update_weights(_announcement(store_port), "g1")
+    assert llm.calls == [
+        "weight_channel_open",
+        "pause_generation",
+        "weight_channel_receive",
+        "weight_channel_close",
+        "reset_prefix_cache",
+        "resume_generation",
+    ]
+    assert engine.policy_version == 3 and engine.weights_ok and not llm.paused and not llm.channel_open
+    assert result["bytes"] == 64.0 and result["transport"] == "gloo" and result["direct_load"]
+    assert set(result) >= {"join_seconds", "pause_seconds", "transfer_seconds", "reset_seconds", "resume_seconds"}
+
+
+@pytest.mark.parametrize("fail", ["pause_generation", "weight_channel_receive", "reset_prefix_cache"])
+async def test_a_failure_after_joining_closes_the_channel_and_keeps_sampling_paused(store_port, fail):
+    llm = FakeLLM(fail=fail)
+    engine = _engine(llm)
+    with pytest.raises(WeightUpdateError, match=f"{fail} broke") as caught:
+        await engine.update_weights(_announcement(store_port), "g1")
+    assert caught.value.applied_nothing is False
+    assert not llm.channel_open and "weight_channel_close" in llm.calls
+    assert not engine.weights_ok and "resume_generation" not in llm.calls
+    assert engine.policy_version == 2
+    # The next push succeeds and sampling resumes.
+    llm.fail = ""
+    await engine.update_weights(_announcement(store_port, version=4), "g1")
+    assert engine.weights_ok and engine.policy_version == 4 and not llm.paused and not llm.channel_open
+
+
+async def test_a_failed_resume_is_reported_and_the_engine_waits_for_the_next_push(store_port):
+    llm = FakeLLM(fail="resume_generation")
+    engine = _engine(llm)
+    with pytest.raises(WeightUpdateError, match="resume_generation broke") as caught:
+        await engine.update_weights(_announcement(store_port), "g1")
+    assert caught.value.applied_nothing is False and not engine.weights_ok and not llm.channel_open
+
+
+async def test_a_failed_join_touches_nothing_and_closes_the_channel(store_port):
+    llm = FakeLLM(fail="weight_channel_open")
+    engine = _engine(llm)
+    with pytest.raises(WeightUpdateError, match="could not join") as caught:
+        await engine.update_weights(_announcement(store_port), "g1")
+    assert caught.value.applied_nothing is True
+    assert engine.weights_ok and engine.policy_version == 2
+    assert llm.calls == ["weight_channel_open", "weight_channel_close"] and not llm.channel_open
+
+
+async def test_an_update_keeps_an_operators_pause(store_port):
+    llm = FakeLLM()
+    engine = _engine(llm)
+    await engine.pause()
+    await engine.update_weights(_announcement(store_port), "g1")
+    assert engine.policy_version == 3 and engine.weights_ok and llm.paused
+    assert llm.calls.count("resume_generation") == 0
+
+
+async def test_an_unreachable_store_is_refused_before_anything_is_called():
+    llm = FakeLLM()
+    engine = _engine(llm)
+    with pytest.raises(WeightUpdateError, match="not reachable") as caught:
+        await engine.update_weights(_announcement(1), "g1")
+    assert caught.value.applied_nothing is True and llm.calls == []
