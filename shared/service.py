@@ -14,7 +14,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from shared.config.base import ServiceSettings
 from shared.config.pipeline import load_or_exit
@@ -36,7 +36,7 @@ def main(
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=description)
     parser.add_argument("--config", help=f"TOML file (else $ASYNCGRPO_CONFIG); {tables} and [common] are read")
     args = parser.parse_args(argv)
-    settings = load_or_exit(args.config, name)
+    settings = cast(S, load_or_exit(args.config, name))  # the table of `name` is a settings_cls
     if settings.requires_api_token and not settings.api_token.get_secret_value():
         parser.exit(2, f"{name}: api_token is required: set API_TOKEN (control endpoints need a bearer token)\n")
     setup_logging(name, settings.log_level)
