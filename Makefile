@@ -63,8 +63,9 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy shared services/scorer/advantages.py services/learner/loss.py services/learner/importance.py \
-		services/learner/weight_transport.py shared/placement.py services/learner/entropy.py
+	$(BIN)/mypy shared services/learner/loss.py services/learner/importance.py services/learner/entropy.py \
+		services/learner/weight_transport.py services/learner/batch.py services/learner/batch_metrics.py \
+		services/scorer/scoring.py
 
 demo: $(STAMP)
 	$(BIN)/python -m services.launcher demo

@@ -22,6 +22,8 @@ from shared.records import ScoredGroup
 
 @dataclass
 class TrainBatch:
+    """One padded batch of B completions (layout and shapes in the module docstring)."""
+
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
@@ -57,28 +59,49 @@ class TrainBatch:
         return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
-def collate(groups: Sequence[ScoredGroup], advantages: Sequence[torch.Tensor], pad_id: int) -> TrainBatch:
-    """Stack the completions of ``groups`` (with the given per-group advantages [G]) into one batch."""
-    prompts, completions, behaviour, temps, versions, group_index, truncated = [], [], [], [], [], [], []
+@dataclass
+class _Rows:
+    """The groups' completions as unpadded rows, in order: what :func:`collate` pads into a batch."""
+
+    prompts: list[torch.Tensor]  # each [P_i] int64
+    completions: list[torch.Tensor]  # each [T_i] int64
+    behaviour: list[torch.Tensor]  # each [T_i] float32
+    temperatures: list[float]
+    policy_versions: list[int]
+    group_index: list[int]
+    truncated: list[bool]
+
+
+def _rows(groups: Sequence[ScoredGroup]) -> _Rows:
+    """One row per completion of ``groups``, group after group."""
+    rows = _Rows([], [], [], [], [], [], [])
     for index, group in enumerate(groups):
         rollout = group.rollout
         for completion in rollout.completions:
-            group_index.append(index)
-            prompts.append(torch.from_numpy(rollout.prompt_token_ids.astype("int64")))
-            completions.append(torch.from_numpy(completion.token_ids.astype("int64")))
-            behaviour.append(torch.from_numpy(completion.behaviour_logprobs.copy()))
-            temps.append(rollout.task.sampling.temperature)
-            versions.append(rollout.policy_version)
-            truncated.append(completion.finish_reason == "length")
-    batch_size = len(prompts)
-    prompt_len = max(len(p) for p in prompts)
-    completion_len = max(1, max(len(c) for c in completions))
+            rows.group_index.append(index)
+            rows.prompts.append(torch.from_numpy(rollout.prompt_token_ids.astype("int64")))
+            rows.completions.append(torch.from_numpy(completion.token_ids.astype("int64")))
+            rows.behaviour.append(torch.from_numpy(completion.behaviour_logprobs.copy()))
+            rows.temperatures.append(rollout.task.sampling.temperature)
+            rows.policy_versions.append(rollout.policy_version)
+            rows.truncated.append(completion.finish_reason == "length")
+    return rows
+
+
+def collate(groups: Sequence[ScoredGroup], advantages: Sequence[torch.Tensor], pad_id: int) -> TrainBatch:
+    """Stack the completions of ``groups`` (with the given per-group advantages [G]) into one batch."""
+    rows = _rows(groups)
+    batch_size = len(rows.prompts)
+    prompt_len = max(len(p) for p in rows.prompts)
+    completion_len = max(1, max(len(c) for c in rows.completions))
     input_ids = torch.full((batch_size, prompt_len + completion_len), pad_id, dtype=torch.long)
     attention = torch.zeros_like(input_ids)
     completion_ids = torch.full((batch_size, completion_len), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((batch_size, completion_len), dtype=torch.float32)
     behaviour_lp = torch.zeros((batch_size, completion_len), dtype=torch.float32)
-    for row, (prompt, completion, logprobs) in enumerate(zip(prompts, completions, behaviour, strict=True)):
+    for row, (prompt, completion, logprobs) in enumerate(
+        zip(rows.prompts, rows.completions, rows.behaviour, strict=True)
+    ):
         n = len(completion)
         input_ids[row, prompt_len - len(prompt) : prompt_len] = prompt
         input_ids[row, prompt_len : prompt_len + n] = completion
@@ -86,17 +109,16 @@ def collate(groups: Sequence[ScoredGroup], advantages: Sequence[torch.Tensor], p
         completion_ids[row, :n] = completion
         completion_mask[row, :n] = 1.0
         behaviour_lp[row, :n] = logprobs
-    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention,
-        position_ids=position_ids,
+        position_ids=(attention.cumsum(dim=1) - 1).clamp(min=0),
         completion_ids=completion_ids,
         completion_mask=completion_mask,
         behaviour_logprobs=behaviour_lp,
         advantages=torch.cat([a.to(torch.float32) for a in advantages]),
-        temperatures=torch.tensor(temps, dtype=torch.float32),
-        policy_versions=torch.tensor(versions, dtype=torch.long),
-        group_index=torch.tensor(group_index, dtype=torch.long),
-        truncated=torch.tensor(truncated, dtype=torch.bool),
+        temperatures=torch.tensor(rows.temperatures, dtype=torch.float32),
+        policy_versions=torch.tensor(rows.policy_versions, dtype=torch.long),
+        group_index=torch.tensor(rows.group_index, dtype=torch.long),
+        truncated=torch.tensor(rows.truncated, dtype=torch.bool),
     )

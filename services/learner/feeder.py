@@ -107,7 +107,6 @@ class PromptFeeder:
         self.rows, self.data, self.sampling, self.group_size = rows, data, sampling, group_size
         self.position = position or DatasetPosition(epoch=0, index=0)
         self.prompt_length, self.max_prompt_length = prompt_length, max_prompt_length
-        self.skipped_too_long = 0
         self._order_epoch = -1
         self._order: list[int] = []
 
@@ -123,15 +122,14 @@ class PromptFeeder:
         return self.data.epochs > 0 and self.position.epoch >= self.data.epochs
 
     def next_task(self, policy_version: int) -> PromptTask | None:
-        """The next task (prompts over ``max_prompt_length`` tokens are skipped and counted); None once
-        every epoch is done."""
+        """The next task (prompts over ``max_prompt_length`` tokens are skipped); None once every epoch is
+        done."""
         while not self.exhausted:
             task = self._task_at_position(policy_version)
             if self.prompt_length is None or self.max_prompt_length is None:
                 return task
             if self.prompt_length(task.prompt) <= self.max_prompt_length:
                 return task
-            self.skipped_too_long += 1
         return None
 
     def _task_at_position(self, policy_version: int) -> PromptTask:

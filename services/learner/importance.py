@@ -52,16 +52,18 @@ def importance_weights(
         weights = torch.exp(per_sequence).expand_as(log_ratio).clone()
     else:
         raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    return _bound(weights, mode, cap, cap_min)
+
+
+def _bound(weights: torch.Tensor, mode: ImportanceMode, cap: float, cap_min: float | None) -> torch.Tensor:
+    """[B, T] weights truncated to [cap_min, cap] or masked outside it (see the module docstring)."""
     if mode == "truncate":
         weights = torch.clamp(weights, max=cap)
-        if cap_min is not None:
-            weights = torch.clamp(weights, min=cap_min)
-    elif mode == "mask":
+        return weights if cap_min is None else torch.clamp(weights, min=cap_min)
+    if mode == "mask":
         low = -float("inf") if cap_min is None else cap_min
-        weights = weights * ((weights >= low) & (weights <= cap)).to(weights.dtype)
-    else:
-        raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
-    return weights
+        return weights * ((weights >= low) & (weights <= cap)).to(weights.dtype)
+    raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
 
 
 def importance_weight_metrics(weights: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

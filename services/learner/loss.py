@@ -1,8 +1,10 @@
 """The policy losses users pick by name in TRL 1.16 and verl 0.9, with KL, masks and the entropy bonus.
 
-Pure: :class:`LossInputs` (tensors) and :class:`LossConfig` (hyper-parameters) in, :class:`LossOutputs`
-(scalar loss and a flat dict of metrics) out. Shapes: B sequences (completions) by T completion positions;
-``mask`` is 1 on a completion's real tokens and 0 on padding.
+Pure: :class:`LossInputs` (one micro-batch's tensors), :class:`LossConfig` (hyper-parameters) and
+:class:`BatchNormalisers` (counts of the optimizer batch the micro-batch belongs to) in, :class:`LossOutputs`
+(scalar loss and a flat dict of metrics) out. This module alone turns the per-token loss into the scalar to
+backward; the learner only sums micro-batch gradients. Shapes: B sequences (completions) by T completion
+positions; ``mask`` is 1 on a completion's real tokens and 0 on padding.
 
 Ratio (``ratio_level``, TRL ``importance_sampling_level``), on the proximal policy ``old``:
 
@@ -39,16 +41,21 @@ Aggregation (each loss type keeps its peer's; ``aggregation`` overrides it, as v
 
 ==========  =================================================  ======================================
 grpo        sum_i [ sum_t l m / max(sum_t m, 1) ] / N_seq      grpo, sapo, geo_mean; verl seq-mean-token-mean
-bnpo        sum l m / max(sum m, 1)                            bnpo (token mean of the micro-batch)
+bnpo        sum l m / max(N_tok, 1)                            bnpo (token mean)
 dr_grpo     sum l m / (N_seq * max_completion_length)          dr_grpo; verl seq-mean-token-sum-norm
 dapo        sum l m / num_items_in_batch                       dapo, cispo, vespo, kl_cov; verl token-mean
 seq_sum     sum_i [ sum_t l m ] / N_seq                        luspo; verl seq-mean-token-sum
 ==========  =================================================  ======================================
 
-N_seq is ``num_sequences`` (the optimizer batch's completions; default B), so micro-batch losses add up to
-the batch's. Truncated completions (``truncated`` with ``mask_truncated_completions``) leave the mask, hence
-every sum and count above, like TRL. The entropy bonus is ``- entropy_coef * sum(H m_e) / sum(m_e)`` over
-the tokens the policy term acts on (m_e: mask times the entropy mask), independent of the aggregation (TRL).
+The counts come from :class:`BatchNormalisers`: N_seq (``num_sequences``) and N_tok (``num_tokens``) are the
+optimizer batch's completions and loss tokens, so the micro-batches' losses add up to the batch's; left None
+they are this micro-batch's own B and sum m (TRL's bnpo is the micro-batch's token mean). ``dapo`` divides by
+``num_items_in_batch`` as TRL does, and has no default. :meth:`BatchNormalisers.of_batch` sets N_tok =
+num_items_in_batch = the batch's loss tokens, so that ``bnpo`` and ``dapo`` are both the exact token mean of
+the whole batch. Truncated completions (``truncated`` with ``mask_truncated_completions``) leave the mask,
+hence every sum and count above, like TRL. The entropy bonus is ``- entropy_coef * sum(H m_e) / sum(m_e)`` over
+the tokens the policy term acts on (m_e: mask times the entropy mask; the count is ``num_entropy_tokens`` when
+given), independent of the aggregation (TRL).
 """
 
 from __future__ import annotations
@@ -79,7 +86,7 @@ KL_ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "low_var_kl")
 RatioLevel = Literal["token", "sequence"]
 
 # The aggregation each loss type uses in its peer (TRL 1.16 ``_compute_loss``; verl's recommended mode).
-DEFAULT_AGGREGATION: dict[str, str] = {
+DEFAULT_AGGREGATION: dict[str, Aggregation] = {
     "grpo": "grpo",
     "bnpo": "bnpo",
     "dr_grpo": "dr_grpo",
@@ -128,16 +135,21 @@ class LossConfig:
     off_policy_mask_threshold: float | None = None
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
+    max_completion_length: int | None = None  # the dr_grpo aggregation's fixed length (TRL's argument)
 
     def __post_init__(self) -> None:
         _check_config(self)
+        _check_aggregation(self)
+
+    @property
+    def resolved_aggregation(self) -> Aggregation:
+        """``aggregation``, or the loss type's own when it is None."""
+        return self.aggregation or DEFAULT_AGGREGATION[self.loss_type]
 
 
 def _check_config(c: LossConfig) -> None:
     if c.loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {c.loss_type!r}")
-    if c.aggregation is not None and c.aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS} or None, got {c.aggregation!r}")
     if c.kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {c.kl_estimator!r}")
     if c.ratio_level not in ("token", "sequence"):
@@ -156,32 +168,65 @@ def _check_config(c: LossConfig) -> None:
         raise ValueError(f"kl_cov_ratio must be in (0, 1], got {c.kl_cov_ratio}")
 
 
+def _check_aggregation(c: LossConfig) -> None:
+    if c.aggregation is not None and c.aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS} or None, got {c.aggregation!r}")
+    if c.resolved_aggregation == "dr_grpo" and not c.max_completion_length:
+        raise ValueError("the 'dr_grpo' aggregation (loss_type='dr_grpo') needs max_completion_length")
+
+
 @dataclass(frozen=True)
 class LossInputs:
-    """One micro-batch. Only ``logprobs`` (and ``entropies``, for the bonus) carry a gradient.
+    """One micro-batch of B completions. Only ``logprobs`` (and ``entropies``, for the bonus) carry a gradient.
 
-    logprobs, old_logprobs, mask: [B, T]; advantages: [B]; ref_logprobs (beta > 0), behaviour_logprobs
-    (off-policy mask), importance_weights, entropies: [B, T]; truncated: [B] bool (completions that hit the
-    length limit, dropped from the mask when given). ``entropy_threshold``: the entropy quantile over the whole
-    optimizer batch (:func:`entropy_threshold`); None takes it over this micro-batch. ``num_items_in_batch``:
-    active tokens of the optimizer step (``dapo``); ``num_sequences``: its completions (default B);
-    ``num_entropy_tokens``: tokens the entropy bonus averages over (default: this micro-batch's).
+    ``truncated``: completions that hit the length limit, dropped from the mask when given.
     """
 
-    logprobs: torch.Tensor
-    old_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor
-    ref_logprobs: torch.Tensor | None = None
-    behaviour_logprobs: torch.Tensor | None = None
-    importance_weights: torch.Tensor | None = None
-    entropies: torch.Tensor | None = None
-    truncated: torch.Tensor | None = None
+    logprobs: torch.Tensor  # [B, T] the policy's, with gradient
+    old_logprobs: torch.Tensor  # [B, T] the proximal policy's (the ratio's denominator)
+    advantages: torch.Tensor  # [B]
+    mask: torch.Tensor  # [B, T] 1 on real completion tokens
+    ref_logprobs: torch.Tensor | None = None  # [B, T] the reference model's (beta > 0)
+    behaviour_logprobs: torch.Tensor | None = None  # [B, T] the generator's (off-policy mask)
+    importance_weights: torch.Tensor | None = None  # [B, T] pi_old / pi_behaviour, constants
+    entropies: torch.Tensor | None = None  # [B, T] per-token policy entropy (entropy mask, bonus)
+    truncated: torch.Tensor | None = None  # [B] bool
+
+
+@dataclass(frozen=True)
+class BatchNormalisers:
+    """Counts of the optimizer batch a micro-batch belongs to, which its loss is divided by so that the
+    micro-batches' losses add up to the batch's (module docstring). A count left None is the micro-batch's own:
+    the micro-batch is the whole batch."""
+
+    num_sequences: float | None = None  # N_seq: completions (grpo, dr_grpo, seq_sum)
+    num_tokens: float | torch.Tensor | None = None  # N_tok: tokens the loss sums over (bnpo)
+    num_items_in_batch: float | torch.Tensor | None = None  # dapo's denominator, TRL's name; no default
+    num_entropy_tokens: float | torch.Tensor | None = None  # tokens the entropy bonus averages over
+    # The entropy quantile over the whole batch (:func:`entropy_threshold`); None takes it over the micro-batch.
     entropy_threshold: float | torch.Tensor | None = None
-    max_completion_length: int | None = None
-    num_items_in_batch: float | torch.Tensor | None = None
-    num_sequences: float | None = None
-    num_entropy_tokens: float | torch.Tensor | None = None
+
+    @classmethod
+    def of_batch(
+        cls,
+        loss_mask: torch.Tensor,
+        *,
+        entropy_threshold: float | torch.Tensor | None = None,
+        num_entropy_tokens: float | None = None,
+    ) -> BatchNormalisers:
+        """The counts of a whole optimizer batch from its loss mask [B, T] (truncated completions already
+        out when they are masked): bnpo and dapo both become the batch's exact token mean."""
+        tokens = float(loss_mask.sum())
+        return cls(
+            num_sequences=float(loss_mask.shape[0]),
+            num_tokens=tokens,
+            num_items_in_batch=tokens,
+            num_entropy_tokens=tokens if num_entropy_tokens is None else num_entropy_tokens,
+            entropy_threshold=entropy_threshold,
+        )
+
+
+WHOLE_BATCH = BatchNormalisers()  # a micro-batch that is its own optimizer batch
 
 
 @dataclass(frozen=True)
@@ -189,7 +234,7 @@ class LossOutputs:
     """``loss``: scalar to backward. ``metrics``: token means under the mask (TRL's names), plus
     ``entropy`` when entropies were given."""
 
-    loss: torch.Tensor
+    loss: torch.Tensor  # [] scalar
     metrics: dict[str, float]
     # Entropy summed over the tokens the policy term acts on, and their count: what the adaptive entropy
     # controller measures over the optimizer batch (0 when no entropies were given).
@@ -403,33 +448,41 @@ def _objective(
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {c.loss_type!r}")
 
 
+def _token_count(aggregation: str, mask: torch.Tensor, batch: BatchNormalisers, dtype: torch.dtype) -> torch.Tensor:
+    """The token mean's denominator: N_tok (``bnpo``, default this micro-batch's) or ``num_items_in_batch``
+    (``dapo``, required), at least 1."""
+    if aggregation == "bnpo":
+        tokens = batch.num_tokens if batch.num_tokens is not None else mask.sum()
+    elif batch.num_items_in_batch is None:
+        raise ValueError(
+            "the 'dapo' aggregation (loss_type dapo, cispo, vespo, kl_cov) needs num_items_in_batch "
+            "(active tokens in the optimizer step)"
+        )
+    else:
+        tokens = batch.num_items_in_batch
+    return torch.as_tensor(tokens, dtype=dtype).clamp(min=1.0)
+
+
 def aggregate(
     per_token_loss: torch.Tensor,
     mask: torch.Tensor,
     aggregation: str,
+    batch: BatchNormalisers = WHOLE_BATCH,
     *,
     max_completion_length: int | None = None,
-    num_items_in_batch: float | torch.Tensor | None = None,
-    num_sequences: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a [B, T] (or [B, 1]) per-token loss to a scalar the way ``aggregation`` says (module table)."""
+    """Reduce a [B, T] (or [B, 1]) per-token loss under the [B, T] mask to a scalar, the way ``aggregation``
+    says with ``batch``'s counts (module docstring)."""
     masked = per_token_loss * mask
-    n_seq = float(num_sequences) if num_sequences is not None else float(mask.shape[0])
+    n_seq = float(batch.num_sequences) if batch.num_sequences is not None else float(mask.shape[0])
     if aggregation == "grpo":
         return (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).sum() / n_seq
-    if aggregation == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0)
+    if aggregation in ("bnpo", "dapo"):
+        return masked.sum() / _token_count(aggregation, mask, batch, masked.dtype)
     if aggregation == "dr_grpo":
         if not max_completion_length:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
         return masked.sum() / (n_seq * max_completion_length)
-    if aggregation == "dapo":
-        if num_items_in_batch is None:
-            raise ValueError(
-                "the 'dapo' aggregation (loss_type dapo, cispo, vespo, kl_cov) needs num_items_in_batch "
-                "(active tokens in the optimizer step)"
-            )
-        return masked.sum() / torch.as_tensor(num_items_in_batch, dtype=masked.dtype).clamp(min=1.0)
     if aggregation == "seq_sum":
         return masked.sum() / n_seq
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
@@ -453,110 +506,68 @@ def _check_inputs(inp: LossInputs, c: LossConfig) -> None:
         raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need per-token entropies")
 
 
-def _entropy_mask(inp: LossInputs, mask: torch.Tensor, c: LossConfig) -> torch.Tensor | None:
-    if c.top_entropy_quantile >= 1.0:
-        return None
-    assert inp.entropies is not None
-    threshold = inp.entropy_threshold
+def _active_mask(inp: LossInputs) -> torch.Tensor:
+    """[B, T] the tokens the loss sums over: ``mask`` minus the ``truncated`` completions when given."""
+    mask = inp.mask.to(inp.logprobs.dtype)
+    if inp.truncated is None:
+        return mask
+    return mask * (~inp.truncated.bool()).to(mask.dtype).unsqueeze(1)
+
+
+def _entropy_mask(
+    entropies: torch.Tensor, mask: torch.Tensor, top_quantile: float, threshold: float | torch.Tensor | None
+) -> torch.Tensor:
+    """[B, T] the entropy mask: tokens at or above ``threshold`` (None: this micro-batch's quantile)."""
     if threshold is None:
-        threshold = entropy_threshold(inp.entropies[mask.bool()], c.top_entropy_quantile)
-    return high_entropy_mask(inp.entropies, mask, threshold)
+        threshold = entropy_threshold(entropies[mask.bool()], top_quantile)
+    return high_entropy_mask(entropies, mask, threshold)
 
 
-def _entropy_bonus(inp: LossInputs, mask: torch.Tensor, entropy_mask, c: LossConfig) -> torch.Tensor:
-    """entropy_coef * mean entropy over the tokens the policy term acts on (TRL's bonus, any loss type)."""
-    assert inp.entropies is not None
-    acting = mask if entropy_mask is None else mask * entropy_mask
-    count = inp.num_entropy_tokens if inp.num_entropy_tokens is not None else acting.sum()
-    count = torch.as_tensor(count, dtype=inp.entropies.dtype).clamp(min=1.0)
-    return c.entropy_coef * (inp.entropies * acting).sum() / count
-
-
-def compute_loss(inp: LossInputs, config: LossConfig) -> LossOutputs:
-    """The loss of one micro-batch (formulas and order of the terms in the module docstring)."""
-    c = config
-    _check_inputs(inp, c)
+def _policy_terms(
+    inp: LossInputs, mask: torch.Tensor, c: LossConfig, threshold: float | torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """The per-token loss ``l`` [B, T] (or [B, 1]) in TRL's order (module docstring), the [B, T] tokens the
+    policy term acts on (``mask`` times the entropy mask) and the metrics. Inputs are checked already."""
     dtype = inp.logprobs.dtype
-    mask = inp.mask.to(dtype)
-    if inp.truncated is not None:
-        mask = mask * (~inp.truncated.bool()).to(dtype).unsqueeze(1)
     adv = inp.advantages.to(dtype).unsqueeze(1)  # [B, 1]
     weights = inp.importance_weights.detach().to(dtype) if inp.importance_weights is not None else None
     ratio = torch.exp(log_ratio(inp.logprobs, inp.old_logprobs, mask, c.ratio_level))  # [B, T] or [B, 1]
     per_token, flags = _objective(inp, mask, adv, ratio, weights, c)
     metrics: dict[str, float] = {}
-    if c.off_policy_mask_threshold is not None:
-        assert inp.behaviour_logprobs is not None
-        keep = off_policy_mask(
-            inp.advantages.to(dtype), inp.logprobs, inp.behaviour_logprobs, mask, c.off_policy_mask_threshold
-        )
+    if c.off_policy_mask_threshold is not None and inp.behaviour_logprobs is not None:
+        keep = off_policy_mask(adv[:, 0], inp.logprobs, inp.behaviour_logprobs, mask, c.off_policy_mask_threshold)
         per_token = per_token * keep
         metrics["off_policy_mask/masked_mean"] = _masked_mean(1.0 - keep, mask)
-    entropy_mask = _entropy_mask(inp, mask, c)
-    if entropy_mask is not None:
+    acting = mask
+    if c.top_entropy_quantile < 1.0 and inp.entropies is not None:
+        entropy_mask = _entropy_mask(inp.entropies, mask, c.top_entropy_quantile, threshold)
         per_token = per_token * entropy_mask
-    if weights is not None and c.loss_type not in ("vespo", "geo_mean"):
+        acting = mask * entropy_mask
+    if weights is not None and c.loss_type not in ("vespo", "geo_mean"):  # those two fold the weights in
         per_token = per_token * weights
-    if c.beta > 0.0:
-        assert inp.ref_logprobs is not None
+    if c.beta > 0.0 and inp.ref_logprobs is not None:
         kl = kl_estimate(inp.logprobs, inp.ref_logprobs.detach(), c.kl_estimator)
-        if c.kl_bias_correction:
-            kl = kl * ratio
+        kl = kl * ratio if c.kl_bias_correction else kl
         per_token = per_token + c.beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
-    loss = aggregate(
-        per_token,
-        mask,
-        c.aggregation or DEFAULT_AGGREGATION[c.loss_type],
-        max_completion_length=inp.max_completion_length,
-        num_items_in_batch=inp.num_items_in_batch,
-        num_sequences=inp.num_sequences,
-    )
-    if c.entropy_coef != 0.0:
-        loss = loss - _entropy_bonus(inp, mask, entropy_mask, c)
-    for name, flag in flags.items():
-        metrics[name] = _masked_mean(flag.detach().to(dtype), mask)
+    metrics.update({name: _masked_mean(flag.detach().to(dtype), mask) for name, flag in flags.items()})
+    return per_token, acting, metrics
+
+
+def compute_loss(inp: LossInputs, config: LossConfig, batch: BatchNormalisers = WHOLE_BATCH) -> LossOutputs:
+    """The loss of one micro-batch (formulas and order of the terms in the module docstring), divided by the
+    counts of the optimizer ``batch`` it belongs to (by default it is the whole batch)."""
+    _check_inputs(inp, config)
+    mask = _active_mask(inp)
+    per_token, acting, metrics = _policy_terms(inp, mask, config, batch.entropy_threshold)
+    aggregation = config.resolved_aggregation
+    loss = aggregate(per_token, mask, aggregation, batch, max_completion_length=config.max_completion_length)
     if inp.entropies is None:
         return LossOutputs(loss=loss, metrics=metrics)
+    if config.entropy_coef != 0.0:  # TRL's bonus: the mean entropy over the tokens the policy term acts on
+        count = batch.num_entropy_tokens if batch.num_entropy_tokens is not None else acting.sum()
+        count = torch.as_tensor(count, dtype=inp.entropies.dtype).clamp(min=1.0)
+        loss = loss - config.entropy_coef * (inp.entropies * acting).sum() / count
     entropies = inp.entropies.detach()
     metrics["entropy"] = _masked_mean(entropies, mask)
-    acting = mask if entropy_mask is None else mask * entropy_mask
     return LossOutputs(loss, metrics, float((entropies * acting).sum()), float(acting.sum()))
-
-
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    loss_type: LossType = "grpo",
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    delta: float | None = None,
-    beta: float = 0.0,
-    ref_logprobs: torch.Tensor | None = None,
-    importance_weights: torch.Tensor | None = None,
-    max_completion_length: int | None = None,
-    num_items_in_batch: float | torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped GRPO loss with k3 KL and no KL bias correction: :func:`compute_loss` in keyword form.
-
-    ``logprobs`` [B, T] carry the gradient; ``old_logprobs`` [B, T] (the proximal policy, recomputed by the
-    learner), ``advantages`` [B], ``mask`` [B, T], ``ref_logprobs`` [B, T] and ``importance_weights`` [B, T]
-    are constants. Metrics (TRL's names): ``clip_ratio/low_mean`` (tokens with r < 1 - eps_low and A < 0),
-    ``clip_ratio/high_mean`` (r > 1 + eps_high and A > 0), ``clip_ratio/region_mean`` (either), ``kl``.
-    """
-    config = LossConfig(loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta)
-    inputs = LossInputs(
-        logprobs=logprobs,
-        old_logprobs=old_logprobs,
-        advantages=advantages,
-        mask=mask,
-        ref_logprobs=ref_logprobs,
-        importance_weights=importance_weights,
-        max_completion_length=max_completion_length,
-        num_items_in_batch=num_items_in_batch,
-    )
-    out = compute_loss(inputs, config)
-    return out.loss, out.metrics

@@ -7,9 +7,12 @@ Per batch (TRL's semantics for ``num_iterations`` = mu):
 2. ``ref_logprobs`` from the frozen initial model when beta > 0.
 3. Importance weights pi_old / pi_behaviour (the generator's logprobs), truncated or masked.
 4. mu times: the loss over micro-batches with gradient accumulation, clipping, an AdamW step and a
-   scheduler step. The per-micro-batch scaling makes the accumulated gradient exactly the gradient of the
-   chosen aggregation over the whole batch (``bnpo``/``dapo``: token sums over the batch's token count;
-   ``grpo``: sequence means over B; ``dr_grpo``: sums over B * max_completion_length).
+   scheduler step. Each micro-batch's loss is divided by the whole batch's counts
+   (:class:`~services.learner.loss.BatchNormalisers`), so the accumulated gradient is exactly the gradient
+   of the chosen aggregation over the whole batch; :mod:`services.learner.loss` does all of that arithmetic.
+
+Steps 1-3 give a :class:`PreparedBatch`, fixed for the mu iterations; each iteration's backward gives a
+:class:`StepResult`.
 
 Entropy (:mod:`services.learner.entropy`) comes from the same forward as the logprobs and is logged as
 ``entropy``. With ``top_entropy_quantile`` < 1 the threshold is the quantile of the active tokens' entropies
@@ -31,8 +34,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,9 +47,10 @@ from services.learner.distributed import Channel, Topology
 from services.learner.hardware import Precision, compute_context, resolve_precision
 from services.learner.importance import importance_weight_metrics, importance_weights
 from services.learner.loss import (
-    DEFAULT_AGGREGATION,
+    BatchNormalisers,
     LossConfig,
     LossInputs,
+    LossOutputs,
     adaptive_entropy_coef,
     compute_loss,
     entropy_threshold,
@@ -54,14 +59,57 @@ from services.learner.loss import (
 from services.learner.policy import EntropyMode, completion_logprobs_and_entropy, merged_weights
 from shared.config.learner import LearnerSettings
 
+_ACTING_SUM, _ACTING_TOKENS = "entropy/acting_sum", "entropy/acting_tokens"  # summed, not logged
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """What :meth:`Trainer.prepare` computes without gradient for this rank's B_r rows of a batch; fixed for
+    all ``num_iterations`` optimizer steps on it."""
+
+    old_logprobs: torch.Tensor | None  # [B_r, T]; None with old_logprobs = "reuse" (the training forward's)
+    importance_weights: torch.Tensor | None  # [B_r, T]; None without importance correction or with "reuse"
+    ref_logprobs: torch.Tensor | None  # [B_r, T] when beta > 0
+    normalisers: BatchNormalisers  # the whole batch's counts (and entropy threshold) every loss is divided by
+    seconds_old_logprobs: float  # wall time of the old-logprob and entropy pass
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step's backward over this rank's rows, summed over ranks."""
+
+    metrics: dict[str, float]  # "loss" (sum of micro-batch losses) and token means under TRL's names
+    importance_weights: torch.Tensor | None  # [B_r, T] the weights the loss used (prepared or reused)
+    acting_entropy: float  # mean entropy over the tokens the policy term acted on (adaptive controller)
+
+
+def _add_outputs(sums: dict[str, float], out: LossOutputs, tokens: float) -> None:
+    """Add one micro-batch's outputs to the running ``sums``; its token means become token-weighted sums."""
+    sums["loss"] += float(out.loss.detach())
+    sums[_ACTING_SUM] += out.acting_entropy_sum
+    sums[_ACTING_TOKENS] += out.acting_tokens
+    for name, value in out.metrics.items():
+        sums[name] = sums.get(name, 0.0) + value * tokens
+
+
+def _step_result(sums: dict[str, float], used: list[torch.Tensor], batch_tokens: float) -> StepResult:
+    """The step's result from the ranks' summed ``sums``: token-weighted sums back to token means over the
+    batch's ``batch_tokens`` completion tokens; ``used``: the importance weights of each micro-batch."""
+    tokens = max(batch_tokens, 1.0)
+    acting_entropy = sums[_ACTING_SUM] / max(sums[_ACTING_TOKENS], 1.0)
+    metrics = {
+        name: value if name == "loss" else value / tokens
+        for name, value in sums.items()
+        if name not in (_ACTING_SUM, _ACTING_TOKENS)
+    }
+    return StepResult(metrics, torch.cat(used) if used else None, acting_entropy)
+
 
 def loss_config(s: LearnerSettings) -> LossConfig:
-    """The loss's hyper-parameters from the settings. A ``bnpo`` aggregation becomes ``dapo`` with the
-    batch's token count: the exact token mean over all micro-batches. The entropy coefficient is set per step."""
-    aggregation = s.loss_aggregation or DEFAULT_AGGREGATION[s.loss_type]
+    """The loss's hyper-parameters from the settings; the entropy coefficient is set per step."""
     return LossConfig(
         loss_type=s.loss_type,
-        aggregation="dapo" if aggregation == "bnpo" else aggregation,  # type: ignore[arg-type]
+        aggregation=s.loss_aggregation,
         ratio_level=s.ratio_level,
         epsilon_low=s.epsilon_low,
         epsilon_high=s.epsilon_high,
@@ -82,6 +130,7 @@ def loss_config(s: LearnerSettings) -> LossConfig:
         kl_cov_coef=s.kl_cov_coef,
         off_policy_mask_threshold=s.off_policy_mask_threshold,
         top_entropy_quantile=s.top_entropy_quantile,
+        max_completion_length=s.max_completion_length,
     )
 
 
@@ -92,6 +141,18 @@ def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_ratio: float) 
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _optimizer(
+    model: torch.nn.Module, s: LearnerSettings
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the trainable parameters, and its warm-up + cosine schedule (:func:`lr_lambda`)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_lambda(step, s.warmup_steps, s.max_steps, s.min_lr_ratio)
+    )
+    return optimizer, scheduler
 
 
 class Trainer:
@@ -107,6 +168,11 @@ class Trainer:
         reference: torch.nn.Module | None = None,
         topology: Topology | None = None,
     ):
+        if settings.beta > 0 and reference is None:
+            raise ValueError(
+                f"beta = {settings.beta} needs a reference model: pass reference=reference_model(model) "
+                "(services.learner.policy) to Trainer, or set beta = 0 to train without the KL term"
+            )
         self.model = model
         self.settings = settings
         self.reference = reference
@@ -118,17 +184,7 @@ class Trainer:
         self.precision = resolve_precision(settings.param_dtype, settings.compute_dtype, settings.device)
         # Sharded, FSDP2's MixedPrecisionPolicy casts the gathered weights (distributed.shard_model).
         self.autocast = Precision() if self.topology.distributed else self.precision
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params,
-            lr=settings.lr,
-            betas=(settings.adam_beta1, settings.adam_beta2),
-            weight_decay=settings.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda step: lr_lambda(step, settings.warmup_steps, settings.max_steps, settings.min_lr_ratio),
-        )
+        self.optimizer, self.scheduler = _optimizer(model, settings)
         self.step = 0
         self.loss_config = loss_config(settings)
         self.entropy_coef = settings.entropy_coef  # moved by the adaptive controller
@@ -210,7 +266,11 @@ class Trainer:
 
     @torch.no_grad()
     def _logprobs_no_grad(
-        self, model: torch.nn.Module, batch: TrainBatch, passes: list[TrainBatch | None], entropy: EntropyMode = "none"
+        self,
+        model: torch.nn.Module,
+        batch: TrainBatch,
+        passes: Sequence[TrainBatch | None],
+        entropy: EntropyMode = "none",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         was_training = model.training
         model.eval()
@@ -238,18 +298,24 @@ class Trainer:
             return batch.completion_mask
         return batch.completion_mask * (~batch.truncated.bool()).to(batch.completion_mask.dtype).unsqueeze(1)
 
-    def _entropy_threshold(self, entropies: torch.Tensor, local: TrainBatch, out: dict[str, torch.Tensor]) -> None:
+    def _entropy_threshold(self, entropies: torch.Tensor, local: TrainBatch) -> tuple[torch.Tensor, float]:
         """The batch-wide entropy quantile (all ranks' active tokens) and the count of tokens at or above it."""
         mask = self._loss_mask(local)
         active = entropies[mask.bool()].float().cpu()
         threshold = entropy_threshold(torch.cat(distributed.gather_objects(active)), self.settings.top_entropy_quantile)
         acting = float(high_entropy_mask(entropies, mask, threshold).sum())
-        out["entropy_threshold"] = threshold
-        out["entropy_tokens"] = torch.tensor(distributed.sum_across({"acting": acting})["acting"])
+        return threshold, distributed.sum_across({"acting": acting})["acting"]
 
-    def prepare(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+    def _normalisers(self, batch: TrainBatch, local: TrainBatch, entropies: torch.Tensor | None) -> BatchNormalisers:
+        """The whole batch's counts; with this rank's entropies [B_r, T], its entropy threshold too."""
+        if entropies is None:
+            return BatchNormalisers.of_batch(self._loss_mask(batch))
+        threshold, acting = self._entropy_threshold(entropies, local)
+        return BatchNormalisers.of_batch(self._loss_mask(batch), entropy_threshold=threshold, num_entropy_tokens=acting)
+
+    def prepare(self, batch: TrainBatch) -> PreparedBatch:
         """Old logprobs, reference logprobs and importance weights of this rank's rows (no gradient), and the
-        batch's entropy threshold when ``top_entropy_quantile`` < 1.
+        batch's normalisers, with its entropy threshold when ``top_entropy_quantile`` < 1.
 
         With ``old_logprobs = "reuse"`` the old logprobs (and the importance weights that need them) come
         from the training forward instead: with one iteration the weights are the same, so are the numbers.
@@ -257,36 +323,22 @@ class Trainer:
         s = self.settings
         started = time.perf_counter()
         local, passes = self._plan(batch)
-        out: dict[str, torch.Tensor] = {}
-        quantile = s.top_entropy_quantile < 1.0
-        entropies = None
+        entropy: EntropyMode = "value" if s.top_entropy_quantile < 1.0 else "none"
+        old: torch.Tensor | None = None
+        entropies: torch.Tensor | None = None
+        weights: torch.Tensor | None = None
+        ref: torch.Tensor | None = None
         if s.old_logprobs == "recompute":
-            out["old_logprobs"], entropies = self._logprobs_no_grad(
-                self.model, batch, passes, "value" if quantile else "none"
-            )
-            if s.importance_correction:
-                out["importance_weights"] = self._weights(out["old_logprobs"], local)
-        elif quantile:
-            _, entropies = self._logprobs_no_grad(self.model, batch, passes, "value")
-        if entropies is not None:
-            self._entropy_threshold(entropies, local, out)
-        out["seconds/old_logprobs"] = torch.tensor(time.perf_counter() - started)
-        if s.beta > 0:
-            assert self.reference is not None, "beta > 0 needs a reference model"
+            old, entropies = self._logprobs_no_grad(self.model, batch, passes, entropy)
+            weights = self._weights(old, local) if s.importance_correction else None
+        elif entropy == "value":
+            _, entropies = self._logprobs_no_grad(self.model, batch, passes, entropy)
+        normalisers = self._normalisers(batch, local, entropies)
+        seconds = time.perf_counter() - started
+        if s.beta > 0 and self.reference is not None:  # __init__ makes sure of the reference
             real = [mb for mb in passes if mb is not None]  # the reference replica runs no collective
-            out["ref_logprobs"], _ = self._logprobs_no_grad(self.reference, batch, real)
-        return out
-
-    def _batch_normalisers(self, batch: TrainBatch, prepared: dict[str, torch.Tensor]) -> dict:
-        """The whole batch's counts each micro-batch's loss is normalised by, so that they add up exactly."""
-        loss_tokens = float(self._loss_mask(batch).sum())
-        return {
-            "entropy_threshold": prepared.get("entropy_threshold"),
-            "max_completion_length": self.settings.max_completion_length,
-            "num_items_in_batch": loss_tokens,
-            "num_sequences": batch.size,
-            "num_entropy_tokens": prepared.get("entropy_tokens", loss_tokens),
-        }
+            ref, _ = self._logprobs_no_grad(self.reference, batch, real)
+        return PreparedBatch(old, weights, ref, normalisers, seconds)
 
     def _step_config(self) -> LossConfig:
         """The loss config of this optimizer step: the adaptive bonus applies while the last entropy <= target."""
@@ -296,73 +348,74 @@ class Trainer:
             coef = 0.0
         return dataclasses.replace(self.loss_config, entropy_coef=coef)
 
-    def accumulate_gradients(self, batch: TrainBatch, prepared: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Backward of the whole batch's loss, micro-batch by micro-batch; returns summed metrics."""
-        s = self.settings
-        total_tokens = float(batch.completion_mask.sum())
-        batch_wide = self._batch_normalisers(batch, prepared)
+    def _old_and_weights(
+        self, logprobs: torch.Tensor, mb: TrainBatch, rows: slice, prepared: PreparedBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A micro-batch's old logprobs [b, T] and importance weights [b, T] (or None): the prepared ones at
+        ``rows``, or with ``old_logprobs = "reuse"`` those of the training forward ``logprobs``."""
+        if prepared.old_logprobs is not None:
+            weights = prepared.importance_weights
+            return prepared.old_logprobs[rows], None if weights is None else weights[rows]
+        old = logprobs.detach()
+        return old, self._weights(old, mb) if self.settings.importance_correction else None
+
+    def _micro_batch_backward(
+        self, mb: TrainBatch, rows: slice, prepared: PreparedBatch, config: LossConfig, entropy_mode: EntropyMode
+    ) -> tuple[LossOutputs, torch.Tensor | None]:
+        """Forward, loss and backward of one micro-batch (``rows`` of this rank's); the importance weights used."""
+        with compute_context(self.autocast, self.device):
+            logprobs, entropies = completion_logprobs_and_entropy(
+                self.model, mb, share_prompts=self.share_prompts, entropy=entropy_mode
+            )
+        old, weights = self._old_and_weights(logprobs, mb, rows, prepared)
+        inputs = LossInputs(
+            logprobs=logprobs,
+            old_logprobs=old,
+            advantages=mb.advantages,
+            mask=mb.completion_mask,
+            ref_logprobs=None if prepared.ref_logprobs is None else prepared.ref_logprobs[rows],
+            behaviour_logprobs=mb.behaviour_logprobs,
+            importance_weights=weights,
+            entropies=entropies,
+            truncated=mb.truncated if self.settings.mask_truncated_completions else None,
+        )
+        out = compute_loss(inputs, config, prepared.normalisers)
+        # FSDP averages gradients over ranks; each rank's loss is its share of the whole batch's loss.
+        (out.loss * float(self.topology.world_size)).backward()
+        return out, weights
+
+    def _padding_backward(self, batch: TrainBatch, entropy_mode: EntropyMode) -> None:
+        """A zero-weighted pass: keeps the ranks' collectives in step and adds no gradient."""
+        with compute_context(self.autocast, self.device):
+            logprobs, _ = completion_logprobs_and_entropy(
+                self.model, self._padding(batch), share_prompts=self.share_prompts, entropy=entropy_mode
+            )
+        (logprobs.sum() * 0.0).backward()
+
+    def accumulate_gradients(self, batch: TrainBatch, prepared: PreparedBatch) -> StepResult:
+        """Backward of the whole batch's loss, micro-batch by micro-batch; the metrics summed over ranks."""
         config = self._step_config()
         entropy_mode: EntropyMode = "grad" if config.entropy_coef != 0.0 else "value"
-        # FSDP averages gradients over ranks; each rank's loss is its share of the whole batch's loss.
-        rank_scale = float(self.topology.world_size)
-        totals: dict[str, float] = {"loss": 0.0, "entropy/acting_sum": 0.0, "entropy/acting_tokens": 0.0}
-        reused_weights: list[torch.Tensor] = []
+        sums = {"loss": 0.0, _ACTING_SUM: 0.0, _ACTING_TOKENS: 0.0}
+        used: list[torch.Tensor] = []
         _, passes = self._plan(batch)
         start = 0
-        for planned in passes:
-            mb = planned or self._padding(batch)
-            rows = slice(start, start + mb.size)
-            with compute_context(self.autocast, self.device):
-                logprobs, entropies = completion_logprobs_and_entropy(
-                    self.model, mb, share_prompts=self.share_prompts, entropy=entropy_mode
-                )
-            if planned is None:  # padding pass: keeps the ranks' collectives in step, adds no gradient
-                (logprobs.sum() * 0.0).backward()
+        for mb in passes:
+            if mb is None:
+                self._padding_backward(batch, entropy_mode)
                 continue
+            out, weights = self._micro_batch_backward(mb, slice(start, start + mb.size), prepared, config, entropy_mode)
             start += mb.size
-            if "old_logprobs" in prepared:
-                old = prepared["old_logprobs"][rows]
-                weights = prepared["importance_weights"][rows] if "importance_weights" in prepared else None
-            else:
-                old = logprobs.detach()
-                weights = self._weights(old, mb) if s.importance_correction else None
-                if weights is not None:
-                    reused_weights.append(weights)
-            inputs = LossInputs(
-                logprobs=logprobs,
-                old_logprobs=old,
-                advantages=mb.advantages,
-                mask=mb.completion_mask,
-                ref_logprobs=prepared["ref_logprobs"][rows] if "ref_logprobs" in prepared else None,
-                behaviour_logprobs=mb.behaviour_logprobs,
-                importance_weights=weights,
-                entropies=entropies,
-                truncated=mb.truncated if s.mask_truncated_completions else None,
-                **batch_wide,
-            )
-            out = compute_loss(inputs, config)
-            (out.loss * rank_scale).backward()
-            tokens = float(mb.completion_mask.sum())
-            totals["loss"] += float(out.loss.detach())
-            totals["entropy/acting_sum"] += out.acting_entropy_sum
-            totals["entropy/acting_tokens"] += out.acting_tokens
-            for name, value in out.metrics.items():  # token means -> token-weighted sums
-                totals[name] = totals.get(name, 0.0) + value * tokens
-        totals = distributed.sum_across(totals)
-        for name in list(totals):
-            if name not in ("loss", "entropy/acting_sum", "entropy/acting_tokens"):
-                totals[name] /= max(total_tokens, 1.0)
-        if reused_weights:
-            prepared["importance_weights"] = torch.cat(reused_weights)
-        self._control_entropy(totals)
-        return totals
+            if weights is not None:
+                used.append(weights)
+            _add_outputs(sums, out, tokens=float(mb.completion_mask.sum()))
+        return _step_result(distributed.sum_across(sums), used, float(batch.completion_mask.sum()))
 
-    def _control_entropy(self, totals: dict[str, float]) -> None:
+    def _control_entropy(self, acting_entropy: float) -> dict[str, float]:
         """TRL's adaptive controller after the step; ``entropy_coef`` logged as TRL does."""
         s = self.settings
-        acting_sum, acting = totals.pop("entropy/acting_sum"), totals.pop("entropy/acting_tokens")
         if s.adaptive_entropy:
-            self.last_entropy = acting_sum / max(acting, 1.0)
+            self.last_entropy = acting_entropy
             self.entropy_coef = adaptive_entropy_coef(
                 self.entropy_coef,
                 self.last_entropy,
@@ -371,17 +424,14 @@ class Trainer:
                 coef_min=s.entropy_coef_min,
                 coef_max=s.entropy_coef_max,
             )
-        if s.adaptive_entropy or s.entropy_coef:
-            totals["entropy_coef"] = self.entropy_coef
+        return {"entropy_coef": self.entropy_coef} if s.adaptive_entropy or s.entropy_coef else {}
 
-    def _importance_metrics(self, batch: TrainBatch, prepared: dict[str, torch.Tensor]) -> dict[str, float]:
-        if "importance_weights" not in prepared:
+    def _importance_metrics(self, batch: TrainBatch, weights: torch.Tensor | None) -> dict[str, float]:
+        if weights is None:
             return {}
         local, _ = self._plan(batch)
-        pairs = distributed.gather_objects((prepared["importance_weights"].cpu(), local.completion_mask.cpu()))
-        weights = torch.cat([w for w, _ in pairs])
-        mask = torch.cat([m for _, m in pairs])
-        return importance_weight_metrics(weights, mask)
+        pairs = distributed.gather_objects((weights.cpu(), local.completion_mask.cpu()))
+        return importance_weight_metrics(torch.cat([w for w, _ in pairs]), torch.cat([m for _, m in pairs]))
 
     def train(self, batch: TrainBatch) -> list[dict[str, float]]:
         """``num_iterations`` optimizer steps on ``batch``; one metrics dict per step.
@@ -395,23 +445,28 @@ class Trainer:
         """:meth:`train` on this rank's share of ``batch`` (the whole batch on one rank)."""
         batch = batch.to(self.device)
         prepared = self.prepare(batch)
-        results = []
-        for _ in range(self.settings.num_iterations):
-            started = time.perf_counter()
-            self.optimizer.zero_grad(set_to_none=True)
-            metrics = self.accumulate_gradients(batch, prepared)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in self.model.parameters() if p.requires_grad], self.settings.max_grad_norm
-            )
-            if hasattr(grad_norm, "full_tensor"):  # a DTensor when the parameters are sharded
-                grad_norm = grad_norm.full_tensor()
-            metrics["learning_rate"] = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
-            self.scheduler.step()
-            self.step += 1
-            metrics["grad_norm"] = float(grad_norm)
-            metrics["seconds/train"] = time.perf_counter() - started
-            metrics["seconds/old_logprobs"] = float(prepared["seconds/old_logprobs"])
-            metrics.update(self._importance_metrics(batch, prepared))
-            results.append(metrics)
-        return results
+        return [self._optimizer_step(batch, prepared) for _ in range(self.settings.num_iterations)]
+
+    def _optimizer_step(self, batch: TrainBatch, prepared: PreparedBatch) -> dict[str, float]:
+        """One optimizer step on the prepared batch; its metrics."""
+        started = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        result = self.accumulate_gradients(batch, prepared)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], self.settings.max_grad_norm
+        )
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor when the parameters are sharded
+            grad_norm = grad_norm.full_tensor()
+        learning_rate = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return {
+            **result.metrics,
+            **self._control_entropy(result.acting_entropy),
+            "learning_rate": learning_rate,
+            "grad_norm": float(grad_norm),
+            "seconds/train": time.perf_counter() - started,
+            "seconds/old_logprobs": prepared.seconds_old_logprobs,
+            **self._importance_metrics(batch, result.importance_weights),
+        }

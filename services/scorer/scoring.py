@@ -8,7 +8,7 @@ answer the model gave.
 
 Advantages are computed here over the group. When the configured normalisation needs the whole training
 batch (``scale_rewards="batch"`` or BNPO) the learner recomputes them over exactly its batch with the same
-functions (see :mod:`services.scorer.advantages`), using the ``advantage_spec`` carried in the record.
+functions (:mod:`shared.advantages`), using the ``advantage_spec`` carried in the record.
 """
 
 from __future__ import annotations
@@ -18,13 +18,18 @@ from collections.abc import Sequence
 
 import httpx
 import numpy as np
-import torch
 
-from services.scorer.advantages import combine_rewards, compute_advantages, zero_std_groups
 from services.scorer.rewards.breaker import CircuitBreaker
 from services.scorer.rewards.builtin import BUILTINS
 from services.scorer.rewards.functions import RewardBatch, RewardFunction, trl_style
 from services.scorer.rewards.http_plugin import HttpRewardPlugin
+from shared.advantages import (
+    combine_rewards,
+    completion_metrics,
+    compute_advantages,
+    reward_function_metrics,
+    zero_std_groups,
+)
 from shared.config.scorer import RewardSpec
 from shared.records import AdvantageSpec, Rollout, ScoredGroup
 from shared.reward_protocol import load_reward_function
@@ -52,23 +57,17 @@ def reward_batch(rollout: Rollout) -> RewardBatch:
 def group_metrics(
     rollout: Rollout, names: Sequence[str], per_func: np.ndarray, rewards: np.ndarray
 ) -> dict[str, float]:
-    """TRL's per-batch figures, for one group."""
-    lengths = np.array([len(c.token_ids) for c in rollout.completions], dtype=np.float64)
+    """TRL's per-batch figures, for one group: rewards [G], per_func [G, F]."""
     present = rewards[~np.isnan(rewards)]
-    metrics = {
+    completions = rollout.completions
+    return {
         "reward": float(present.mean()) if present.size else math.nan,
         "reward_std": float(present.std(ddof=1)) if present.size > 1 else 0.0,
-        "completions/mean_length": float(lengths.mean()),
-        "completions/min_length": float(lengths.min()),
-        "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(np.mean([c.finish_reason == "length" for c in rollout.completions])),
+        **completion_metrics(
+            [len(c.token_ids) for c in completions], [c.finish_reason == "length" for c in completions]
+        ),
+        **reward_function_metrics(names, per_func),
     }
-    for index, name in enumerate(names):
-        column = per_func[:, index]
-        values = column[~np.isnan(column)]
-        metrics[f"rewards/{name}/mean"] = float(values.mean()) if values.size else math.nan
-        metrics[f"rewards/{name}/std"] = float(values.std(ddof=1)) if values.size > 1 else 0.0
-    return metrics
 
 
 def scored_group(
@@ -82,19 +81,19 @@ def scored_group(
     scorer_id: str = "",
 ) -> ScoredGroup:
     """Combine [G, F] rewards, compute the group's advantages and metrics, and build the record."""
-    per_func_t = torch.from_numpy(per_func.astype(np.float64))
-    rewards = combine_rewards(per_func_t, torch.tensor(list(weights), dtype=torch.float64))
-    lengths = torch.tensor([len(c.token_ids) for c in rollout.completions])
-    advantages = compute_advantages(rewards, rollout.group_size, spec, rewards_per_func=per_func_t, lengths=lengths)
+    per_func64 = per_func.astype(np.float64)
+    rewards = combine_rewards(per_func64, np.asarray(weights, dtype=np.float64))
+    lengths = np.array([len(c.token_ids) for c in rollout.completions])
+    advantages = compute_advantages(rewards, rollout.group_size, spec, rewards_per_func=per_func64, lengths=lengths)
     zero = bool(zero_std_groups(rewards, rollout.group_size)[0])
-    metrics = group_metrics(rollout, names, per_func, rewards.numpy())
+    metrics = group_metrics(rollout, names, per_func, rewards)
     metrics["frac_reward_zero_std"] = float(zero)
     return ScoredGroup(
         rollout=rollout,
         reward_names=tuple(names),
         rewards_per_func=per_func.astype(np.float32),
-        rewards=rewards.numpy().astype(np.float32),
-        advantages=advantages.numpy().astype(np.float32),
+        rewards=rewards.astype(np.float32),
+        advantages=advantages.astype(np.float32),
         advantage_spec=spec,
         zero_std=zero,
         dropped=zero and drop_zero_std,
@@ -109,8 +108,8 @@ def build_functions(
     """Reward functions from the settings, in order; also the HTTP plugins (to probe at start)."""
     functions, plugins = [], []
     for spec in specs:
-        if spec.kind == "http":
-            plugin = _http_plugin(spec, http)
+        if spec.url:  # RewardSpec.kind == "http"; testing the url itself gives _http_plugin a str
+            plugin = _http_plugin(spec, spec.url, http)
             plugins.append(plugin)
             functions.append(plugin.as_function())
             continue
@@ -121,11 +120,10 @@ def build_functions(
     return functions, plugins
 
 
-def _http_plugin(spec: RewardSpec, http: httpx.AsyncClient) -> HttpRewardPlugin:
-    assert spec.url is not None
+def _http_plugin(spec: RewardSpec, url: str, http: httpx.AsyncClient) -> HttpRewardPlugin:
     return HttpRewardPlugin(
         spec.name,
-        spec.url,
+        url,
         http,
         timeout_s=spec.timeout_s,
         retries=spec.retries,

@@ -14,9 +14,8 @@ import hashlib
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
-from services.scorer.advantages import group_advantages
+from shared.advantages import group_advantages
 from shared.codec import encode
 from shared.keys import Keys
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, ScoredGroup
@@ -53,7 +52,7 @@ def scored_group_for(task: PromptTask, version: int, vocab: int = 100) -> Scored
         reward_names=("fake",),
         rewards_per_func=rewards[:, None],
         rewards=rewards,
-        advantages=group_advantages(torch.from_numpy(rewards), task.group_size).numpy(),
+        advantages=group_advantages(rewards, task.group_size),
     )
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
-import torch
 from scipy import stats
 
-from services.scorer.advantages import (
+from shared.advantages import (
     bnpo_advantages,
     bnpo_beta_parameters,
     combine_rewards,
@@ -96,35 +97,35 @@ def random_rewards(rng, groups, g, nan_frac=0.15, discrete=False):
 def test_group_advantages_match_reference(g, scale, unbiased):
     rng = np.random.default_rng(1000 * g + len(scale) + unbiased)
     rewards = random_rewards(rng, groups=6, g=g)
-    got = group_advantages(torch.tensor(rewards), g, scale_rewards=scale, std_unbiased=unbiased)
-    assert got.dtype == torch.float64
-    np.testing.assert_allclose(got.numpy(), ref_group_advantages(rewards, g, scale, 1e-4, unbiased), atol=TOL)
+    got = group_advantages(rewards, g, scale_rewards=scale, std_unbiased=unbiased)
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, ref_group_advantages(rewards, g, scale, 1e-4, unbiased), atol=TOL)
 
 
 def test_hand_worked_group_of_four():
-    rewards = torch.tensor([3.9, 0.9, 0.7, 0.1], dtype=torch.float64)
+    rewards = np.array([3.9, 0.9, 0.7, 0.1], dtype=np.float64)
     # mean 1.4; unbiased std sqrt(8.68/3) = 1.70098...; population std sqrt(8.68/4) = 1.47309...
     expected_unbiased = [1.4696544776800355, -0.29393089553600704, -0.41150325375040997, -0.7642203283936184]
     expected_population = [1.69699538370231, -0.33939907674046194, -0.4751587074366468, -0.8824375995252011]
     got = group_advantages(rewards, 4, std_unbiased=True)
-    np.testing.assert_allclose(got.numpy(), expected_unbiased, atol=1e-12)
+    np.testing.assert_allclose(got, expected_unbiased, atol=1e-12)
     got = group_advantages(rewards, 4, std_unbiased=False)
-    np.testing.assert_allclose(got.numpy(), expected_population, atol=1e-12)
-    np.testing.assert_allclose(group_advantages(rewards, 4, scale_rewards="none").numpy(), [2.5, -0.5, -0.7, -1.3])
+    np.testing.assert_allclose(got, expected_population, atol=1e-12)
+    np.testing.assert_allclose(group_advantages(rewards, 4, scale_rewards="none"), [2.5, -0.5, -0.7, -1.3])
 
 
 def test_float32_works_and_nan_rows_get_zero():
-    rewards = torch.tensor([1.0, float("nan"), 0.0, 1.0], dtype=torch.float32)
+    rewards = np.array([1.0, float("nan"), 0.0, 1.0], dtype=np.float32)
     got = group_advantages(rewards, 4)
-    assert got.dtype == torch.float32
+    assert got.dtype == np.float32
     assert got[1] == 0
-    assert torch.isfinite(got).all()
+    assert np.isfinite(got).all()
 
 
 def test_constant_group_gets_exact_zeros_and_is_counted():
-    rewards = torch.tensor([0.1, 0.1, 0.1, 0.1, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    rewards = np.array([0.1, 0.1, 0.1, 0.1, 0.0, 1.0, 1.0, 0.0], dtype=np.float64)
     got = group_advantages(rewards, 4)
-    assert torch.equal(got[:4], torch.zeros(4, dtype=torch.float64))
+    assert np.array_equal(got[:4], np.zeros(4))
     assert zero_std_groups(rewards, 4).tolist() == [True, False]
     metrics = reward_metrics(rewards, 4)
     assert metrics["frac_reward_zero_std"] == 0.5
@@ -133,9 +134,9 @@ def test_constant_group_gets_exact_zeros_and_is_counted():
 
 def test_bad_shapes_are_rejected():
     with pytest.raises(ValueError, match="multiple of group_size=4"):
-        group_advantages(torch.zeros(6), 4)
+        group_advantages(np.zeros(6), 4)
     with pytest.raises(ValueError, match="scale_rewards"):
-        group_advantages(torch.zeros(4), 4, scale_rewards="grp")  # type: ignore[arg-type]
+        group_advantages(np.zeros(4), 4, scale_rewards="grp")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("g", range(2, 9))
@@ -149,8 +150,8 @@ def test_combine_rewards_matches_reference(g):
     for row in per_func:
         terms = [w * r for w, r in zip(weights, row, strict=True) if not math.isnan(r)]
         expected.append(sum(terms) if terms else math.nan)
-    got = combine_rewards(torch.tensor(per_func), torch.tensor(weights))
-    np.testing.assert_allclose(got.numpy(), expected, atol=TOL)
+    got = combine_rewards(per_func, weights)
+    np.testing.assert_allclose(got, expected, atol=TOL)
     assert math.isnan(got[0])
 
 
@@ -165,24 +166,35 @@ def test_bnpo_matches_reference(g, discrete):
         rewards = rng.uniform(-1, 3, size=8 * g)
         rewards[rng.random(8 * g) < 0.1] = np.nan
         lo, hi = -1.0, 3.0
-    got = bnpo_advantages(torch.tensor(rewards), g, reward_min=lo, reward_max=hi)
-    np.testing.assert_allclose(got.numpy(), ref_bnpo(rewards, g, lo, hi), rtol=1e-6, atol=TOL)
+    got = bnpo_advantages(rewards, g, reward_min=lo, reward_max=hi)
+    np.testing.assert_allclose(got, ref_bnpo(rewards, g, lo, hi), rtol=1e-6, atol=TOL)
 
 
 def test_bnpo_single_group_and_zero_variance_use_uniform_beta():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
-    assert bnpo_beta_parameters(torch.tensor([0.5], dtype=torch.float64)) == (1.0, 1.0)
-    np.testing.assert_allclose(bnpo_advantages(rewards, 4).numpy(), [0.5, -0.5, -0.5, 0.5])
-    same_rates = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
-    np.testing.assert_allclose(bnpo_advantages(same_rates, 4).numpy(), [0.5, -0.5, -0.5, 0.5, -0.5, 0.5, 0.5, -0.5])
+    rewards = np.array([1.0, 0.0, 0.0, 1.0], dtype=np.float64)
+    assert bnpo_beta_parameters(np.array([0.5], dtype=np.float64)) == (1.0, 1.0)
+    np.testing.assert_allclose(bnpo_advantages(rewards, 4), [0.5, -0.5, -0.5, 0.5])
+    same_rates = np.array([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0], dtype=np.float64)
+    np.testing.assert_allclose(bnpo_advantages(same_rates, 4), [0.5, -0.5, -0.5, 0.5, -0.5, 0.5, 0.5, -0.5])
 
 
 def test_bnpo_hand_worked_parameters():
     # p = [0.25, 0.75]: m = 0.5, v = 0.125, k = 0.25/0.125 - 1 = 1, alpha = beta = max(1 + 1/6, 1) = 7/6.
-    alpha, beta = bnpo_beta_parameters(torch.tensor([0.25, 0.75], dtype=torch.float64))
+    alpha, beta = bnpo_beta_parameters(np.array([0.25, 0.75], dtype=np.float64))
     assert float(alpha) == pytest.approx(7 / 6) and float(beta) == pytest.approx(7 / 6)
 
 
 def test_bnpo_rejects_rewards_out_of_bounds():
     with pytest.raises(ValueError, match=r"BNPO needs rewards in \[0.0, 1.0\]"):
-        bnpo_advantages(torch.tensor([0.0, 2.0]), 2)
+        bnpo_advantages(np.array([0.0, 2.0]), 2)
+
+
+def test_advantages_module_imports_neither_torch_nor_a_service():
+    """The scorer and the learner share this maths; it must stay in ``shared``'s light dependencies."""
+    code = (
+        "import sys, shared.advantages; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert not [m for m in sys.modules if m.startswith('services')], 'a service imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

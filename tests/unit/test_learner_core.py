@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from services.learner.batch import collate
-from services.learner.loss import policy_loss
+from services.learner.loss import BatchNormalisers, LossConfig, LossInputs, compute_loss
 from services.learner.policy import completion_logprobs, load_policy, logprobs_no_grad
 from services.learner.trainer import Trainer, lr_lambda
-from services.scorer.advantages import group_advantages
+from shared.advantages import group_advantages
 from shared.config.learner import LearnerSettings
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, SamplingSpec, ScoredGroup
 from tests.support.tiny_model import build_tiny_llama
@@ -70,7 +70,7 @@ def _groups(model, temperature=0.8, seed=0) -> list[ScoredGroup]:
                 reward_names=("r",),
                 rewards_per_func=rewards[:, None],
                 rewards=rewards,
-                advantages=group_advantages(torch.from_numpy(rewards), 4).numpy(),
+                advantages=group_advantages(rewards, 4),
             )
         )
     return groups
@@ -112,42 +112,29 @@ def test_learner_step_gradient_equals_direct_synchronous_grpo_gradient(tiny, los
     batch = _batch(groups)
     trainer = Trainer(model, settings)
     prepared = trainer.prepare(batch)
+    assert prepared.importance_weights is not None and prepared.old_logprobs is not None
     # Behaviour logprobs came from these weights: every importance weight is 1.
-    torch.testing.assert_close(
-        prepared["importance_weights"], torch.ones_like(prepared["old_logprobs"]), atol=1e-5, rtol=0
-    )
+    torch.testing.assert_close(prepared.importance_weights, torch.ones_like(prepared.old_logprobs), atol=1e-5, rtol=0)
     model.zero_grad()
     trainer.accumulate_gradients(batch, prepared)
     ours = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     # The same objective computed directly on the whole batch, in one piece.
+    config = LossConfig(loss_type=loss_type, max_completion_length=12)
+    counts = BatchNormalisers(num_items_in_batch=batch.completion_mask.sum())
     model.zero_grad()
     logprobs = completion_logprobs(model, batch)
-    loss, _ = policy_loss(
-        logprobs,
-        logprobs.detach(),
-        batch.advantages,
-        batch.completion_mask,
-        loss_type=loss_type,
-        importance_weights=prepared["importance_weights"],
-        max_completion_length=12,
-        num_items_in_batch=batch.completion_mask.sum(),
+    weights = prepared.importance_weights
+    inputs = LossInputs(
+        logprobs, logprobs.detach(), batch.advantages, batch.completion_mask, importance_weights=weights
     )
-    loss.backward()
+    compute_loss(inputs, config, counts).loss.backward()
     direct = {n: p.grad.clone() for n, p in model.named_parameters()}
     # TRL's on-policy step: no importance weights (they are 1 up to the float32 behaviour logprobs).
     model.zero_grad()
     logprobs = completion_logprobs(model, batch)
-    loss, _ = policy_loss(
-        logprobs,
-        logprobs.detach(),
-        batch.advantages,
-        batch.completion_mask,
-        loss_type=loss_type,
-        max_completion_length=12,
-        num_items_in_batch=batch.completion_mask.sum(),
-    )
-    loss.backward()
+    inputs = LossInputs(logprobs, logprobs.detach(), batch.advantages, batch.completion_mask)
+    compute_loss(inputs, config, counts).loss.backward()
     assert_grads_close(ours, direct, rel=1e-6)
     assert_grads_close(ours, {n: p.grad for n, p in model.named_parameters()}, rel=1e-5)
 
@@ -165,6 +152,13 @@ def test_train_takes_num_iterations_steps_and_changes_the_weights(tiny):
     assert {"loss", "grad_norm", "learning_rate", "sampling/importance_sampling_ratio/mean"} <= set(results[0])
 
 
+def test_kl_without_a_reference_model_is_refused_at_construction(tiny):
+    settings = _settings(tiny, beta=0.04)
+    model, _ = load_policy(settings, str(tiny))
+    with pytest.raises(ValueError, match=r"beta = 0.04 needs a reference model: pass reference=.* or set beta = 0"):
+        Trainer(model, settings)
+
+
 def test_lr_schedule_warms_up_then_decays():
     assert lr_lambda(0, 2, 10, 0.1) == 0.5
     assert lr_lambda(1, 2, 10, 0.1) == 1.0
@@ -173,7 +167,7 @@ def test_lr_schedule_warms_up_then_decays():
 
 
 def test_reusing_the_training_forward_gives_the_recomputed_old_logprobs_gradient(tiny):
-    grads, prepared = {}, {}
+    grads, prepared, steps = {}, {}, {}
     for mode in ("recompute", "reuse"):
         settings = _settings(tiny, old_logprobs=mode)
         model, _ = load_policy(settings, str(tiny))
@@ -182,12 +176,14 @@ def test_reusing_the_training_forward_gives_the_recomputed_old_logprobs_gradient
         trainer = Trainer(model, settings)
         model.zero_grad()
         prepared[mode] = trainer.prepare(batch)
-        trainer.accumulate_gradients(batch, prepared[mode])
+        steps[mode] = trainer.accumulate_gradients(batch, prepared[mode])
         grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    assert "old_logprobs" in prepared["recompute"] and "old_logprobs" not in prepared["reuse"]  # no extra pass
+    assert prepared["recompute"].old_logprobs is not None and prepared["reuse"].old_logprobs is None  # no extra pass
+    assert prepared["reuse"].importance_weights is None  # the training forward makes them
     torch.testing.assert_close(
-        prepared["reuse"]["importance_weights"], prepared["recompute"]["importance_weights"], atol=1e-9, rtol=0
+        steps["reuse"].importance_weights, prepared["recompute"].importance_weights, atol=1e-9, rtol=0
     )
+    torch.testing.assert_close(steps["recompute"].importance_weights, prepared["recompute"].importance_weights)
     assert_grads_close(grads["reuse"], grads["recompute"], rel=1e-6)
     with pytest.raises(ValueError, match="needs num_iterations = 1"):
         _settings(tiny, old_logprobs="reuse", num_iterations=2)

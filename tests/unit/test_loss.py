@@ -15,7 +15,7 @@ from services.learner.importance import (
     min_fresh_version,
     staleness,
 )
-from services.learner.loss import k3_kl, policy_loss
+from services.learner.loss import BatchNormalisers, LossConfig, LossInputs, compute_loss, k3_kl
 
 TOL = 1e-6
 
@@ -38,6 +38,12 @@ def random_batch(seed, b=5, t=7, dtype=torch.float64):
             logprobs=logprobs, old=old, ref=ref, behaviour=behaviour, advantages=advantages, mask=mask
         ).items()
     }
+
+
+def inputs_of(batch, rows=slice(None), **optional) -> LossInputs:
+    """The batch's (rows of) logprobs, old logprobs, advantages and mask, plus ``optional`` inputs."""
+    keys = ("logprobs", "old", "advantages", "mask")
+    return LossInputs(*(batch[k][rows] for k in keys), **optional)
 
 
 def ref_loss(batch, loss_type, eps_low, eps_high, delta, beta, weights, max_len, num_items):
@@ -80,18 +86,12 @@ def ref_loss(batch, loss_type, eps_low, eps_high, delta, beta, weights, max_len,
 def test_policy_loss_matches_reference(loss_type, beta, delta, weighted):
     batch = random_batch(seed=hash((loss_type, beta, delta, weighted)) % 2**32)
     weights = torch.rand_like(batch["logprobs"]) * 2 if weighted else None
-    kwargs = dict(
-        loss_type=loss_type,
-        epsilon_low=0.2,
-        epsilon_high=0.28,
-        delta=delta,
-        beta=beta,
-        ref_logprobs=batch["ref"],
-        importance_weights=weights,
-        max_completion_length=9,
-        num_items_in_batch=23.0,
+    config = LossConfig(
+        loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, delta=delta, beta=beta, max_completion_length=9
     )
-    loss, metrics = policy_loss(batch["logprobs"], batch["old"], batch["advantages"], batch["mask"], **kwargs)
+    inputs = inputs_of(batch, ref_logprobs=batch["ref"], importance_weights=weights)
+    out = compute_loss(inputs, config, BatchNormalisers(num_items_in_batch=23.0))
+    loss, metrics = out.loss, out.metrics
     expected = ref_loss(batch, loss_type, 0.2, 0.28, delta, beta, None if weights is None else weights.numpy(), 9, 23.0)
     assert loss.dtype == torch.float64
     assert float(loss) == pytest.approx(expected, abs=TOL)
@@ -100,9 +100,7 @@ def test_policy_loss_matches_reference(loss_type, beta, delta, weighted):
 
 def test_clip_metrics_match_reference():
     batch = random_batch(seed=3, b=8, t=10)
-    _, metrics = policy_loss(
-        batch["logprobs"], batch["old"], batch["advantages"], batch["mask"], epsilon_low=0.1, epsilon_high=0.1
-    )
+    metrics = compute_loss(inputs_of(batch), LossConfig(epsilon_low=0.1, epsilon_high=0.1)).metrics
     lp, old, adv, mask = (batch[k].numpy() for k in ("logprobs", "old", "advantages", "mask"))
     low = high = n = 0
     for i in range(lp.shape[0]):
@@ -120,8 +118,8 @@ def test_clip_metrics_match_reference():
 def test_on_policy_grpo_gradient_is_minus_advantage_over_length_and_batch():
     batch = random_batch(seed=11, b=4, t=6)
     logprobs = batch["logprobs"].clone().requires_grad_(True)
-    loss, _ = policy_loss(logprobs, batch["logprobs"].clone(), batch["advantages"], batch["mask"])
-    loss.backward()
+    inputs = LossInputs(logprobs, batch["logprobs"].clone(), batch["advantages"], batch["mask"])
+    compute_loss(inputs, LossConfig()).loss.backward()
     mask, adv = batch["mask"], batch["advantages"]
     lengths = mask.sum(dim=1)
     b = mask.shape[0]
@@ -131,37 +129,27 @@ def test_on_policy_grpo_gradient_is_minus_advantage_over_length_and_batch():
             assert float(logprobs.grad[i, j]) == pytest.approx(float(expected), abs=1e-12)
 
 
-def test_dapo_over_micro_batches_equals_one_token_mean():
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo"])
+def test_token_mean_over_micro_batches_equals_one_token_mean(loss_type):
+    """With the whole batch's counts (what the learner passes), bnpo's and dapo's micro-batch losses add up to
+    the token mean of the batch in one piece."""
     batch = random_batch(seed=5, b=6, t=8)
-    n_tokens = batch["mask"].sum()
-    whole, _ = policy_loss(batch["logprobs"], batch["old"], batch["advantages"], batch["mask"], loss_type="bnpo")
-    parts = 0.0
-    for rows in (slice(0, 2), slice(2, 6)):
-        part, _ = policy_loss(
-            batch["logprobs"][rows],
-            batch["old"][rows],
-            batch["advantages"][rows],
-            batch["mask"][rows],
-            loss_type="dapo",
-            num_items_in_batch=n_tokens,
-        )
-        parts += float(part)
-    assert parts == pytest.approx(float(whole), abs=1e-12)
+    whole = float(compute_loss(inputs_of(batch), LossConfig(loss_type="bnpo")).loss)
+    splits = (slice(0, 2), slice(2, 6))
+    counts = BatchNormalisers.of_batch(batch["mask"])
+    config = LossConfig(loss_type=loss_type)
+    parts = sum(float(compute_loss(inputs_of(batch, rows), config, counts).loss) for rows in splits)
+    assert parts == pytest.approx(whole, abs=1e-12)
+    if loss_type == "bnpo":  # without the counts each micro-batch is its own batch, as in TRL
+        own = sum(float(compute_loss(inputs_of(batch, rows), config).loss) for rows in splits)
+        assert own != pytest.approx(whole, abs=1e-6)
 
 
 def test_importance_weights_are_not_differentiated_and_kl_is_not_weighted():
     batch = random_batch(seed=8)
     weights = torch.full_like(batch["logprobs"], 0.0)
-    loss, _ = policy_loss(
-        batch["logprobs"],
-        batch["old"],
-        batch["advantages"],
-        batch["mask"],
-        beta=0.5,
-        ref_logprobs=batch["ref"],
-        importance_weights=weights,
-        loss_type="bnpo",
-    )
+    inputs = inputs_of(batch, ref_logprobs=batch["ref"], importance_weights=weights)
+    loss = compute_loss(inputs, LossConfig(loss_type="bnpo", beta=0.5)).loss
     kl = k3_kl(batch["logprobs"], batch["ref"])
     expected = float(0.5 * (kl * batch["mask"]).sum() / batch["mask"].sum())
     assert float(loss) == pytest.approx(expected, abs=1e-12)
@@ -169,17 +157,20 @@ def test_importance_weights_are_not_differentiated_and_kl_is_not_weighted():
 
 def test_loss_argument_errors():
     batch = random_batch(seed=1)
-    args = (batch["logprobs"], batch["old"], batch["advantages"], batch["mask"])
     with pytest.raises(ValueError, match="max_completion_length"):
-        policy_loss(*args, loss_type="dr_grpo")
+        LossConfig(loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="max_completion_length"):
+        LossConfig(loss_type="grpo", aggregation="dr_grpo")
     with pytest.raises(ValueError, match="num_items_in_batch"):
-        policy_loss(*args, loss_type="dapo")
+        compute_loss(inputs_of(batch), LossConfig(loss_type="dapo"))
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(*args, beta=0.1)
+        compute_loss(inputs_of(batch), LossConfig(beta=0.1))
     with pytest.raises(ValueError, match="loss_type"):
-        policy_loss(*args, loss_type="ppo")  # type: ignore[arg-type]
+        LossConfig(loss_type="ppo")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="aggregation"):
+        LossConfig(aggregation="token_mean")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="advantages must be"):
-        policy_loss(batch["logprobs"], batch["old"], batch["advantages"][:2], batch["mask"])
+        compute_loss(LossInputs(batch["logprobs"], batch["old"], batch["advantages"][:2], batch["mask"]), LossConfig())
 
 
 # Importance weights ----------------------------------------------------------------------------------------

@@ -19,16 +19,16 @@ from services.learner.batch import collate
 from services.learner.batch_metrics import finalize_advantages
 from services.learner.feeder import replacement_cap_reached
 from services.learner.loss import (
+    BatchNormalisers,
     LossConfig,
     LossInputs,
     adaptive_entropy_coef,
     compute_loss,
     entropy_threshold,
-    policy_loss,
 )
 from services.learner.policy import completion_logprobs_and_entropy, load_policy, reference_model
 from services.learner.trainer import Trainer
-from services.scorer.advantages import compute_advantages
+from shared.advantages import compute_advantages
 from shared.config.learner import LearnerSettings
 from shared.records import AdvantageSpec
 from tests.support.factories import make_rollout, make_scored, make_task
@@ -293,11 +293,9 @@ def ours(b, c, lp, entropies=None):
         importance_weights=b["weights"] if c.get("weighted") else None,
         entropies=b["entropies"] if entropies is None else entropies,
         truncated=b["truncated"] if c.get("truncate") else None,
-        max_completion_length=c["max_completion_length"],
-        num_items_in_batch=c["num_items_in_batch"],
-        num_sequences=c.get("num_sequences"),
     )
-    return compute_loss(inputs, config)
+    batch = BatchNormalisers(num_sequences=c.get("num_sequences"), num_items_in_batch=c["num_items_in_batch"])
+    return compute_loss(inputs, config, batch)
 
 
 def loss_and_grad(fn):
@@ -384,7 +382,7 @@ def test_entropy_is_logged_and_given_threshold_is_used():
     b = random_batch(seed=9)
     config = LossConfig(top_entropy_quantile=0.5)
     common = dict(logprobs=b["logprobs"], old_logprobs=b["old"], advantages=b["advantages"], mask=b["mask"])
-    out = compute_loss(LossInputs(**common, entropies=b["entropies"], entropy_threshold=1e9), config)
+    out = compute_loss(LossInputs(**common, entropies=b["entropies"]), config, BatchNormalisers(entropy_threshold=1e9))
     assert float(out.loss) == 0.0  # no token reaches the batch-wide threshold: no policy term
     mask = b["mask"]
     assert out.metrics["entropy"] == pytest.approx(float((b["entropies"] * mask).sum() / mask.sum()), abs=1e-12)
@@ -395,8 +393,9 @@ def test_entropy_bonus_gradient_reaches_entropies():
     entropies = b["entropies"].clone().requires_grad_(True)
     config = LossConfig(entropy_coef=0.5)
     out = compute_loss(
-        LossInputs(b["logprobs"], b["old"], b["advantages"], b["mask"], entropies=entropies, num_entropy_tokens=40.0),
+        LossInputs(b["logprobs"], b["old"], b["advantages"], b["mask"], entropies=entropies),
         config,
+        BatchNormalisers(num_entropy_tokens=40.0),
     )
     out.loss.backward()
     torch.testing.assert_close(entropies.grad, -0.5 * b["mask"] / 40.0, atol=1e-12, rtol=0)
@@ -417,8 +416,8 @@ def test_truncated_completions_leave_loss_and_counts():
     got = compute_loss(LossInputs(b["logprobs"], b["old"], b["advantages"], b["mask"], truncated=truncated), config)
     mask = b["mask"].clone()
     mask[1] = 0
-    want, _ = policy_loss(b["logprobs"], b["old"], b["advantages"], mask, loss_type="bnpo")
-    assert float(got.loss) == pytest.approx(float(want), abs=1e-12)
+    want = compute_loss(LossInputs(b["logprobs"], b["old"], b["advantages"], mask), config)
+    assert float(got.loss) == pytest.approx(float(want.loss), abs=1e-12)
 
 
 def test_config_and_input_errors():
@@ -451,7 +450,7 @@ def rewards_with_nan(seed, n_groups=4, g=5, n_func=1):
 
 def test_rloo_matches_leave_one_out_reference():
     r = rewards_with_nan(40)[:, 0]
-    got = compute_advantages(torch.tensor(r), 5, AdvantageSpec(estimator="rloo")).numpy()
+    got = compute_advantages(r, 5, AdvantageSpec(estimator="rloo"))
     for k in range(4):
         block = r[5 * k : 5 * k + 5]
         for i, value in enumerate(block):
@@ -466,7 +465,7 @@ def test_reinforce_pp_matches_token_whitening_reference(baseline):
     lengths = np.random.default_rng(1).integers(1, 30, size=r.size)
     name = "reinforce_pp_baseline" if baseline else "reinforce_pp"
     spec = AdvantageSpec(estimator=name)
-    got = compute_advantages(torch.tensor(r), 5, spec, lengths=torch.tensor(lengths)).numpy()
+    got = compute_advantages(r, 5, spec, lengths=lengths)
     # verl: the return at every response token is r (gamma 1), whitened over all response tokens.
     tokens, owners = [], []
     for k in range(4):
@@ -490,7 +489,7 @@ def test_gdpo_matches_trl_normalize_then_sum_reference():
     per_func[7, :] = np.nan  # unscorable
     weights = [1.0, 0.5, 2.0]
     spec = AdvantageSpec(reward_aggregation="normalize_then_sum", reward_weights=tuple(weights))
-    got = compute_advantages(torch.zeros(20), 5, spec, rewards_per_func=torch.tensor(per_func)).numpy()
+    got = compute_advantages(np.zeros(20), 5, spec, rewards_per_func=per_func)
     summed = np.full(20, np.nan)
     for row in range(20):
         k = row // 5
@@ -507,7 +506,7 @@ def test_gdpo_matches_trl_normalize_then_sum_reference():
     want = np.where(np.isnan(summed), 0.0, (summed - present.mean()) / (present.std(ddof=1) + 1e-4))
     np.testing.assert_allclose(got, want, atol=1e-9)
     with pytest.raises(ValueError, match="rewards_per_func"):
-        compute_advantages(torch.zeros(20), 5, spec)
+        compute_advantages(np.zeros(20), 5, spec)
 
 
 def test_new_estimators_need_the_batch():
@@ -541,13 +540,13 @@ def test_learner_finalises_batch_estimators_over_the_whole_batch(spec):
             )
         )
     got = torch.cat(finalize_advantages(groups)).numpy()
-    per_func = torch.tensor(np.concatenate([g.rewards_per_func for g in groups]).astype(np.float64))
-    rewards = torch.tensor(np.concatenate([g.rewards for g in groups]).astype(np.float64))
-    lengths = torch.tensor([3] * 4 + [4] * 4 + [5] * 4)
-    want = compute_advantages(rewards, 4, spec, rewards_per_func=per_func, lengths=lengths).numpy()
+    per_func = np.concatenate([g.rewards_per_func for g in groups]).astype(np.float64)
+    rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64)
+    lengths = np.array([3] * 4 + [4] * 4 + [5] * 4)
+    want = compute_advantages(rewards, 4, spec, rewards_per_func=per_func, lengths=lengths)
     np.testing.assert_allclose(got, want, atol=1e-6)
     if spec.estimator == "reinforce_pp_baseline":  # the token counts matter
-        assert not np.allclose(got, compute_advantages(rewards, 4, spec).numpy(), atol=1e-3)
+        assert not np.allclose(got, compute_advantages(rewards, 4, spec), atol=1e-3)
 
 
 def test_dynamic_sampling_cap():
@@ -692,10 +691,10 @@ def test_entropy_threshold_is_taken_over_the_whole_batch(tiny):
     settings = tiny_settings(tiny, top_entropy_quantile=0.3, mask_truncated_completions=True, micro_batch_size=2)
     model, _ = load_policy(settings, str(tiny))
     batch = tiny_batch(model, seed=2)
-    prepared = Trainer(model, settings).prepare(batch)
+    counts = Trainer(model, settings).prepare(batch).normalisers
     with torch.no_grad():
         _, entropies = completion_logprobs_and_entropy(model, batch)
     keep = batch.completion_mask.bool() & ~batch.truncated.unsqueeze(1)
     expected = torch.quantile(entropies[keep].double(), 0.7)
-    assert float(prepared["entropy_threshold"]) == pytest.approx(float(expected), abs=1e-5)
-    assert float(prepared["entropy_tokens"]) == float((entropies[keep] >= prepared["entropy_threshold"]).sum())
+    assert float(counts.entropy_threshold) == pytest.approx(float(expected), abs=1e-5)
+    assert float(counts.num_entropy_tokens) == float((entropies[keep] >= counts.entropy_threshold).sum())
