@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import tomli_w  # noqa: E402
 
+from tests.support.launcher import run_pipeline  # noqa: E402
 from tests.support.redis_server import free_port  # noqa: E402
 
 
@@ -80,13 +80,7 @@ def run_mode(model: Path, mode: str, steps: int, groups: int, context: int) -> d
     with tempfile.TemporaryDirectory(prefix=f"bench-{mode}-") as scratch:
         tmp = Path(scratch)
         config = _config(tmp, model, mode, steps, groups, context)
-        result = subprocess.run(
-            [sys.executable, "-m", "services.launcher", "run", "--config", str(config)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=3600,
-        )
+        result = run_pipeline(config, timeout_s=3600)
         if result.returncode != 0:
             logs = "".join(f"\n--- {log.name}\n{log.read_text()[-2000:]}" for log in (tmp / "logs").glob("*.log"))
             raise RuntimeError(f"{mode} run failed:\n{(result.stdout + result.stderr)[-3000:]}{logs}")

@@ -34,7 +34,7 @@ from shared.records import Rollout  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
 from shared.streams import StreamConsumer, StreamProducer, ensure_group  # noqa: E402
 from tests.support.factories import make_rollout, make_task  # noqa: E402
-from tests.support.redis_server import answers, start_redis  # noqa: E402
+from tests.support.redis_server import use_or_start_redis  # noqa: E402
 
 BATCH = 16
 GROUP = "bench"
@@ -134,11 +134,7 @@ def run_once(mode: str, url: str, args) -> float:
 
 
 def main(args) -> None:
-    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-    server = None
-    if not answers(url):
-        server = start_redis()
-        url = server.url
+    url, server = use_or_start_redis()
     group_bytes = len(encode(_rollouts(argparse.Namespace(**{**vars(args), "groups": 1}))[0]))
     best = {"raw": float("inf"), "ours": float("inf")}
     try:

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 import tomli_w  # noqa: E402
 
 from services.launcher.prepare_model import prepare_smollm2  # noqa: E402
+from tests.support.launcher import run_pipeline  # noqa: E402
 
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 
@@ -51,13 +52,7 @@ def run_ours(model: Path, steps: int) -> dict:
         config = tmp / "config.toml"
         config.write_text(tomli_w.dumps(document))
         started = time.perf_counter()
-        result = subprocess.run(
-            [sys.executable, "-m", "services.launcher", "run", "--config", str(config)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=7200,
-        )
+        result = run_pipeline(config, timeout_s=7200)
         wall = time.perf_counter() - started
         if result.returncode != 0:
             raise RuntimeError((result.stdout + result.stderr)[-4000:])

@@ -36,7 +36,7 @@ from shared.keys import Keys  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
 from shared.registry import live_generators  # noqa: E402
 from tests.support.processes import start_service  # noqa: E402
-from tests.support.redis_server import answers, free_port, start_redis  # noqa: E402
+from tests.support.redis_server import free_port, use_or_start_redis  # noqa: E402
 from tests.support.tiny_model import build_tiny_llama  # noqa: E402
 
 TOKEN = "bench-token"
@@ -157,11 +157,7 @@ async def our_push(named, model_dir: Path, receivers: int, repeats: int, redis_u
 
 def main(args) -> None:
     os.sched_setaffinity(0, {_cores()[-1]})  # the learner/sender; receivers are pinned as they start
-    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-    server = None
-    if not answers(url):
-        server = start_redis()
-        url = server.url
+    url, server = use_or_start_redis()
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = build_tiny_llama(Path(scratch) / "m", seed=0, hidden=576, layers=args.layers)
         from transformers import AutoModelForCausalLM

@@ -18,7 +18,6 @@ Indices are in PCI bus order (``CUDA_DEVICE_ORDER=PCI_BUS_ID``), the order ``nvi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 
 class PlacementError(ValueError):
@@ -104,7 +103,8 @@ def plan(gpu_count: int, learner_gpus: Sequence[int], replicas: int, colocated: 
 
 
 def memory_share_error(gpu_memory_utilization: float, learner_share: float | None) -> str | None:
-    """Colocated mode: the message saying why vLLM's and the learner's shares of one GPU do not fit, or None."""
+    """Colocated mode: the message saying why vLLM's and the learner's shares of one GPU do not fit, or None
+    (``learner_share`` None: not set). :class:`shared.config.pipeline.PipelineConfig` checks it with the file."""
     if learner_share is None:
         return (
             "colocated mode: the learner's share of the GPU is not set (read from LEARNER_GPU_MEMORY_SHARE, else "
@@ -119,20 +119,3 @@ def memory_share_error(gpu_memory_utilization: float, learner_share: float | Non
             "the whole GPU (1.0); lower either (GENERATOR_GPU_MEMORY_UTILIZATION, LEARNER_GPU_MEMORY_SHARE)"
         )
     return None
-
-
-def learner_memory_share(document: Mapping[str, Any], env: Mapping[str, str]) -> float | None:
-    """The learner's ``gpu_memory_share`` as the learner reads it: ``LEARNER_GPU_MEMORY_SHARE``, else the
-    ``[learner]`` table of the pipeline's TOML ``document``, else None (not set)."""
-    raw = env.get("LEARNER_GPU_MEMORY_SHARE")
-    if raw is None:
-        raw = document.get("learner", {}).get("gpu_memory_share")
-    if raw is None:
-        return None
-    try:
-        share = float(raw)
-    except (TypeError, ValueError):
-        raise PlacementError(f"learner.gpu_memory_share is {raw!r}, not a number") from None
-    if not 0 < share <= 1:
-        raise PlacementError(f"learner.gpu_memory_share is {share}; it must be in (0, 1]")
-    return share

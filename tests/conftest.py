@@ -2,30 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
 
 from shared.keys import Keys
 from shared.redis_conn import make_client
-from tests.support.redis_server import answers, start_redis
-
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+from tests.support.redis_server import use_or_start_redis
 
 
 @pytest.fixture(scope="session")
 def redis_url():
     """The Redis at $REDIS_URL if it answers, else a redis-server started on a free port for this run."""
-    url = os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
-    if answers(url):
-        yield url
-        return
-    server = start_redis()
+    url, server = use_or_start_redis()
     try:
-        yield server.url
+        yield url
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
 
 @pytest.fixture

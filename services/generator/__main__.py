@@ -22,25 +22,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("services.generator")
 
 
-def check_colocated_memory(settings: GeneratorSettings) -> None:
-    """One-GPU mode: vLLM's share and the learner's (read as the learner reads it) must fit one GPU."""
-    from shared.config.base import CONFIG_ENV, read_config_file
-    from shared.placement import PlacementError, learner_memory_share, memory_share_error
-
-    config = os.environ.get(CONFIG_ENV)
-    document = read_config_file(Path(config)) if config else {}
-    error = memory_share_error(settings.gpu_memory_utilization, learner_memory_share(document, os.environ))
-    if error:
-        raise PlacementError(error)
-
-
 async def lease_gpus(settings: GeneratorSettings, lease: GpuLease) -> None:
     """Take this replica's GPU(s) in the host's lease namespace and make them the only ones CUDA sees."""
     from services.generator.registry import host_gpu_count
     from shared.placement import leasable_gpus
 
-    if settings.colocated:
-        check_colocated_memory(settings)
     total = host_gpu_count() if settings.gpu_count == "auto" else settings.gpu_count
     learner = settings.learner_gpu_indices
     candidates = leasable_gpus(total, learner, settings.colocated)

@@ -17,6 +17,7 @@ from pathlib import Path
 import tomli_w
 
 from services.launcher.prepare_model import prepare_smollm2
+from services.launcher.run import run
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,6 @@ def _materialise(config: Path, model: Path, run_dir: Path) -> Path:
 
 def reward_curve(metrics: Path, png: Path) -> tuple[list[float], float, float]:
     """Plot reward per step; returns the rewards and the mean of the first and last 5 steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in records]
     rewards = [r.get("reward", float("nan")) for r in records]
@@ -57,6 +53,17 @@ def reward_curve(metrics: Path, png: Path) -> tuple[list[float], float, float]:
         if records
         else {}
     )
+    _plot(steps, rewards, parts, png)
+    head, tail = rewards[:5], rewards[-5:]
+    return rewards, sum(head) / max(len(head), 1), sum(tail) / max(len(tail), 1)
+
+
+def _plot(steps: list[int], rewards: list[float], parts: dict[str, list[float]], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     figure, axis = plt.subplots(figsize=(8, 4.5), dpi=110)
     axis.plot(steps, rewards, marker="o", linewidth=2, label="reward (combined)")
     for name, values in parts.items():
@@ -70,13 +77,10 @@ def reward_curve(metrics: Path, png: Path) -> tuple[list[float], float, float]:
     figure.tight_layout()
     figure.savefig(png)
     plt.close(figure)
-    head, tail = rewards[:5], rewards[-5:]
-    return rewards, sum(head) / max(len(head), 1), sum(tail) / max(len(tail), 1)
 
 
 def run_demo(config: Path, cache: Path | None) -> int:
-    from services.launcher.__main__ import run
-
+    """Prepare the model, run the demo configuration, report the reward curve; returns the run's exit code."""
     started = time.monotonic()
     model = prepare_smollm2(cache)
     run_dir = Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")

@@ -1,7 +1,13 @@
-"""A local ``redis-server`` for the launcher (when no Redis answers) and for tests (never a fake Redis)."""
+"""A local ``redis-server`` for the launcher (when no Redis answers) and for tests (never a fake Redis).
+
+:func:`use_or_start_redis` is the one "use ``$REDIS_URL`` or start a Redis" that ``asyncgrpo run``, the tests'
+Redis fixture and the benchmarks share.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -11,6 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+
+from shared.config.base import mask_url
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+
+log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
@@ -48,39 +60,10 @@ class RedisServer:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def _arguments(self, binary: str) -> list[str]:
-        args = [
-            binary,
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.directory),
-            "--save",
-            "",
-            "--appendonly",
-            "yes" if self.appendonly else "no",
-            "--appendfsync",
-            "always",
-            "--logfile",
-            str(self.directory / "redis.log"),
-        ]
-        if self.tls:
-            cert, key, ca = self.tls
-            args += [
-                "--port",
-                "0",
-                "--tls-port",
-                str(self.port),
-                "--tls-cert-file",
-                cert,
-                "--tls-key-file",
-                key,
-                "--tls-ca-cert-file",
-                ca,
-                "--tls-auth-clients",
-                "no",
-            ]
-        else:
-            args += ["--port", str(self.port)]
+        args = [binary, "--bind", "127.0.0.1", "--dir", str(self.directory), "--save", ""]
+        args += ["--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always"]
+        args += ["--logfile", str(self.directory / "redis.log")]
+        args += _tls_arguments(self.port, self.tls) if self.tls else ["--port", str(self.port)]
         if self.password:
             args += ["--requirepass", self.password]
         return args
@@ -107,6 +90,16 @@ class RedisServer:
         self.process = None
 
 
+def _tls_arguments(port: int, tls: tuple[str, str, str]) -> list[str]:
+    """TLS only: the plain port off, the TLS port on, clients not asked for certificates."""
+    cert, key, ca = tls
+    return [
+        *("--port", "0", "--tls-port", str(port)),
+        *("--tls-cert-file", cert, "--tls-key-file", key, "--tls-ca-cert-file", ca),
+        *("--tls-auth-clients", "no"),
+    ]
+
+
 def start_redis(
     appendonly: bool = False, *, password: str = "", tls: tuple[str, str, str] | None = None
 ) -> RedisServer:
@@ -120,3 +113,16 @@ def start_redis(
     )
     server.start()
     return server
+
+
+def use_or_start_redis(url: str | None = None) -> tuple[str, RedisServer | None]:
+    """The Redis at ``url`` (default ``$REDIS_URL``, else the local default port) if it answers; otherwise a
+    redis-server started on a free port. Returns the URL to use and the server started (None: none was),
+    which the caller stops."""
+    url = url or os.environ.get("REDIS_URL", DEFAULT_URL)
+    if answers(url):
+        log.info("using the Redis at %s", mask_url(url))
+        return url, None
+    server = start_redis()
+    log.info("no Redis at %s; started redis-server on port %d", mask_url(url), server.port)
+    return server.url, server

@@ -1,4 +1,4 @@
-"""Runs the whole pipeline on one machine: Redis (if none answers), generators, scorer, learner.
+"""Runs the services of one pipeline on one machine: generators, scorers, the learner (Redis is the caller's).
 
 Every service is its own process reading the same TOML file (``ASYNCGRPO_CONFIG``); the launcher adds only
 per-replica values (generator id, port, CPU cores) and a per-run API token. The learner's output goes to the
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config.base import CONFIG_ENV, read_config_file
+from shared.config.base import CONFIG_ENV
 from shared.config.launcher import LauncherSettings
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,12 @@ def _pinned(command: list[str], cpus: str) -> list[str]:
 
 
 class Supervisor:
-    def __init__(self, config_path: Path, env: dict[str, str]) -> None:
+    """The children of one ``asyncgrpo run``: started from ``[launcher]``, watched, stopped by their pids."""
+
+    def __init__(self, config_path: Path, env: dict[str, str], settings: LauncherSettings) -> None:
+        """``settings``: the file's ``[launcher]`` table, validated with the rest of the file by the caller."""
         self.config_path = config_path.resolve()
-        document = read_config_file(self.config_path)
-        self.settings = LauncherSettings(**document.get("launcher", {}))
+        self.settings = settings
         self.env = {**os.environ, **env, CONFIG_ENV: str(self.config_path), "PYTHONUNBUFFERED": "1"}
         self.env.setdefault("API_TOKEN", secrets.token_urlsafe(24))
         self.children: list[Child] = []

@@ -36,12 +36,9 @@ log = logging.getLogger(__name__)
 
 def check_context(settings: LearnerSettings, model_config) -> None:
     """max_prompt_length + max_completion_length must fit the model (a clear error names the fix)."""
-    context = settings.model_context or getattr(model_config, "max_position_embeddings", 0)
-    if context and settings.max_prompt_length + settings.max_completion_length > context:
-        raise ValueError(
-            f"max_prompt_length ({settings.max_prompt_length}) + max_completion_length "
-            f"({settings.max_completion_length}) exceeds the model's context ({context}); lower either"
-        )
+    problem = settings.context_problem(settings.model_context or getattr(model_config, "max_position_embeddings", 0))
+    if problem:
+        raise ValueError(problem)
 
 
 def prompt_length_counter(tokenizer):

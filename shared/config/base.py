@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, field_validator
+from pydantic.config import JsonDict
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -34,6 +35,11 @@ COMMON_ENV = {
     "log_level": "LOG_LEVEL",
     "api_token": "API_TOKEN",
 }
+
+# A field whose default is computed (a host name, a secret) declares how the docs tables show it:
+# ``Field(default_factory=..., json_schema_extra={DEFAULT_TEXT: "hostname-based"})``.
+DEFAULT_TEXT = "default_text"
+HOSTNAME_BASED: JsonDict = {DEFAULT_TEXT: "hostname-based"}
 
 _config_path: ContextVar[Path | None] = ContextVar("asyncgrpo_config_path", default=None)
 
@@ -53,6 +59,12 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigFileError(f"configuration file {path} does not exist (set {CONFIG_ENV} or --config)") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"configuration file {path} is not valid TOML: {exc}") from None
+
+
+def config_path(path: str | Path | None = None) -> Path | None:
+    """The configuration file: ``path``, else ``$ASYNCGRPO_CONFIG``, else None."""
+    chosen = path or os.environ.get(CONFIG_ENV)
+    return Path(chosen) if chosen else None
 
 
 class _TomlTablesSource(PydanticBaseSettingsSource):
@@ -96,7 +108,7 @@ class ServiceSettings(BaseSettings):
 
     toml_table: ClassVar[str] = ""
     extra_toml_tables: ClassVar[dict[str, str]] = {}
-    requires_api_token: ClassVar[bool] = False  # checked when the service starts (not to explain a file)
+    requires_api_token: ClassVar[bool] = False  # checked by start_problems (not to validate or explain a file)
 
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
@@ -108,6 +120,7 @@ class ServiceSettings(BaseSettings):
         SecretStr(""),
         description="Bearer token every control endpoint requires (and the learner sends to generators). "
         "Shared by all services through API_TOKEN.",
+        json_schema_extra={DEFAULT_TEXT: "empty (required by the generator)"},
     )
 
     @field_validator("redis_url")
@@ -127,9 +140,7 @@ class ServiceSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        path = _config_path.get()
-        if path is None and os.environ.get(CONFIG_ENV):
-            path = Path(os.environ[CONFIG_ENV])
+        path = config_path(_config_path.get())
         assert issubclass(settings_cls, ServiceSettings)
         return (
             init_settings,
@@ -146,6 +157,16 @@ class ServiceSettings(BaseSettings):
             return cls(**overrides)
         finally:
             _config_path.reset(token)
+
+    def start_problems(self) -> list[str]:
+        """What keeps this service from starting in this process's environment, one message each.
+
+        Only the starting service runs these (from :func:`shared.config.pipeline.load_or_exit`): every
+        service validates the whole file, and a check of the environment (a secret, a variable a plugin
+        reads) would fail in another service's container for no reason."""
+        if self.requires_api_token and not self.api_token.get_secret_value():
+            return ["api_token is required: set API_TOKEN (control endpoints need a bearer token)"]
+        return []
 
     def masked(self) -> dict[str, Any]:
         """The resolved settings as plain data, with passwords and tokens masked (safe to log)."""

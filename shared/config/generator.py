@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.config.base import ServiceSettings
+from shared.config.base import HOSTNAME_BASED, ServiceSettings
 from shared.placement import leasable_gpus, parse_gpu_list
 
 
@@ -31,7 +31,9 @@ class GeneratorSettings(ServiceSettings):
         16, ge=1, description="Prompts read from the stream and sampling at once (each is G sequences)."
     )
     generator_id: str = Field(
-        default_factory=lambda: f"gen-{socket.gethostname()}", description="This replica's name (unique)."
+        default_factory=lambda: f"gen-{socket.gethostname()}",
+        description="This replica's name (unique).",
+        json_schema_extra=HOSTNAME_BASED,
     )
     host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
     port: int = Field(8001, ge=0, le=65535, description="HTTP port (0 picks a free one).")
@@ -64,12 +66,13 @@ class GeneratorSettings(ServiceSettings):
     colocated: bool = Field(
         False,
         description="One-GPU mode: lease the learner's GPU and share it; gpu_memory_utilization + "
-        "learner.gpu_memory_share must be <= 1 (checked at start).",
+        "learner.gpu_memory_share must be <= 1 (checked with the whole file).",
     )
     gpu_host_key: str = Field(
         default_factory=lambda: socket.gethostname(),
         description="GPU lease namespace: every replica that sees the same GPUs must use the same one (compose "
         "passes GPU_HOST_KEY, Kubernetes the node name); default: this host's name.",
+        json_schema_extra=HOSTNAME_BASED,
     )
     omp_cpus: str = Field(
         "",

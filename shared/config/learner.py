@@ -20,7 +20,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.config.base import ServiceSettings
+from shared.config.base import HOSTNAME_BASED, ServiceSettings
 from shared.records import ChatMessage
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,9 @@ class LearnerSettings(ServiceSettings):
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     resume: bool = Field(True, description="Resume from the latest checkpoint in checkpoint_dir if any.")
     weight_sync_host: str = Field(
-        default_factory=socket.gethostname, description="Address generators reach the learner's store at."
+        default_factory=socket.gethostname,
+        description="Address generators reach the learner's store at.",
+        json_schema_extra=HOSTNAME_BASED,
     )
     weight_sync_port: int = Field(29500, ge=0, le=65535, description="Port of the learner's store (0: free).")
     weight_bucket_mb: int = Field(256, ge=1, description="Size of a weight-push bucket.")
@@ -238,6 +240,16 @@ class LearnerSettings(ServiceSettings):
     @property
     def admission_bound(self) -> int:
         return (self.max_staleness + 1) * self.groups_per_step
+
+    def context_problem(self, context: int) -> str | None:
+        """Why a prompt and its completion do not fit a model of ``context`` tokens (0: unknown), or None.
+        Checked here against ``model_context`` and by the learner against the loaded model's own context."""
+        if context and self.max_prompt_length + self.max_completion_length > context:
+            return (
+                f"max_prompt_length ({self.max_prompt_length}) + max_completion_length "
+                f"({self.max_completion_length}) exceeds the model's context ({context}); lower either"
+            )
+        return None
 
     @model_validator(mode="after")
     def _translate_dtype(self) -> LearnerSettings:
@@ -280,11 +292,9 @@ class LearnerSettings(ServiceSettings):
                 f"completions per step ({self.completions_per_step}) must be a multiple of micro_batch_size "
                 f"({self.micro_batch_size}); e.g. micro_batch_size = {fitting}"
             )
-        if self.model_context and self.max_prompt_length + self.max_completion_length > self.model_context:
-            raise ValueError(
-                f"max_prompt_length ({self.max_prompt_length}) + max_completion_length "
-                f"({self.max_completion_length}) exceeds the model's context ({self.model_context}); lower either"
-            )
+        context_problem = self.context_problem(self.model_context)
+        if context_problem:
+            raise ValueError(context_problem)
         if self.old_logprobs == "reuse" and self.num_iterations > 1:
             raise ValueError("old_logprobs = 'reuse' needs num_iterations = 1 (later iterations need the old policy)")
         if self.importance_cap_min is not None and self.importance_cap_min > self.importance_cap:
@@ -295,14 +305,15 @@ class LearnerSettings(ServiceSettings):
         return self
 
 
-_CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# The loss types with a clipped policy ratio, which delta bounds too.
+CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 def _check_objective(s: LearnerSettings) -> None:
     """Cross-field checks of the objective; each message says how to fix it."""
-    if s.delta is not None and s.loss_type not in _CLIPPED_LOSSES:
+    if s.delta is not None and s.loss_type not in CLIPPED_LOSSES:
         raise ValueError(
-            f"delta clips the ratio of {', '.join(_CLIPPED_LOSSES)}; loss_type = {s.loss_type!r} has no such ratio: "
+            f"delta clips the ratio of {', '.join(CLIPPED_LOSSES)}; loss_type = {s.loss_type!r} has no such ratio: "
             "remove delta"
         )
     if s.ratio_level == "sequence" and s.loss_type in ("geo_mean", "kl_cov"):

@@ -1,35 +1,47 @@
 """The whole configuration file as one model, checked across services.
 
-``asyncgrpo run``, ``asyncgrpo config explain`` and every service at start load the file through
+``asyncgrpo run``, ``asyncgrpo config explain`` and every service started with a file load it through
 :meth:`PipelineConfig.load`, so a setting one service needs from another (the generator's context window
 against the learner's prompt and completion lengths, one GPU's memory split between vLLM and the learner)
 is refused before anything starts, with the fields named.
+
+Three levels of checks, each run only where it means something:
+
+* each table's own validators and :meth:`PipelineConfig.cross_service_problems`: the file, everywhere;
+* :meth:`ServiceSettings.start_problems`: the starting service's own environment (a token, a variable a
+  plugin reads), in that service only (:func:`load_or_exit`);
+* :meth:`PipelineConfig.launch_problems`: what ``asyncgrpo run`` adds by starting every process on one
+  machine from the ``[launcher]`` table, which other deployments ignore (:func:`launch_or_exit`).
 """
 
 from __future__ import annotations
 
-import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from shared.config.base import CONFIG_ENV, ConfigFileError, ServiceSettings, read_config_file
+from shared.config.base import ConfigFileError, ServiceSettings, config_path, read_config_file
 from shared.config.generator import GeneratorSettings
 from shared.config.launcher import LauncherSettings
 from shared.config.learner import LearnerSettings
 from shared.config.scorer import ScorerSettings
+from shared.placement import memory_share_error
 
 SECTIONS: dict[str, type[ServiceSettings]] = {
     "generator": GeneratorSettings,
     "scorer": ScorerSettings,
     "learner": LearnerSettings,
 }
+LAUNCHER = "launcher"
+
+T = TypeVar("T")
 
 
 class PipelineError(ValueError):
-    """The configuration is invalid; ``problems`` lists each one as ``[table] field: what to change``."""
+    """The configuration is invalid; ``problems`` lists each one as ``section.field: what to change``."""
 
     def __init__(self, source: Path | None, problems: list[str]) -> None:
         where = str(source) if source else "the configuration"
@@ -52,18 +64,7 @@ class PipelineConfig(BaseModel):
         """The file at ``path`` (else ``$ASYNCGRPO_CONFIG``; none: defaults and the environment only).
         Raises :class:`PipelineError` naming every problem, or :class:`ConfigFileError` for the file itself."""
         source = config_path(path)
-        document = read_config_file(source) if source else {}
-        problems: list[str] = []
-        loaded: dict[str, Any] = {}
-        for name, settings_cls in SECTIONS.items():
-            try:
-                loaded[name] = settings_cls.load(source)
-            except ValidationError as exc:
-                problems.extend(describe(name, exc))
-        try:
-            loaded["launcher"] = LauncherSettings(**document.get("launcher", {}))
-        except ValidationError as exc:
-            problems.extend(describe("launcher", exc))
+        loaded, problems = _load_sections(source)
         if problems:
             raise PipelineError(source, problems)
         pipeline = cls(**loaded)
@@ -74,16 +75,56 @@ class PipelineConfig(BaseModel):
 
     def cross_service_problems(self) -> list[str]:
         """Checks that span services, each naming the fields on both sides."""
-        problems = []
+        problems = [self._context_problem(), self._colocated_memory_problem()]
+        return [problem for problem in problems if problem]
+
+    def _context_problem(self) -> str | None:
         learner, generator = self.learner, self.generator
         needed = learner.max_prompt_length + learner.max_completion_length
-        if needed > generator.max_model_len:
-            problems.append(
-                f"generator.max_model_len ({generator.max_model_len}) is below learner.max_prompt_length "
-                f"({learner.max_prompt_length}) + learner.max_completion_length ({learner.max_completion_length}) "
-                f"= {needed}; raise generator.max_model_len or lower those"
-            )
-        return problems
+        if needed <= generator.max_model_len:
+            return None
+        return (
+            f"generator.max_model_len ({generator.max_model_len}) is below learner.max_prompt_length "
+            f"({learner.max_prompt_length}) + learner.max_completion_length ({learner.max_completion_length}) "
+            f"= {needed}; raise generator.max_model_len or lower those"
+        )
+
+    def _colocated_memory_problem(self) -> str | None:
+        """One GPU (generator.colocated): vLLM's share and the learner's must fit it. A learner share left
+        at its default (the whole GPU) is reported as not set."""
+        if not self.generator.colocated:
+            return None
+        learner = self.learner
+        share = learner.gpu_memory_share if "gpu_memory_share" in learner.model_fields_set else None
+        return memory_share_error(self.generator.gpu_memory_utilization, share)
+
+    def launch_problems(self) -> list[str]:
+        """What ``asyncgrpo run`` checks on top: the processes it starts from ``[launcher]`` must be able to run."""
+        learner, launcher = self.learner, self.launcher
+        if learner.min_generators > launcher.generators:
+            return [
+                f"learner.min_generators ({learner.min_generators}) exceeds launcher.generators "
+                f"({launcher.generators}): the learner would wait for generators that never start; "
+                "raise launcher.generators or lower learner.min_generators"
+            ]
+        return []
+
+
+def _load_sections(source: Path | None) -> tuple[dict[str, Any], list[str]]:
+    """Each table resolved on its own, and every problem of every table."""
+    document = read_config_file(source) if source else {}
+    problems: list[str] = []
+    loaded: dict[str, Any] = {}
+    for name, settings_cls in SECTIONS.items():
+        try:
+            loaded[name] = settings_cls.load(source)
+        except ValidationError as exc:
+            problems.extend(describe(name, exc))
+    try:
+        loaded[LAUNCHER] = LauncherSettings(**document.get(LAUNCHER, {}))
+    except ValidationError as exc:
+        problems.extend(describe(LAUNCHER, exc))
+    return loaded, problems
 
 
 def describe(section: str, exc: ValidationError) -> list[str]:
@@ -94,12 +135,6 @@ def describe(section: str, exc: ValidationError) -> list[str]:
         where = f"{section}.{field}" if field else f"[{section}]"
         out.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
     return out
-
-
-def config_path(path: str | Path | None) -> Path | None:
-    """The configuration file: ``path``, else ``$ASYNCGRPO_CONFIG``, else None."""
-    chosen = path or os.environ.get(CONFIG_ENV)
-    return Path(chosen) if chosen else None
 
 
 def load_service(path: str | Path | None, service: str) -> ServiceSettings:
@@ -113,11 +148,36 @@ def load_service(path: str | Path | None, service: str) -> ServiceSettings:
 
 
 def load_or_exit(path: str | Path | None, service: str) -> ServiceSettings:
-    """:func:`load_service`, or the problems on stderr and exit status 2 (no traceback)."""
+    """:func:`load_service` and the service's own :meth:`~ServiceSettings.start_problems`, or every problem
+    on stderr and exit status 2 (no traceback)."""
+    settings = _or_exit(service, lambda: load_service(path, service))
+    _exit_on(service, settings.start_problems())
+    return settings
+
+
+def launch_or_exit(path: str | Path) -> PipelineConfig:
+    """``asyncgrpo run``'s check, before it starts anything: the whole file and
+    :meth:`PipelineConfig.launch_problems`, or every problem on stderr and exit status 2."""
+    pipeline = _or_exit(LAUNCHER, lambda: PipelineConfig.load(path))
+    _exit_on(LAUNCHER, pipeline.launch_problems())
+    return pipeline
+
+
+def _or_exit(process: str, load: Callable[[], T]) -> T:
     try:
-        return load_service(path, service)
+        return load()
     except (ConfigFileError, PipelineError) as exc:
-        print(f"{service}: {exc}", file=sys.stderr)
+        _fail(process, [str(exc)])
     except ValidationError as exc:
-        print(f"{service}: invalid configuration:\n  - " + "\n  - ".join(describe(service, exc)), file=sys.stderr)
+        _fail(process, ["invalid configuration:\n  - " + "\n  - ".join(describe(process, exc))])
+
+
+def _exit_on(process: str, problems: list[str]) -> None:
+    if problems:
+        _fail(process, problems)
+
+
+def _fail(process: str, problems: list[str]) -> NoReturn:
+    """Each problem on stderr after the process's name, and exit status 2."""
+    print("\n".join(f"{process}: {problem}" for problem in problems), file=sys.stderr)
     raise SystemExit(2)

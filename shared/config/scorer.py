@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.config.base import ServiceSettings
+from shared.config.base import HOSTNAME_BASED, ServiceSettings
 from shared.records import AdvantageSpec
 
 # The built-in reward functions the scorer implements (services/scorer/rewards/builtin.py, a test keeps the
@@ -97,11 +97,16 @@ class RewardSpec(BaseModel):
         has_token = self.bearer_token is not None or self.bearer_token_env
         if has_token and any(key.lower() == "authorization" for key in self.headers):
             raise ValueError(f"reward {self.name!r}: an Authorization header and a bearer token; keep one")
+
+    def start_problems(self) -> list[str]:
+        """Checks of the scorer's own environment, run when the scorer starts (never by another service
+        validating the whole file: the variable is set in the scorer's container only)."""
         if self.bearer_token_env and not os.environ.get(self.bearer_token_env):
-            raise ValueError(
+            return [
                 f"reward {self.name!r}: bearer_token_env names {self.bearer_token_env!r}, which is not set "
                 "(or empty) in the scorer's environment"
-            )
+            ]
+        return []
 
     def request_headers(self) -> dict[str, str]:
         """The headers to send to an HTTP plugin, secrets revealed (never log the result)."""
@@ -148,7 +153,11 @@ class ScorerSettings(ServiceSettings):
         False,
         description="DAPO dynamic sampling: mark groups whose rewards all agree so the learner skips them.",
     )
-    scorer_id: str = Field(default_factory=lambda: f"scorer-{socket.gethostname()}", description="Replica name.")
+    scorer_id: str = Field(
+        default_factory=lambda: f"scorer-{socket.gethostname()}",
+        description="Replica name.",
+        json_schema_extra=HOSTNAME_BASED,
+    )
     max_groups_in_flight: int = Field(8, ge=1, description="Rollouts scored at once (plugins are I/O bound).")
     claim_idle_ms: int = Field(30_000, ge=100, description="Rollouts pending this long on a dead scorer move.")
     max_deliveries: int = Field(3, ge=1, description="Deliveries of a rollout before it is dead-lettered.")
@@ -218,6 +227,9 @@ class ScorerSettings(ServiceSettings):
                 "reward_max to cover it or change the weights"
             )
         return self
+
+    def start_problems(self) -> list[str]:
+        return super().start_problems() + [problem for spec in self.rewards for problem in spec.start_problems()]
 
     @property
     def advantage_spec(self) -> AdvantageSpec:

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from tests.support.processes import ROOT
+from tests.support.launcher import run_pipeline
 from tests.support.redis_server import free_port
 from tests.support.tiny_model import build_tiny_llama
 
@@ -69,13 +67,7 @@ source = "builtin:arithmetic"
 def test_reward_goes_up_across_separate_processes(tmp_path):
     model = build_tiny_llama(tmp_path / "tiny", seed=5, logit_scale=1.0)
     config = _config(tmp_path, model)
-    result = subprocess.run(
-        [sys.executable, "-m", "services.launcher", "run", "--config", str(config)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    result = run_pipeline(config, timeout_s=900)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     exits = dict(re.findall(r"(\S+) exited with (-?\d+)", output))

@@ -15,7 +15,8 @@ import pytest
 from services.generator.__main__ import lease_gpus
 from services.generator.registry import GpuLease, NoFreeGpuError
 from shared.config.generator import GeneratorSettings
-from shared.placement import PlacementError, parse_gpu_list
+from shared.config.pipeline import PipelineConfig, PipelineError
+from shared.placement import parse_gpu_list
 from tests.support import compose
 from tests.support.processes import start_service
 
@@ -108,10 +109,10 @@ async def test_one_gpu_override_shares_the_learners_gpu(monkeypatch, redis_clien
 
 async def test_one_gpu_override_refuses_shares_over_the_whole_gpu(monkeypatch, redis_client, keys):
     env, _ = _services(ONE_GPU)
-    replicas = Replicas(monkeypatch, redis_client, keys, {**env, "GENERATOR_GPU_MEMORY_UTILIZATION": "0.6"})
-    with pytest.raises(PlacementError, match=r"gpu_memory_utilization \(0.6\) \+ learner.gpu_memory_share \(0.5\)"):
-        await replicas.start("aaa")
-    assert await redis_client.keys(f"{keys.prefix}:gpu:*") == []  # refused before leasing anything
+    Replicas(monkeypatch, redis_client, keys, {**env, "GENERATOR_GPU_MEMORY_UTILIZATION": "0.6"})
+    with pytest.raises(PipelineError, match=r"gpu_memory_utilization \(0.6\) \+ learner.gpu_memory_share \(0.5\)"):
+        PipelineConfig.load()  # what the generator's start validates, before it leases anything
+    assert await redis_client.keys(f"{keys.prefix}:gpu:*") == []
 
 
 def test_a_replica_with_no_free_gpu_exits_with_the_fix(redis_url, keys):

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
-from services.launcher.config_tools import explain, from_trl, from_verl, trl_batch, verl_batch
+from services.launcher.explain import explain, trl_batch, verl_batch
+from services.launcher.from_trl import from_trl
+from services.launcher.from_verl import from_verl
 from shared.config.base import ConfigFileError
 from shared.config.generator import GeneratorSettings
 from shared.config.learner import LearnerSettings
-from shared.config.pipeline import PipelineConfig
+from shared.config.pipeline import PipelineConfig, launch_or_exit, load_or_exit
 from shared.config.scorer import RewardSpec, ScorerSettings
+from tests.support.launcher import run_pipeline
 from tests.support.processes import ROOT
 
 # GRPOConfig's defaults as the installed trl==1.16.0 reports them (TRL is not a dependency of this project).
@@ -159,6 +166,119 @@ def test_pipeline_cross_checks_report_every_problem(tmp_path, monkeypatch):
         ValueError, match=r"generator.max_model_len \(300\) is below learner.max_prompt_length .* = 512"
     ):
         PipelineConfig.load(path)
+
+
+def test_one_gpu_memory_split_is_a_pipeline_check(config_file, tmp_path, monkeypatch):
+    """generator.gpu_memory_utilization + learner.gpu_memory_share <= 1 when colocated, the learner's share read
+    as the learner reads it (its environment over the file), checked wherever the file is validated."""
+    monkeypatch.delenv("LEARNER_GPU_MEMORY_SHARE", raising=False)
+    colocated = "[generator]\ngpu_count = 1\nlearner_gpus = '0'\ncolocated = true\ngpu_memory_utilization = 0.6\n"
+    path = tmp_path / "one-gpu.toml"
+    path.write_text(
+        CONFIG.replace("[generator]\n", colocated).replace("[learner]\n", "[learner]\ngpu_memory_share = 0.5\n")
+    )
+    with pytest.raises(
+        ValueError, match=r"generator.gpu_memory_utilization \(0.6\) \+ learner.gpu_memory_share \(0.5\)"
+    ):
+        PipelineConfig.load(path)
+    monkeypatch.setenv("LEARNER_GPU_MEMORY_SHARE", "0.3")  # the learner's environment over the file
+    assert PipelineConfig.load(path).learner.gpu_memory_share == 0.3
+    monkeypatch.setenv("LEARNER_GPU_MEMORY_SHARE", "half")
+    with pytest.raises(ValueError, match=r"learner.gpu_memory_share: Input should be a valid number"):
+        PipelineConfig.load(path)
+    monkeypatch.setenv("LEARNER_GPU_MEMORY_SHARE", "1.5")
+    with pytest.raises(ValueError, match=r"learner.gpu_memory_share: Input should be less than or equal to 1"):
+        PipelineConfig.load(path)
+    monkeypatch.delenv("LEARNER_GPU_MEMORY_SHARE")
+    path.write_text(CONFIG.replace("[generator]\n", colocated))
+    with pytest.raises(ValueError, match=r"learner's share of the GPU is not set.* at most 0.40"):
+        PipelineConfig.load(path)
+    PipelineConfig.load(config_file)  # not colocated: no split to check
+
+
+def test_the_environment_is_checked_by_the_starting_service_only(config_file, monkeypatch, capsys):
+    """API_TOKEN (the generator's) and a plugin's bearer_token_env (the scorer's) are checked when that service
+    starts, not by another service validating the whole file nor by `config explain`."""
+    monkeypatch.delenv("JUDGE_TOKEN", raising=False)
+    judge = '{name = "judge", url = "http://judge/score", bearer_token_env = "JUDGE_TOKEN"}'
+    config_file.write_text(CONFIG.replace('{name = "hard_format", weight = 0.5}', judge))
+    pipeline = PipelineConfig.load(config_file)  # valid without API_TOKEN or JUDGE_TOKEN: no placeholder needed
+    assert load_or_exit(config_file, "learner") == pipeline.learner
+    for service, needed in (("generator", "api_token is required: set API_TOKEN"), ("scorer", "'JUDGE_TOKEN'")):
+        with pytest.raises(SystemExit) as exited:
+            load_or_exit(config_file, service)
+        assert exited.value.code == 2 and needed in capsys.readouterr().err, service
+    monkeypatch.setenv("API_TOKEN", "tok")
+    monkeypatch.setenv("JUDGE_TOKEN", "judge-secret")
+    assert load_or_exit(config_file, "generator").api_token.get_secret_value() == "tok"
+    assert load_or_exit(config_file, "scorer").rewards[1].request_headers() == {
+        "Authorization": "Bearer judge-secret"
+    }
+
+
+def test_a_generator_without_api_token_refuses_to_start(config_file):
+    """The real process (its start checks run in shared.service.main), with API_TOKEN unset by the fixture."""
+    started = subprocess.run(
+        [sys.executable, "-m", "services.generator", "--config", str(config_file)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert started.returncode == 2, started.stdout + started.stderr
+    assert "generator: api_token is required: set API_TOKEN" in started.stderr
+
+
+def test_the_launcher_checks_what_it_starts(config_file, monkeypatch, capsys):
+    config_file.write_text(CONFIG.replace("[learner]\n", "[learner]\nmin_generators = 3\n"))
+    assert load_or_exit(config_file, "learner").min_generators == 3  # other deployments scale otherwise
+    with pytest.raises(SystemExit) as exited:
+        launch_or_exit(config_file)
+    assert exited.value.code == 2
+    assert "learner.min_generators (3) exceeds launcher.generators (2)" in capsys.readouterr().err
+
+
+def test_the_file_named_by_the_environment_is_read_whole(config_file, monkeypatch):
+    """With no path, $ASYNCGRPO_CONFIG names the file for every table, [launcher] included."""
+    monkeypatch.setenv("ASYNCGRPO_CONFIG", str(config_file))
+    pipeline = PipelineConfig.load()
+    assert pipeline.learner.groups_per_step == 4 and pipeline.launcher.generators == 2
+
+
+def test_one_context_check_for_the_settings_and_the_loaded_model():
+    from services.learner.setup import check_context
+
+    settings = LearnerSettings(model="/m", max_prompt_length=400, max_completion_length=200)
+    message = "max_prompt_length (400) + max_completion_length (200) exceeds the model's context (512); lower either"
+    assert settings.context_problem(512) == message and settings.context_problem(0) is None
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_context(settings, SimpleNamespace(max_position_embeddings=512))
+    check_context(settings, SimpleNamespace(max_position_embeddings=600))
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        LearnerSettings(model="/m", max_prompt_length=400, max_completion_length=200, model_context=512)
+
+
+def test_launcher_refuses_a_short_generator_context_before_starting_anything(config_file, tmp_path):
+    """The done-when of issue 18: the real command exits 2 naming both sides before it starts any process: no
+    Redis is asked for or started, no service (no log directory)."""
+    logs = tmp_path / "logs"
+    config_file.write_text(
+        CONFIG.replace("max_model_len = 1024", "max_model_len = 300").replace(
+            "generators = 2", f'generators = 2\nlog_dir = "{logs}"'
+        )
+    )
+    with socket.socket() as would_be_redis:
+        would_be_redis.bind(("127.0.0.1", 0))
+        would_be_redis.listen(8)
+        would_be_redis.setblocking(False)
+        env = {**os.environ, "REDIS_URL": f"redis://127.0.0.1:{would_be_redis.getsockname()[1]}/0"}
+        result = run_pipeline(config_file, timeout_s=120, env=env)
+        with pytest.raises(BlockingIOError):
+            would_be_redis.accept()  # nobody connected to ask whether Redis answers
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "generator.max_model_len (300) is below learner.max_prompt_length (256)" in result.stderr
+    assert "learner.max_completion_length (256) = 512" in result.stderr
+    assert "started" not in result.stdout + result.stderr and not logs.exists()
 
 
 def test_explain_prints_the_step_and_the_equivalents(config_file):
@@ -335,6 +455,15 @@ def test_from_trl_maps_every_new_option():
     assert s.delta is None and any("delta" in note for note in result.notes)  # TRL ignores delta for vespo
     assert result.tables["scorer"]["reward_aggregation"] == "normalize_then_sum"
     assert from_trl({"vllm_importance_sampling_cap": 4.0}).tables["learner"]["importance_cap"] == 4.0
+
+
+def test_from_trl_reward_weights_become_plugins_to_name():
+    rewards = from_trl({"reward_weights": [1.0, 0.5]}).tables["scorer"]["rewards"]
+    assert rewards == [
+        {"name": "reward_0", "weight": 1.0, "function": "your_module:reward_0"},
+        {"name": "reward_1", "weight": 0.5, "function": "your_module:reward_1"},
+    ]
+    assert [spec.kind for spec in ScorerSettings(rewards=rewards).rewards] == ["python", "python"]
 
 
 def test_from_trl_names_what_it_cannot_map():

@@ -9,7 +9,6 @@ from shared.config.generator import GeneratorSettings
 from shared.placement import (
     PlacementError,
     first_free,
-    learner_memory_share,
     leasable_gpus,
     memory_share_error,
     no_free_gpu_message,
@@ -97,17 +96,6 @@ def test_memory_shares_must_fit_one_gpu():
     assert "1.10" in error
     unset = memory_share_error(0.4, None)
     assert unset is not None and "learner.gpu_memory_share" in unset and "0.60" in unset
-
-
-def test_learner_share_is_read_as_the_learner_reads_it():
-    document = {"learner": {"gpu_memory_share": 0.5}}
-    assert learner_memory_share(document, {}) == 0.5
-    assert learner_memory_share(document, {"LEARNER_GPU_MEMORY_SHARE": "0.3"}) == 0.3  # env over the file
-    assert learner_memory_share({}, {}) is None
-    with pytest.raises(PlacementError, match="not a number"):
-        learner_memory_share({}, {"LEARNER_GPU_MEMORY_SHARE": "half"})
-    with pytest.raises(PlacementError, match=r"\(0, 1\]"):
-        learner_memory_share({"learner": {"gpu_memory_share": 1.5}}, {})
 
 
 def _settings(**fields) -> GeneratorSettings:

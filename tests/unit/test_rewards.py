@@ -282,8 +282,9 @@ def test_plugin_auth_settings_resolve_and_never_show_in_the_logged_settings(monk
     for secret in ("env-secret-1", "inline-secret-2", "header-secret-3"):
         assert secret not in logged
     assert "JUDGE_TOKEN" in logged  # the variable's name is not a secret
-    with pytest.raises(ValidationError, match="'NO_SUCH_VAR_XYZ', which is not set"):
-        RewardSpec(name="d", url="http://judge/score", bearer_token_env="NO_SUCH_VAR_XYZ")
+    unset = RewardSpec(name="d", url="http://judge/score", bearer_token_env="NO_SUCH_VAR_XYZ")  # valid file
+    assert "'NO_SUCH_VAR_XYZ', which is not set" in " ".join(ScorerSettings(rewards=[unset]).start_problems())
+    assert ScorerSettings(rewards=specs).start_problems() == []
     with pytest.raises(ValidationError, match="not both"):
         RewardSpec(name="d", url="http://judge/score", bearer_token="x", bearer_token_env="JUDGE_TOKEN")
     with pytest.raises(ValidationError, match="an Authorization header and a bearer token"):

