@@ -142,9 +142,19 @@ def load_service(path: str | Path | None, service: str) -> ServiceSettings:
     first (a bad learner table stops the generator too); without one, only the service's own settings (its
     environment) are read."""
     source = config_path(path)
-    if source is None:
-        return SECTIONS[service].load(None)
-    return getattr(PipelineConfig.load(source), service)
+    if source is not None:
+        return getattr(PipelineConfig.load(source), service)
+    settings = SECTIONS[service].load(None)
+    if isinstance(settings, GeneratorSettings) and settings.colocated:
+        raise PipelineError(None, [_COLOCATED_NEEDS_FILE])
+    return settings
+
+
+_COLOCATED_NEEDS_FILE = (
+    "generator.colocated: one GPU's memory split (generator.gpu_memory_utilization + learner.gpu_memory_share "
+    "<= 1) is checked against the learner's table; start with the configuration file (--config or "
+    "$ASYNCGRPO_CONFIG)"
+)
 
 
 def load_or_exit(path: str | Path | None, service: str) -> ServiceSettings:

@@ -21,7 +21,7 @@ from services.launcher.from_verl import from_verl
 from shared.config.base import ConfigFileError
 from shared.config.generator import GeneratorSettings
 from shared.config.learner import LearnerSettings
-from shared.config.pipeline import PipelineConfig, launch_or_exit, load_or_exit
+from shared.config.pipeline import PipelineConfig, PipelineError, launch_or_exit, load_or_exit, load_service
 from shared.config.scorer import RewardSpec, ScorerSettings
 from tests.support.launcher import run_pipeline
 from tests.support.processes import ROOT
@@ -194,6 +194,13 @@ def test_one_gpu_memory_split_is_a_pipeline_check(config_file, tmp_path, monkeyp
     with pytest.raises(ValueError, match=r"learner's share of the GPU is not set.* at most 0.40"):
         PipelineConfig.load(path)
     PipelineConfig.load(config_file)  # not colocated: no split to check
+    for name, value in {"GENERATOR_MODEL": "/m", "GENERATOR_GPU_COUNT": "2", "GENERATOR_LEARNER_GPUS": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("ASYNCGRPO_CONFIG", raising=False)
+    assert not load_service(None, "generator").colocated
+    monkeypatch.setenv("GENERATOR_COLOCATED", "true")  # without the file, the learner's share is unknown
+    with pytest.raises(PipelineError, match="checked against the learner's table; start with the configuration file"):
+        load_service(None, "generator")
 
 
 def test_the_environment_is_checked_by_the_starting_service_only(config_file, monkeypatch, capsys):
@@ -211,9 +218,7 @@ def test_the_environment_is_checked_by_the_starting_service_only(config_file, mo
     monkeypatch.setenv("API_TOKEN", "tok")
     monkeypatch.setenv("JUDGE_TOKEN", "judge-secret")
     assert load_or_exit(config_file, "generator").api_token.get_secret_value() == "tok"
-    assert load_or_exit(config_file, "scorer").rewards[1].request_headers() == {
-        "Authorization": "Bearer judge-secret"
-    }
+    assert load_or_exit(config_file, "scorer").rewards[1].request_headers() == {"Authorization": "Bearer judge-secret"}
 
 
 def test_a_generator_without_api_token_refuses_to_start(config_file):
