@@ -75,28 +75,7 @@ class PipelineConfig(BaseModel):
 
     def cross_service_problems(self) -> list[str]:
         """Checks that span services, each naming the fields on both sides."""
-        problems = [self._context_problem(), self._colocated_memory_problem()]
-        return [problem for problem in problems if problem]
-
-    def _context_problem(self) -> str | None:
-        learner, generator = self.learner, self.generator
-        needed = learner.max_prompt_length + learner.max_completion_length
-        if needed <= generator.max_model_len:
-            return None
-        return (
-            f"generator.max_model_len ({generator.max_model_len}) is below learner.max_prompt_length "
-            f"({learner.max_prompt_length}) + learner.max_completion_length ({learner.max_completion_length}) "
-            f"= {needed}; raise generator.max_model_len or lower those"
-        )
-
-    def _colocated_memory_problem(self) -> str | None:
-        """One GPU (generator.colocated): vLLM's share and the learner's must fit it. A learner share left
-        at its default (the whole GPU) is reported as not set."""
-        if not self.generator.colocated:
-            return None
-        learner = self.learner
-        share = learner.gpu_memory_share if "gpu_memory_share" in learner.model_fields_set else None
-        return memory_share_error(self.generator.gpu_memory_utilization, share)
+        return cross_problems(self.generator, self.learner)
 
     def launch_problems(self) -> list[str]:
         """What ``asyncgrpo run`` checks on top: the processes it starts from ``[launcher]`` must be able to run."""
@@ -137,17 +116,66 @@ def describe(section: str, exc: ValidationError) -> list[str]:
     return out
 
 
+def cross_problems(generator: GeneratorSettings | None, learner: LearnerSettings | None) -> list[str]:
+    """The checks between the generator's and the learner's tables (None: that table is not configured)."""
+    problems = [_colocated_memory_problem(generator, learner)]
+    if generator is not None and learner is not None:
+        problems.append(_context_problem(generator, learner))
+    return [problem for problem in problems if problem]
+
+
+def _context_problem(generator: GeneratorSettings, learner: LearnerSettings) -> str | None:
+    needed = learner.max_prompt_length + learner.max_completion_length
+    if needed <= generator.max_model_len:
+        return None
+    return (
+        f"generator.max_model_len ({generator.max_model_len}) is below learner.max_prompt_length "
+        f"({learner.max_prompt_length}) + learner.max_completion_length ({learner.max_completion_length}) "
+        f"= {needed}; raise generator.max_model_len or lower those"
+    )
+
+
+def _colocated_memory_problem(generator: GeneratorSettings | None, learner: LearnerSettings | None) -> str | None:
+    """One GPU (generator.colocated): vLLM's share and the learner's must fit it. A learner share left at its
+    default (the whole GPU), or no learner table, is reported as not set."""
+    if generator is None or not generator.colocated:
+        return None
+    set_share = learner is not None and "gpu_memory_share" in learner.model_fields_set
+    share = learner.gpu_memory_share if learner is not None and set_share else None
+    return memory_share_error(generator.gpu_memory_utilization, share)
+
+
 def load_service(path: str | Path | None, service: str) -> ServiceSettings:
-    """A starting service's settings. With a configuration file, the whole file is validated across services
-    first (a bad learner table stops the generator too); without one, only the service's own settings (its
-    environment) are read."""
+    """A starting service's settings. With a configuration file, every service table it has is validated, and
+    the checks across them (a bad learner table stops the generator too); a file may leave out the tables of
+    services deployed elsewhere. Without a file, only the service's own settings (its environment) are read."""
     source = config_path(path)
-    if source is not None:
+    if source is None:
+        settings = SECTIONS[service].load(None)
+        if isinstance(settings, GeneratorSettings) and settings.colocated:
+            raise PipelineError(None, [_COLOCATED_NEEDS_FILE])
+        return settings
+    document = read_config_file(source)
+    if all(name in document for name in SECTIONS):
         return getattr(PipelineConfig.load(source), service)
-    settings = SECTIONS[service].load(None)
-    if isinstance(settings, GeneratorSettings) and settings.colocated:
-        raise PipelineError(None, [_COLOCATED_NEEDS_FILE])
-    return settings
+    return _load_present_tables(source, document, service)
+
+
+def _load_present_tables(source: Path, document: dict[str, Any], service: str) -> ServiceSettings:
+    """A file with only some services' tables: those tables and the service's own, and the checks between them."""
+    loaded: dict[str, Any] = {}
+    problems: list[str] = []
+    for name, settings_cls in SECTIONS.items():
+        if name in document or name == service:
+            try:
+                loaded[name] = settings_cls.load(source)
+            except ValidationError as exc:
+                problems.extend(describe(name, exc))
+    if not problems:
+        problems = cross_problems(loaded.get("generator"), loaded.get("learner"))
+    if problems:
+        raise PipelineError(source, problems)
+    return loaded[service]
 
 
 _COLOCATED_NEEDS_FILE = (

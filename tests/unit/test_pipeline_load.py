@@ -25,3 +25,16 @@ def test_with_a_file_a_bad_table_of_another_service_stops_the_start(tmp_path, mo
     with pytest.raises(SystemExit) as exit_:
         load_or_exit(path, "scorer")
     assert exit_.value.code == 2 and "max_model_len" in capsys.readouterr().err
+
+
+def test_a_file_may_leave_out_the_tables_of_services_deployed_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.delenv("ASYNCGRPO_CONFIG", raising=False)
+    path = tmp_path / "scorer-only.toml"
+    path.write_text('[scorer]\nport = 9124\nrewards = [{ name = "mark" }]\n')
+    assert load_service(path, "scorer").port == 9124  # no [generator] or [learner] here: not theirs to check
+    path.write_text(path.read_text() + '[generator]\nmodel = "m"\nmax_model_len = 100\n[learner]\nmodel = "m"\n')
+    with pytest.raises(PipelineError, match=r"generator.max_model_len \(100\) is below"):
+        load_service(path, "scorer")  # the tables it has are checked across, scorer table complete or not
+    path.write_text('[scorer]\nport = 9124\n[generator]\nmodel = ""\n')
+    with pytest.raises(PipelineError, match="generator.model is required"):
+        load_service(path, "scorer")
