@@ -111,6 +111,27 @@ PROBES = Probes(
 )
 
 
+async def _generate_one(
+    engine: Engine, prompt: str | list[ChatMessage], sampling: SamplingSpec, n: int
+) -> GeneratedPrompt:
+    ids = engine.tokenize(prompt if isinstance(prompt, str) else tuple(prompt))
+    group = await engine.sample(ids, sampling, n)
+    return GeneratedPrompt(
+        prompt_token_ids=ids,
+        completions=[
+            GeneratedCompletion(
+                text=c.text,
+                token_ids=c.token_ids.tolist(),
+                logprobs=c.behaviour_logprobs.tolist(),
+                finish_reason=c.finish_reason,
+            )
+            for c in group.completions
+        ],
+        policy_version=group.policy_version,
+        finished_policy_version=group.finished_policy_version,
+    )
+
+
 @router.post(
     "/generate",
     response_model=GenerateResponse,
@@ -126,27 +147,8 @@ async def generate(body: GenerateRequest, engine: EngineDep) -> GenerateResponse
             f"this request may generate {asked} tokens (prompts x n x max_tokens); the limit "
             f"is {engine.settings.generate_token_budget} (generator.generate_token_budget)",
         )
-
-    async def one(prompt: str | list[ChatMessage]) -> GeneratedPrompt:
-        ids = engine.tokenize(prompt if isinstance(prompt, str) else tuple(prompt))
-        group = await engine.sample(ids, body.sampling, body.n)
-        return GeneratedPrompt(
-            prompt_token_ids=ids,
-            completions=[
-                GeneratedCompletion(
-                    text=c.text,
-                    token_ids=c.token_ids.tolist(),
-                    logprobs=c.behaviour_logprobs.tolist(),
-                    finish_reason=c.finish_reason,
-                )
-                for c in group.completions
-            ],
-            policy_version=group.policy_version,
-            finished_policy_version=group.finished_policy_version,
-        )
-
     try:
-        results = await asyncio.gather(*(one(p) for p in body.prompts))
+        results = await asyncio.gather(*(_generate_one(engine, p, body.sampling, body.n) for p in body.prompts))
     except InvalidPromptError as exc:
         raise HTTPException(422, str(exc)) from None
     return GenerateResponse(policy_version=engine.policy_version, results=list(results))

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.generator.engine import Engine, InvalidPromptError
+from services.generator.engine import Engine, InvalidPromptError, SampledGroup
 from shared.codec import encode
 from shared.intake import decode_or_reject, reject
 from shared.records import PromptTask, Rollout, RolloutTimings
@@ -125,6 +125,12 @@ class RolloutLoop:
             log.exception("prompt %s failed (delivery %d); it will be retried", delivery.record_id, delivery.deliveries)
             await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
             return
+        await self._commit(delivery, task, prompt_ids, group, received_at)
+
+    async def _commit(
+        self, delivery: Delivery, task: PromptTask, prompt_ids: list[int], group: SampledGroup, received_at: float
+    ) -> None:
+        """Write the group's rollout and acknowledge its prompt in one transaction."""
         rollout = Rollout(
             group_id=task.task_id,
             task=task,
