@@ -1,19 +1,22 @@
 """The generator's HTTP shell: health, readiness, metrics, ad-hoc sampling, pause/resume, weight updates.
 
-GET endpoints are open; every POST endpoint needs the bearer token (401 without it).
+GET endpoints are open; every POST endpoint needs the bearer token (401 without it). The routes read the
+service through :class:`GeneratorAppState`; the engine is there once it has loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.generator.engine import Engine, InvalidPromptError, WeightUpdateError
-from shared.http import Authorized, common_router
+from shared.app import Probes, Readiness, service_app
+from shared.http import Authorized, ServiceState, state_dependency
 from shared.records import ChatMessage, SamplingSpec, WeightVersionAnnouncement
 
 router = APIRouter()
@@ -69,41 +72,63 @@ class WeightUpdateResult(BaseModel):
     direct_load: bool = Field(False, description="copied straight into the parameters (else layerwise reload)")
 
 
-def get_engine(request: Request) -> Engine:
-    engine = request.app.state.engine
-    if engine is None:
+@dataclass(kw_only=True)
+class GeneratorAppState(ServiceState):
+    generator_id: str
+    announced_version: Callable[[], Awaitable[int | None]]  # the version the learner last announced
+    engine: Engine | None = None  # set once loaded
+
+
+StateDep = Annotated[GeneratorAppState, Depends(state_dependency(GeneratorAppState))]
+
+
+def get_engine(state: StateDep) -> Engine:
+    if state.engine is None:
         raise HTTPException(503, "the engine is still starting")
-    return engine
+    return state.engine
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]
 
 
-@router.get("/health", response_model=Status, summary="The process is alive")
-async def health() -> Status:
-    return Status(status="alive")
-
-
-@router.get(
-    "/ready",
-    response_model=Status,
-    summary="The engine is loaded and serves the announced weight version",
-    responses={503: {"model": Status, "description": "Not ready, with the reason"}},
-)
-async def ready(request: Request) -> Any:
-    engine: Engine | None = request.app.state.engine
+async def readiness(state: GeneratorAppState) -> Readiness:
+    """Ready when the engine is loaded, its last weight update applied, and it serves the announced version."""
+    engine = state.engine
     if engine is None:
-        return JSONResponse(Status(status="starting", detail="engine loading").model_dump(), status_code=503)
-    announced = await request.app.state.announced_version()
+        return Readiness(False, Status(status="starting", detail="engine loading"))
+    announced = await state.announced_version()
     if not engine.weights_ok:
         detail = "the last weight update failed; waiting for the learner's next push"
     elif announced is not None and engine.policy_version < announced:
         detail = f"serving version {engine.policy_version}, learner announced {announced}"
     else:
-        return Status(status="ready", policy_version=engine.policy_version)
-    return JSONResponse(
-        Status(status="not_ready", policy_version=engine.policy_version, detail=detail).model_dump(),
-        status_code=503,
+        return Readiness(True, Status(status="ready", policy_version=engine.policy_version))
+    return Readiness(False, Status(status="not_ready", policy_version=engine.policy_version, detail=detail))
+
+
+PROBES = Probes(
+    model=Status, ready=readiness, ready_summary="The engine is loaded and serves the announced weight version"
+)
+
+
+async def _generate_one(
+    engine: Engine, prompt: str | list[ChatMessage], sampling: SamplingSpec, n: int
+) -> GeneratedPrompt:
+    ids = engine.tokenize(prompt if isinstance(prompt, str) else tuple(prompt))
+    group = await engine.sample(ids, sampling, n)
+    return GeneratedPrompt(
+        prompt_token_ids=ids,
+        completions=[
+            GeneratedCompletion(
+                text=c.text,
+                token_ids=c.token_ids.tolist(),
+                logprobs=c.behaviour_logprobs.tolist(),
+                finish_reason=c.finish_reason,
+            )
+            for c in group.completions
+        ],
+        policy_version=group.policy_version,
+        finished_policy_version=group.finished_policy_version,
     )
 
 
@@ -122,27 +147,8 @@ async def generate(body: GenerateRequest, engine: EngineDep) -> GenerateResponse
             f"this request may generate {asked} tokens (prompts x n x max_tokens); the limit "
             f"is {engine.settings.generate_token_budget} (generator.generate_token_budget)",
         )
-
-    async def one(prompt: str | list[ChatMessage]) -> GeneratedPrompt:
-        ids = engine.tokenize(prompt if isinstance(prompt, str) else tuple(prompt))
-        group = await engine.sample(ids, body.sampling, body.n)
-        return GeneratedPrompt(
-            prompt_token_ids=ids,
-            completions=[
-                GeneratedCompletion(
-                    text=c.text,
-                    token_ids=c.token_ids.tolist(),
-                    logprobs=c.behaviour_logprobs.tolist(),
-                    finish_reason=c.finish_reason,
-                )
-                for c in group.completions
-            ],
-            policy_version=group.policy_version,
-            finished_policy_version=group.finished_policy_version,
-        )
-
     try:
-        results = await asyncio.gather(*(one(p) for p in body.prompts))
+        results = await asyncio.gather(*(_generate_one(engine, p, body.sampling, body.n) for p in body.prompts))
     except InvalidPromptError as exc:
         raise HTTPException(422, str(exc)) from None
     return GenerateResponse(policy_version=engine.policy_version, results=list(results))
@@ -180,8 +186,8 @@ async def resume(engine: EngineDep) -> Status:
         502: {"description": "The transfer failed midway; sampling stays paused until a push succeeds"},
     },
 )
-async def update_weights(body: WeightVersionAnnouncement, request: Request, engine: EngineDep) -> WeightUpdateResult:
-    generator_id = request.app.state.generator_id
+async def update_weights(body: WeightVersionAnnouncement, state: StateDep, engine: EngineDep) -> WeightUpdateResult:
+    generator_id = state.generator_id
     if body.policy_version < engine.policy_version and not body.reset:
         raise HTTPException(409, f"serving version {engine.policy_version}; refusing older {body.policy_version}")
     if not body.participates(generator_id):
@@ -198,17 +204,11 @@ async def fingerprint(engine: EngineDep) -> dict[str, float]:
     return await engine.fingerprint()
 
 
-def build_app(*, api_token: str, generator_id: str, registry, stop: asyncio.Event, announced_version) -> FastAPI:
-    app = FastAPI(
+def build_app(state: GeneratorAppState) -> FastAPI:
+    return service_app(
+        state,
+        PROBES,
         title="asyncgrpo generator",
         description="Samples G completions per prompt with vLLM and takes new weights without a restart.",
+        routers=[router],
     )
-    app.state.api_token = api_token
-    app.state.generator_id = generator_id
-    app.state.registry = registry
-    app.state.stop = stop
-    app.state.engine = None
-    app.state.announced_version = announced_version
-    app.include_router(router)
-    app.include_router(common_router)
-    return app

@@ -15,8 +15,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.generator.engine import Engine, InvalidPromptError
-from shared.codec import WireError, decode, encode
+from services.generator.engine import Engine, InvalidPromptError, SampledGroup
+from shared.codec import encode
+from shared.intake import decode_or_reject, reject
 from shared.records import PromptTask, Rollout, RolloutTimings
 from shared.redis_conn import RedisRetry
 from shared.streams import Delivery, Output, StreamConsumer, StreamProducer
@@ -35,7 +36,11 @@ class GeneratorStats:
     rejected: int = 0
     _recent: deque = field(default_factory=deque)  # (time, tokens) of recent groups
 
-    def record(self, tokens: int) -> None:
+    def completed(self, completions: int, tokens: int) -> None:
+        """One prompt's group written downstream."""
+        self.prompts_done += 1
+        self.completions_done += completions
+        self.tokens_generated += tokens
         now = time.monotonic()
         self._recent.append((now, tokens))
         while self._recent and self._recent[0][0] < now - _TOKENS_WINDOW_S:
@@ -100,14 +105,16 @@ class RolloutLoop:
         waiters[0].cancel()
 
     async def _handle(self, delivery: Delivery, received_at: float) -> None:
+        task = await decode_or_reject(self.consumer, self.redis, delivery, PromptTask, "a prompt")
+        if task is None:
+            self.stats.rejected += 1
+            return
         try:
-            task = decode(delivery.payload, PromptTask)
             prompt_ids = self.engine.tokenize(task.prompt)
             group = await self.engine.sample(prompt_ids, task.sampling, task.group_size)
-        except (WireError, InvalidPromptError) as exc:
+        except InvalidPromptError as exc:
             self.stats.rejected += 1
-            reason = f"{type(exc).__name__}: {exc}"
-            await self.redis.run(lambda: self.consumer.dead_letter(delivery, reason), "dead-lettering a prompt")
+            await reject(self.consumer, self.redis, delivery, exc, "a prompt")
             return
         except Exception as exc:
             if _engine_dead(exc):
@@ -118,6 +125,12 @@ class RolloutLoop:
             log.exception("prompt %s failed (delivery %d); it will be retried", delivery.record_id, delivery.deliveries)
             await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
             return
+        await self._commit(delivery, task, prompt_ids, group, received_at)
+
+    async def _commit(
+        self, delivery: Delivery, task: PromptTask, prompt_ids: list[int], group: SampledGroup, received_at: float
+    ) -> None:
+        """Write the group's rollout and acknowledge its prompt in one transaction."""
         rollout = Rollout(
             group_id=task.task_id,
             task=task,
@@ -130,10 +143,7 @@ class RolloutLoop:
         )
         output = Output(self.rollouts, rollout.group_id, encode(rollout))
         if await self.redis.run(lambda: self.consumer.commit(delivery, [output]), "writing a rollout"):
-            self.stats.prompts_done += 1
-            self.stats.completions_done += len(group.completions)
-            self.stats.tokens_generated += group.num_tokens
-            self.stats.record(group.num_tokens)
+            self.stats.completed(len(group.completions), group.num_tokens)
 
 
 def _engine_dead(exc: BaseException) -> bool:

@@ -18,6 +18,7 @@ from services.generator.registry import GpuLease, heartbeat_forever
 from services.generator.rollout_loop import RolloutLoop
 from shared.config.generator import GeneratorSettings
 from shared.keys import Keys
+from shared.lifecycle import Service
 from shared.records import GeneratorRegistration, RuntimeVersions
 from shared.registry import deregister, register
 from shared.streams import StreamConsumer, stream_backlog
@@ -76,6 +77,23 @@ class GeneratorTelemetry:
     def _error(self, exc: Exception) -> None:
         self.heartbeat_errors += 1
         log.error("heartbeat failed (%d so far): %s", self.heartbeat_errors, exc)
+
+    @classmethod
+    def attach(
+        cls,
+        service: Service[GeneratorSettings],
+        engine: Engine,
+        loop: RolloutLoop,
+        consumer: StreamConsumer,
+        lease: GpuLease,
+        url: str,
+    ) -> GeneratorTelemetry:
+        """Telemetry of ``service``: figures exported, beating in the background, deregistered at the end."""
+        telemetry = cls(service.client, service.keys, service.settings, engine, loop, consumer, lease, url)
+        service.registry.register(telemetry.collector())
+        service.on_exit(telemetry.leave)
+        service.spawn(telemetry.run)
+        return telemetry
 
     async def run(self, stop: asyncio.Event) -> None:
         await heartbeat_forever(self.beat, self.settings.heartbeat_ttl_s / 3, stop, self._error)

@@ -1,77 +1,39 @@
-"""Learner process: ``python -m services.learner [--config FILE]``. Wiring only."""
+"""Learner process: ``python -m services.learner [--config FILE]``; under torchrun ranks > 0 follow. Wiring only."""
 
-from __future__ import annotations
-
-import asyncio
-import logging
 import sys
+from functools import partial
 
-from prometheus_client import CollectorRegistry
+import httpx
 
 from shared.config.learner import LearnerSettings
-from shared.redis_conn import connect
-from shared.service import http_server, main, stop_on_signals
-
-log = logging.getLogger("services.learner")
+from shared.lifecycle import Service, run_service
+from shared.service import main
 
 
-async def follow(settings: LearnerSettings, topology) -> int:
-    """A rank other than 0 under torchrun: no port, no Redis; it runs the leader's commands."""
-    from services.learner import distributed
-    from services.learner.setup import build_trainer
+async def lead(service: Service[LearnerSettings], topology) -> None:
+    from services.learner import app, setup  # setup imports torch: after the config check
 
-    try:
-        trainer, _, _, _ = build_trainer(settings, topology)
-        steps = distributed.follow(trainer)
-    except Exception:
-        log.exception("learner rank %d stopped on an error", topology.rank)
-        return 1
-    print(f"learner rank {topology.rank} finished: step {steps}", flush=True)
-    return 0
+    state = service.app_state(app.LearnerAppState)
+    await service.serve_http(app.build_app(state))
+    http = await service.enter(httpx.AsyncClient())
+    loop, resumed = await setup.build_learner(service.settings, service.client, http, service.registry, topology)
+    service.on_exit(loop.sink.close)
+    state.loop = loop
+    service.spawn(loop.consumer.run_keepalive)
+    service.announce(f"learner ready: step {loop.trainer.step}, weight store on port {loop.pusher.port}")
+    await service.run_until_stopped(partial(loop.run, resumed=resumed))
+    loop.trainer.stop_followers()
+    where = f"checkpoint {loop.last_checkpoint}, metrics {loop.sink.path}"
+    service.announce(f"learner finished: step {loop.trainer.step}, {where}")
 
 
 async def serve(settings: LearnerSettings) -> int:
-    import httpx
+    from services.learner.setup import follow, start_process
 
-    from services.learner import distributed
-    from services.learner.app import build_app
-    from services.learner.setup import build_learner
-
-    topology = distributed.topology_from_env()
-    settings = settings.model_copy(update={"device": distributed.start(topology, settings.device)})
-    if settings.device.startswith("cuda") and settings.gpu_memory_share < 1:
-        import torch
-
-        torch.cuda.set_per_process_memory_fraction(settings.gpu_memory_share, torch.device(settings.device).index)
+    settings, topology = start_process(settings)
     if not topology.is_leader:
-        return await follow(settings, topology)
-    client = await connect(settings.redis_url)
-    stop = stop_on_signals()
-    registry = CollectorRegistry()
-    app = build_app(api_token=settings.api_token.get_secret_value(), registry=registry, stop=stop)
-    loop = None
-    try:
-        async with http_server(app, settings.host, settings.port), httpx.AsyncClient() as http:
-            loop, resumed = await build_learner(settings, client, http, registry, topology)
-            app.state.loop = loop
-            keepalive = asyncio.create_task(loop.consumer.run_keepalive(stop))
-            print(f"learner ready: step {loop.trainer.step}, weight store on port {loop.pusher.port}", flush=True)
-            await loop.run(stop, resumed=resumed)
-            loop.trainer.stop_followers()
-            stop.set()
-            await keepalive
-        print(
-            f"learner finished: step {loop.trainer.step}, checkpoint {loop.last_checkpoint}, metrics {loop.sink.path}",
-            flush=True,
-        )
-        return 0
-    except Exception:
-        log.exception("learner stopped on an error")
-        return 1
-    finally:
-        if loop is not None:
-            loop.sink.close()
-        await client.aclose()
+        return follow(settings, topology)
+    return await run_service("learner", settings, partial(lead, topology=topology))
 
 
 if __name__ == "__main__":

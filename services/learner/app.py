@@ -1,16 +1,22 @@
-"""The learner's HTTP shell: health, readiness, status, Prometheus metrics, shutdown."""
+"""The learner's HTTP shell: health, readiness, status, Prometheus metrics, shutdown.
+
+``/health`` and ``/ready`` both report the step, the policy version, the groups in flight and the last
+step's metrics once the learner loop is built; ``/ready`` answers 503 until the loop runs.
+"""
 
 from __future__ import annotations
 
-import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 from pydantic import BaseModel
 
-from shared.http import common_router
+from shared.app import Probes, Readiness, service_app
+from shared.http import ServiceState
 
-router = APIRouter()
+if TYPE_CHECKING:
+    from services.learner.train_loop import LearnerLoop
 
 
 class Status(BaseModel):
@@ -21,43 +27,39 @@ class Status(BaseModel):
     last_metrics: dict[str, float] = {}
 
 
-def _status(request: Request, status: str) -> Status:
-    loop = request.app.state.loop
-    if loop is None:
-        return Status(status=status)
-    return Status(
-        status=status,
-        step=loop.trainer.step,
-        policy_version=loop.policy_version,
-        groups_in_flight=loop.in_flight,
-        last_metrics=loop.sink.last,
-    )
+@dataclass(kw_only=True)
+class LearnerAppState(ServiceState):
+    loop: LearnerLoop | None = None  # set once built (the model loaded, the streams opened)
+
+    def status(self, status: str) -> Status:
+        loop = self.loop
+        if loop is None:
+            return Status(status=status)
+        return Status(
+            status=status,
+            step=loop.trainer.step,
+            policy_version=loop.policy_version,
+            groups_in_flight=loop.in_flight,
+            last_metrics=loop.sink.last,
+        )
 
 
-@router.get("/health", response_model=Status, summary="The process is alive")
-async def health(request: Request) -> Status:
-    return _status(request, "alive")
+async def readiness(state: LearnerAppState) -> Readiness:
+    """Ready while the learner loop runs (generators found, training)."""
+    if state.loop is None or not state.loop.running:
+        return Readiness(False, state.status("starting"))
+    return Readiness(True, state.status("ready"))
 
 
-@router.get(
-    "/ready",
-    response_model=Status,
-    summary="Training (generators found, loop running)",
-    responses={503: {"model": Status}},
+PROBES = Probes(
+    model=Status,
+    ready=readiness,
+    ready_summary="Training (generators found, loop running)",
+    health=lambda state: state.status("alive"),
 )
-async def ready(request: Request):
-    loop = request.app.state.loop
-    if loop is None or not loop.running:
-        return JSONResponse(_status(request, "starting").model_dump(), status_code=503)
-    return _status(request, "ready")
 
 
-def build_app(*, api_token: str, registry, stop: asyncio.Event) -> FastAPI:
-    app = FastAPI(title="asyncgrpo learner", description="Trains the policy with GRPO on scored groups.")
-    app.state.api_token = api_token
-    app.state.registry = registry
-    app.state.stop = stop
-    app.state.loop = None
-    app.include_router(router)
-    app.include_router(common_router)
-    return app
+def build_app(state: LearnerAppState) -> FastAPI:
+    return service_app(
+        state, PROBES, title="asyncgrpo learner", description="Trains the policy with GRPO on scored groups."
+    )

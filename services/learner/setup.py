@@ -1,4 +1,5 @@
-"""Builds a ready-to-run :class:`LearnerLoop` from settings: resume, model, data, streams, weight store.
+"""Builds a ready-to-run :class:`LearnerLoop` from settings: resume, model, data, streams, weight store;
+and this rank's place under torchrun (the leader serves, the other ranks follow).
 
 Kept apart from ``__main__`` so tests can build the same learner in-process.
 """
@@ -27,8 +28,8 @@ from services.learner.weight_push import WeightPusher
 from shared.codec import encode
 from shared.config.learner import LearnerSettings
 from shared.keys import Keys
+from shared.lifecycle import start_consumer
 from shared.records import ChatMessage, DatasetPosition, SamplingSpec
-from shared.streams import StreamConsumer
 from shared.telemetry import MetricsGauges
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,54 @@ def build_trainer(settings: LearnerSettings, topology: Topology | None = None):
     return trainer, tokenizer, state, bool(checkpoints)
 
 
+def sampling_spec(settings: LearnerSettings) -> SamplingSpec:
+    """How the generators sample this run's completions."""
+    return SamplingSpec(
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        top_k=settings.top_k,
+        min_p=settings.min_p,
+        repetition_penalty=settings.repetition_penalty,
+        max_tokens=settings.max_completion_length,
+    )
+
+
+async def build_feeder(
+    settings: LearnerSettings, client: aioredis.Redis, keys: Keys, state: LearnerState, tokenizer
+) -> PromptFeeder:
+    """The prompt feeder, at the position saved with the last admitted prompt (else the checkpoint's)."""
+    saved_position = await client.hget(keys.learner_state, FEEDER_POSITION)
+    if saved_position:
+        position = DatasetPosition.model_validate(json.loads(saved_position))
+    else:
+        position = DatasetPosition(epoch=state.feeder_epoch, index=state.feeder_index)
+    return PromptFeeder(
+        load_rows(settings.data),
+        settings.data,
+        sampling_spec(settings),
+        settings.group_size,
+        position,
+        prompt_length=prompt_length_counter(tokenizer),
+        max_prompt_length=settings.max_prompt_length,
+    )
+
+
+async def start_pusher(settings: LearnerSettings, client: aioredis.Redis, keys: Keys) -> WeightPusher:
+    """The weight store the generators pull from; its runtime (the learner's physical GPU and library
+    versions) is published for operators and generators."""
+    pusher = WeightPusher(
+        bind_port=settings.weight_sync_port,
+        advertise_host=settings.weight_sync_host,
+        api_token=settings.api_token.get_secret_value(),
+        bucket_bytes=settings.weight_bucket_mb << 20,
+        timeout_s=settings.weight_push_timeout_s,
+        join_timeout_s=settings.weight_join_timeout_s,
+        device=torch.device(settings.device),
+    )
+    await client.hset(keys.learner_state, "runtime", encode(pusher.runtime()))
+    return pusher
+
+
 async def build_learner(
     settings: LearnerSettings,
     client: aioredis.Redis,
@@ -101,51 +150,17 @@ async def build_learner(
     """The learner loop (the leader's, on several ranks), and whether it resumed from a checkpoint."""
     keys = Keys(settings.stream_prefix)
     trainer, tokenizer, state, resumed = build_trainer(settings, topology)
-
-    saved_position = await client.hget(keys.learner_state, FEEDER_POSITION)
-    if saved_position:
-        position = DatasetPosition.model_validate(json.loads(saved_position))
-    else:
-        position = DatasetPosition(epoch=state.feeder_epoch, index=state.feeder_index)
-    sampling = SamplingSpec(
-        temperature=settings.temperature,
-        top_p=settings.top_p,
-        top_k=settings.top_k,
-        min_p=settings.min_p,
-        repetition_penalty=settings.repetition_penalty,
-        max_tokens=settings.max_completion_length,
-    )
-    feeder = PromptFeeder(
-        load_rows(settings.data),
-        settings.data,
-        sampling,
-        settings.group_size,
-        position,
-        prompt_length=prompt_length_counter(tokenizer),
-        max_prompt_length=settings.max_prompt_length,
-    )
-    consumer = StreamConsumer(
+    feeder = await build_feeder(settings, client, keys, state, tokenizer)
+    consumer = await start_consumer(
         client,
         keys,
-        keys.scored,
-        Keys.LEARNER,
-        "learner",
+        settings,
+        stream=keys.scored,
+        group=Keys.LEARNER,
+        name="learner",
         batch_size=settings.groups_per_step,
-        claim_idle_ms=settings.claim_idle_ms,
-        max_deliveries=settings.max_deliveries,
     )
-    await consumer.start()
-    pusher = WeightPusher(
-        bind_port=settings.weight_sync_port,
-        advertise_host=settings.weight_sync_host,
-        api_token=settings.api_token.get_secret_value(),
-        bucket_bytes=settings.weight_bucket_mb << 20,
-        timeout_s=settings.weight_push_timeout_s,
-        join_timeout_s=settings.weight_join_timeout_s,
-        device=torch.device(settings.device),
-    )
-    # Published at start for operators and generators: the learner's physical GPU and library versions.
-    await client.hset(keys.learner_state, "runtime", encode(pusher.runtime()))
+    pusher = await start_pusher(settings, client, keys)
     sink = MetricsSink(Path(settings.log_dir), MetricsGauges(registry), settings.max_steps, settings.progress)
     loop = LearnerLoop(
         settings=settings,
@@ -161,3 +176,25 @@ async def build_learner(
         state=state,
     )
     return loop, resumed
+
+
+def start_process(settings: LearnerSettings) -> tuple[LearnerSettings, Topology]:
+    """This rank's place under torchrun (its process group started) and its settings with the device it
+    got; on a GPU shared with vLLM, the learner's memory share is applied."""
+    topology = distributed.topology_from_env()
+    settings = settings.model_copy(update={"device": distributed.start(topology, settings.device)})
+    if settings.device.startswith("cuda") and settings.gpu_memory_share < 1:
+        torch.cuda.set_per_process_memory_fraction(settings.gpu_memory_share, torch.device(settings.device).index)
+    return settings, topology
+
+
+def follow(settings: LearnerSettings, topology: Topology) -> int:
+    """A rank other than 0 under torchrun: no port, no Redis; it runs the leader's commands. Exit status."""
+    try:
+        trainer, _, _, _ = build_trainer(settings, topology)
+        steps = distributed.follow(trainer)
+    except Exception:
+        log.exception("learner rank %d stopped on an error", topology.rank)
+        return 1
+    print(f"learner rank {topology.rank} finished: step {steps}", flush=True)
+    return 0

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 from collections.abc import Callable
 from typing import Any
 
-import uvicorn
+from fastapi import FastAPI
 
 from services.reward_plugin.app import build_app, make_brevity
+from shared.lifecycle import http_server, stop_on_signals
 from shared.reward_protocol import load_reward_function
 from shared.telemetry import setup_logging
 
@@ -49,16 +49,14 @@ def main() -> None:
     function = load_function(args.function) if args.function else make_brevity(args.target_chars)
     name = args.name or (args.function.partition(":")[2] if args.function else "brevity")
     app = build_app(function, name=name, token=os.environ.get(args.token_env, ""))
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
-    asyncio.run(_serve(server))
+    asyncio.run(_serve(app, args.host, args.port))
 
 
-async def _serve(server: uvicorn.Server) -> None:
+async def _serve(app: FastAPI, host: str, port: int) -> None:
     """Serve until SIGTERM or SIGINT, then exit with status 0."""
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, lambda: setattr(server, "should_exit", True))
-    await server.serve()
+    stop = stop_on_signals()
+    async with http_server(app, host, port):
+        await stop.wait()
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ import asyncio
 import inspect
 import logging
 import math
-import secrets
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Header, HTTPException
+from fastapi import FastAPI, Header
 from fastapi.responses import JSONResponse
 
+from shared.http import bearer_matches, unauthorized
 from shared.reward_protocol import RewardItem, RewardRequest, RewardResponse, json_schema
 
 log = logging.getLogger("services.reward_plugin")
@@ -85,8 +85,8 @@ def build_app(function: Callable[..., Any], *, name: str = "reward", token: str 
     schema = json_schema()  # equal to the committed shared/schemas/reward_v1.json (tested)
 
     def authorize(authorization: str | None) -> None:
-        if token and not secrets.compare_digest((authorization or "").encode(), f"Bearer {token}".encode()):
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+        if token and not bearer_matches(authorization or "", f"Bearer {token}"):
+            raise unauthorized()
 
     @app.get("/health", summary="200 when the plugin can score")
     async def health() -> dict[str, str]:

@@ -6,16 +6,15 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 from pydantic import BaseModel
 
-from shared.http import common_router
-
-router = APIRouter()
+from services.scorer.rewards.functions import RewardFunction
+from shared.app import Probes, Readiness, service_app
+from shared.http import ServiceState
 
 
 class Status(BaseModel):
@@ -24,36 +23,28 @@ class Status(BaseModel):
     plugins: dict[str, str] = {}
 
 
-@router.get("/health", response_model=Status, summary="The process is alive")
-async def health() -> Status:
-    return Status(status="alive")
+@dataclass(kw_only=True)
+class ScorerAppState(ServiceState):
+    functions: Sequence[RewardFunction] = ()
+    # Why the scoring loop takes no (or only trial) rollouts, "" when it takes them; None until it runs.
+    not_ready_reason: Callable[[], str] | None = None
 
 
-@router.get(
-    "/ready",
-    response_model=Status,
-    summary="Scoring; lists every reward's breaker state",
-    responses={503: {"model": Status}},
-)
-async def ready(request: Request):
-    if not request.app.state.running:
-        return JSONResponse(Status(status="starting").model_dump(), status_code=503)
-    functions = request.app.state.functions
-    breakers = {f.name: f.breaker.refresh() for f in functions if f.breaker is not None}
-    reason = request.app.state.not_ready_reason()
+async def readiness(state: ScorerAppState) -> Readiness:
+    """Ready while the loop runs and no required reward's breaker holds intake back."""
+    if state.not_ready_reason is None:
+        return Readiness(False, Status(status="starting"))
+    breakers = {f.name: f.breaker.refresh() for f in state.functions if f.breaker is not None}
+    reason = state.not_ready_reason()
     if reason:
-        return JSONResponse(Status(status="paused", detail=reason, plugins=breakers).model_dump(), status_code=503)
-    return Status(status="ready", plugins=breakers)
+        return Readiness(False, Status(status="paused", detail=reason, plugins=breakers))
+    return Readiness(True, Status(status="ready", plugins=breakers))
 
 
-def build_app(*, api_token: str, registry, stop: asyncio.Event, functions: Sequence) -> FastAPI:
-    app = FastAPI(title="asyncgrpo scorer", description="Scores rollouts and computes group advantages.")
-    app.state.api_token = api_token
-    app.state.registry = registry
-    app.state.stop = stop
-    app.state.functions = functions
-    app.state.not_ready_reason = lambda: ""  # the scoring loop's, once it runs
-    app.state.running = False
-    app.include_router(router)
-    app.include_router(common_router)
-    return app
+PROBES = Probes(model=Status, ready=readiness, ready_summary="Scoring; lists every reward's breaker state")
+
+
+def build_app(state: ScorerAppState) -> FastAPI:
+    return service_app(
+        state, PROBES, title="asyncgrpo scorer", description="Scores rollouts and computes group advantages."
+    )

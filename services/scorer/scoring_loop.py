@@ -29,10 +29,13 @@ import numpy as np
 
 from services.scorer.rewards.functions import RewardFailure, RewardFunction, intake_state, run_function
 from services.scorer.scoring import reward_batch, scored_group
-from shared.codec import WireError, decode, encode
-from shared.records import AdvantageSpec, Rollout
+from shared.codec import encode
+from shared.config.scorer import ScorerSettings
+from shared.intake import decode_or_reject
+from shared.records import AdvantageSpec, Rollout, ScoredGroup
 from shared.redis_conn import RedisRetry
 from shared.streams import Delivery, Output, StreamConsumer, StreamProducer
+from shared.telemetry import CallbackCollector
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,24 @@ class ScorerStats:
     failures: int = 0
     rejected: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
+
+    def scored(self, group: ScoredGroup) -> None:
+        """One group written downstream (its figures become the last ones)."""
+        self.groups_scored += 1
+        self.groups_zero_std += group.zero_std
+        self.groups_dropped += group.dropped
+        self.last_metrics = group.metrics
+
+    def counters(self) -> dict[str, float]:
+        return {
+            "scorer/groups": self.groups_scored,
+            "scorer/groups_zero_std": self.groups_zero_std,
+            "scorer/groups_dropped": self.groups_dropped,
+            "scorer/groups_dead_lettered": self.groups_dead_lettered,
+            "scorer/group_retries": self.group_retries,
+            "scorer/failures": self.failures,
+            "scorer/rejected": self.rejected,
+        }
 
 
 def retry_delay(attempt: int, first_s: float, max_s: float, until_trial_s: float | None, remaining_s: float) -> float:
@@ -94,10 +115,62 @@ class ScoringLoop:
         self._stop = asyncio.Event()
         self.redis = RedisRetry()
 
+    @classmethod
+    def from_settings(
+        cls,
+        consumer: StreamConsumer,
+        scored: StreamProducer,
+        functions: Sequence[RewardFunction],
+        settings: ScorerSettings,
+    ) -> ScoringLoop:
+        return cls(
+            consumer,
+            scored,
+            functions,
+            [r.weight for r in settings.rewards],
+            settings.advantage_spec,
+            drop_zero_std=settings.drop_zero_std_groups,
+            max_in_flight=settings.max_groups_in_flight,
+            max_reward_wait_s=settings.max_reward_wait_s,
+            retry_backoff_s=settings.retry_backoff_s,
+            retry_backoff_max_s=settings.retry_backoff_max_s,
+        )
+
+    def collector(self) -> CallbackCollector:
+        """The scorer's Prometheus figures, read at scrape time."""
+
+        def counters() -> dict[str, float]:
+            stream = self.consumer.stats
+            out = self.stats.counters() | {
+                "stream/rollouts/claimed": stream.claimed,
+                "stream/rollouts/dead_lettered": stream.dead_lettered,
+                "stream/rollouts/duplicates": stream.duplicates,
+            }
+            for function in self.functions:
+                out.update(function.stats.as_metrics(function.name))
+            return out
+
+        def gauges() -> dict[str, float]:
+            out = {k: v for k, v in self.stats.last_metrics.items() if v == v}  # last group's figures, NaN left out
+            out["scorer/groups_held"] = self.stats.groups_held
+            out["scorer/intake_paused"] = float(bool(self.not_ready_reason()))
+            for function in self.functions:
+                if function.breaker is not None:
+                    out[f"rewards/{function.name}/breaker_open"] = float(function.breaker.state != "closed")
+            return out
+
+        return CallbackCollector(counters, gauges)
+
     def not_ready_reason(self) -> str:
         """Why the scorer takes no (or only trial) rollouts now; empty when it takes them freely."""
         state, reasons = intake_state(self.functions)
         return "" if state == "closed" else "; ".join(reasons)
+
+    def intake_summary(self) -> str:
+        """``ready: rewards a, b`` or ``paused until a trial call succeeds: <why>: rewards a, b``."""
+        paused = self.not_ready_reason()
+        state = f"paused until a trial call succeeds: {paused}" if paused else "ready"
+        return f"{state}: rewards {', '.join(self.names)}"
 
     def _room(self) -> int:
         state, _ = intake_state(self.functions)
@@ -132,12 +205,9 @@ class ScoringLoop:
                 await asyncio.wait_for(self._stop.wait(), timeout=_IDLE_POLL_S)
 
     async def handle(self, delivery: Delivery) -> None:
-        try:
-            rollout = decode(delivery.payload, Rollout)
-        except WireError as exc:
+        rollout = await decode_or_reject(self.consumer, self.redis, delivery, Rollout, "a rollout")
+        if rollout is None:
             self.stats.rejected += 1
-            reason = f"WireError: {exc}"
-            await self.redis.run(lambda: self.consumer.dead_letter(delivery, reason), "dead-lettering a rollout")
             return
         try:
             outcome = await self.score_rewards(rollout)
@@ -237,7 +307,4 @@ class ScoringLoop:
         output = Output(self.scored, group.group_id, encode(group))
         committed = await self.redis.run(lambda: self.consumer.commit(delivery, [output]), "writing a scored group")
         if committed:
-            self.stats.groups_scored += 1
-            self.stats.groups_zero_std += group.zero_std
-            self.stats.groups_dropped += group.dropped
-            self.stats.last_metrics = group.metrics
+            self.stats.scored(group)

@@ -1,6 +1,6 @@
 """GPU leases of compose replicas against a real Redis: each replica gets the environment ``docker-compose
 config`` resolves for the generator service and its own container host name, then leases through the
-generator's own start-up code (:func:`services.generator.__main__.lease_gpus`).
+generator's own start-up code (:func:`services.generator.startup.lease_gpus`).
 
 Before the compose file passed a shared lease namespace, the namespace defaulted to the container's host
 name, so every replica leased GPU 0 (reproduced with this test)."""
@@ -12,8 +12,8 @@ import socket
 
 import pytest
 
-from services.generator.__main__ import lease_gpus
 from services.generator.registry import GpuLease, NoFreeGpuError
+from services.generator.startup import lease_gpus
 from shared.config.generator import GeneratorSettings
 from shared.config.pipeline import PipelineConfig, PipelineError
 from shared.placement import parse_gpu_list
@@ -107,12 +107,12 @@ async def test_one_gpu_override_shares_the_learners_gpu(monkeypatch, redis_clien
         await replicas.start("bbb")
 
 
-async def test_one_gpu_override_refuses_shares_over_the_whole_gpu(monkeypatch, redis_client, keys):
+def test_one_gpu_override_refuses_shares_over_the_whole_gpu(monkeypatch):
+    """Refused by the pipeline config, which every service loads before anything else (no GPU leased)."""
     env, _ = _services(ONE_GPU)
-    Replicas(monkeypatch, redis_client, keys, {**env, "GENERATOR_GPU_MEMORY_UTILIZATION": "0.6"})
-    with pytest.raises(PipelineError, match=r"gpu_memory_utilization \(0.6\) \+ learner.gpu_memory_share \(0.5\)"):
-        PipelineConfig.load()  # what the generator's start validates, before it leases anything
-    assert await redis_client.keys(f"{keys.prefix}:gpu:*") == []
+    Replicas(monkeypatch, None, None, {**env, "GENERATOR_GPU_MEMORY_UTILIZATION": "0.6"})  # the replica's environment
+    with pytest.raises(PipelineError, match=r"gpu_memory_utilization \(0.6\).*learner.gpu_memory_share \(0.5\)"):
+        PipelineConfig.load(os.environ["ASYNCGRPO_CONFIG"])
 
 
 def test_a_replica_with_no_free_gpu_exits_with_the_fix(redis_url, keys):

@@ -4,12 +4,11 @@ process in test_generator.py."""
 
 from __future__ import annotations
 
-import asyncio
-
 import schemathesis
-from prometheus_client import CollectorRegistry
 
+from services.learner.app import LearnerAppState
 from services.learner.app import build_app as learner_app
+from services.scorer.app import ScorerAppState
 from services.scorer.app import build_app as scorer_app
 from tests.support.api_fuzz import fuzz_operations
 
@@ -17,14 +16,13 @@ TOKEN = "fuzz-token"
 
 
 def _apps():
-    scorer = scorer_app(api_token=TOKEN, registry=CollectorRegistry(), stop=asyncio.Event(), functions=[])
-    scorer.state.running = True
-    learner = learner_app(api_token=TOKEN, registry=CollectorRegistry(), stop=asyncio.Event())
-    return {"scorer": scorer, "learner": learner}
+    scorer = ScorerAppState(api_token=TOKEN, not_ready_reason=lambda: "")  # running, every breaker closed
+    learner = LearnerAppState(api_token=TOKEN)
+    return {"scorer": (scorer_app(scorer), scorer), "learner": (learner_app(learner), learner)}
 
 
 def test_no_input_makes_a_server_error_and_control_needs_the_token():
-    for name, app in _apps().items():
+    for name, (app, state) in _apps().items():
         schema = schemathesis.openapi.from_asgi("/openapi.json", app)
         anonymous = fuzz_operations(schema, headers={}, max_examples=20)
         assert set(anonymous["POST /shutdown"]) == {401}, name
@@ -32,4 +30,4 @@ def test_no_input_makes_a_server_error_and_control_needs_the_token():
         assert set(wrong["POST /shutdown"]) == {401}, name
         authorised = fuzz_operations(schema, headers={"Authorization": f"Bearer {TOKEN}"}, max_examples=20)
         assert 200 in authorised["GET /health"], name
-        assert app.state.stop.is_set(), f"{name}: an authorised /shutdown should have asked the service to stop"
+        assert state.stop.is_set(), f"{name}: an authorised /shutdown should have asked the service to stop"

@@ -36,5 +36,5 @@ def test_a_file_may_leave_out_the_tables_of_services_deployed_elsewhere(tmp_path
     with pytest.raises(PipelineError, match=r"generator.max_model_len \(100\) is below"):
         load_service(path, "scorer")  # the tables it has are checked across, scorer table complete or not
     path.write_text('[scorer]\nport = 9124\n[generator]\nmodel = ""\n')
-    with pytest.raises(PipelineError, match="generator.model is required"):
+    with pytest.raises(PipelineError, match=r"generator\.model is required"):
         load_service(path, "scorer")

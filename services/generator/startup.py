@@ -1,0 +1,84 @@
+"""The generator's start-up decisions: which GPU(s) this replica takes, and which weights it loads first.
+
+* GPU lease: every replica of a host takes its own free GPU indices in the host's lease namespace before
+  CUDA starts, and makes them the only ones CUDA sees (:class:`services.generator.registry.GpuLease`).
+  No free GPU, or an impossible placement: the replica does not start (exit status 2, the fix named).
+  The one-GPU memory split between vLLM and the learner is checked by the pipeline config, at every start.
+* Late joining: a replica that starts after the learner published a checkpoint loads that checkpoint and
+  its policy version instead of the base model, so it does not sample from weights many versions old until
+  the learner's next push. A checkpoint this replica cannot see on its disk is ignored (base model, version
+  0; the next push brings it up to date).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.generator.registry import GpuLease, NoFreeGpuError, host_gpu_count
+from shared.config.generator import GeneratorSettings
+from shared.lifecycle import NotStarting, Service
+from shared.placement import PlacementError, leasable_gpus
+from shared.records import CheckpointAnnouncement
+from shared.registry import latest_checkpoint
+
+if TYPE_CHECKING:
+    from services.generator.engine import Engine
+
+log = logging.getLogger("services.generator")
+
+
+async def lease_gpus(settings: GeneratorSettings, lease: GpuLease) -> None:
+    """Take this replica's GPU(s) in the host's lease namespace and make them the only ones CUDA sees.
+    Raises PlacementError or NoFreeGpuError, naming the fix."""
+    total = host_gpu_count() if settings.gpu_count == "auto" else settings.gpu_count
+    learner = settings.learner_gpu_indices
+    candidates = leasable_gpus(total, learner, settings.colocated)
+    indices = await lease.acquire(candidates, settings.tensor_parallel_size, learner)
+    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the order NVML counted and nvidia-smi shows
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, indices))
+    log.info(
+        "leased GPU(s) %s of %d in lease namespace %r (learner's GPUs %s%s)",
+        indices,
+        total,
+        lease.host,
+        list(learner),
+        ", shared: colocated" if settings.colocated else "",
+    )
+
+
+async def take_gpus(service: Service[GeneratorSettings]) -> GpuLease:
+    """The replica's lease (released when the service ends), holding its GPU(s) when it uses any."""
+    settings = service.settings
+    lease = GpuLease(
+        service.client, service.keys, settings.gpu_host_key, settings.generator_id, settings.heartbeat_ttl_s
+    )
+    service.on_exit(lease.release)
+    if settings.gpu_count:
+        try:
+            await lease_gpus(settings, lease)
+        except (PlacementError, NoFreeGpuError) as exc:
+            raise NotStarting(str(exc)) from exc
+    return lease
+
+
+def initial_weights(checkpoint: CheckpointAnnouncement | None, base_model: str) -> tuple[str, int]:
+    """The weights to load first and their policy version: the learner's latest checkpoint when this
+    replica can read it, else the base model at version 0."""
+    if checkpoint is not None and Path(checkpoint.path).exists():
+        return checkpoint.path, checkpoint.policy_version
+    return base_model, 0
+
+
+async def load_engine(service: Service[GeneratorSettings]) -> Engine:
+    """The vLLM engine on the initial weights (shut down when the service ends)."""
+    from services.generator.engine import Engine
+
+    model_path, version = initial_weights(await latest_checkpoint(service.client, service.keys), service.settings.model)
+    if model_path != service.settings.model:
+        log.info("joining late: loading checkpoint %s (policy version %d)", model_path, version)
+    engine = Engine.start(service.settings, model_path, version)
+    service.on_exit(engine.shutdown)
+    return engine

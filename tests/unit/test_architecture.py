@@ -1,0 +1,194 @@
+"""The shape of the code, checked: layering, no import cycles, functions short enough to read at once.
+
+Layers, lowest first (a module may import its own layer's package and the layers below, never above):
+
+1. ``shared``: wire records, transport, configuration, the service skeleton; never a service.
+2. ``services.generator``, ``services.scorer``, ``services.learner``, ``services.reward_plugin``: each imports
+   itself and ``shared`` only (services talk through the wire records, never through each other's code).
+3. ``services.launcher``: starts the services as processes; imports ``shared`` and itself.
+
+Every import counts, also one inside a function; only ``if TYPE_CHECKING:`` blocks are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ("generator", "scorer", "learner", "reward_plugin")
+MAX_FUNCTION_LINES = 60
+MAX_P90_FUNCTION_LINES = 30
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, Path]:
+    files = sorted((ROOT / "shared").rglob("*.py")) + sorted((ROOT / "services").rglob("*.py"))
+    return {_module_name(path): path for path in files}
+
+
+MODULES = _sources()
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _resolve(importer: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    package = importer.split(".")
+    is_package = MODULES[importer].name == "__init__.py"
+    base = package if is_package else package[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _project_target(name: str) -> str | None:
+    """The project module an import names (``a.b.c`` may be a module or a name inside ``a.b``)."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports_of(module: str) -> set[str]:
+    """Project modules ``module`` imports (a ``from package import module`` names that module)."""
+    tree = ast.parse(MODULES[module].read_text())
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, node)
+            names = [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            names = []
+        for name in names:
+            target = _project_target(name)
+            if target is not None and target != module:
+                found.add(target)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+GRAPH = {module: imports_of(module) for module in MODULES}
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer, package) of a project module."""
+    parts = module.split(".")
+    if parts[0] == "shared":
+        return 1, "shared"
+    if len(parts) > 1 and parts[1] in SERVICES:
+        return 2, f"services.{parts[1]}"
+    if len(parts) > 1 and parts[1] == "launcher":
+        return 3, "services.launcher"
+    return 0, module  # services/__init__.py: a namespace, imports nothing
+
+
+def test_the_import_graph_is_read():
+    assert "shared.config.pipeline" in GRAPH["shared.service"]
+    assert len(GRAPH) > 60
+
+
+def test_no_module_imports_a_layer_above_or_another_service():
+    wrong = []
+    for module, targets in GRAPH.items():
+        layer, package = layer_of(module)
+        for target in targets:
+            target_layer, target_package = layer_of(target)
+            if target_layer > layer or (target_layer == layer and target_package != package):
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_there_are_no_import_cycles():
+    assert _cycles(GRAPH) == []
+
+
+def function_lengths() -> dict[str, int]:
+    """``path:line name`` -> lines, for every function and method of the product code."""
+    out = {}
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                out[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = node.end_lineno - node.lineno + 1
+    return out
+
+
+def test_no_function_is_over_sixty_lines():
+    long = {name: n for name, n in function_lengths().items() if n > MAX_FUNCTION_LINES}
+    assert not long, long
+
+
+def test_ninety_percent_of_functions_are_thirty_lines_or_shorter():
+    lengths = sorted(function_lengths().values())
+    p90 = lengths[int(0.9 * (len(lengths) - 1))]
+    assert p90 <= MAX_P90_FUNCTION_LINES, f"90th percentile {p90} lines over {len(lengths)} functions"
+
+
+@pytest.mark.parametrize("service", ["generator", "scorer", "learner"])
+def test_each_service_main_is_wiring_only(service):
+    lines = (ROOT / "services" / service / "__main__.py").read_text().splitlines()
+    assert len(lines) <= 40, f"services/{service}/__main__.py has {len(lines)} lines"
