@@ -38,8 +38,9 @@ from services.learner.importance import is_stale
 from services.learner.observability import MetricsSink
 from services.learner.trainer import Trainer
 from services.learner.weight_push import WeightPusher, WeightPushError
-from shared.codec import WireError, decode, encode
+from shared.codec import encode
 from shared.config.learner import LearnerSettings
+from shared.intake import decode_or_reject
 from shared.keys import Keys
 from shared.records import CheckpointAnnouncement, ScoredGroup, WeightVersionAnnouncement
 from shared.redis_conn import RedisRetry
@@ -195,12 +196,9 @@ class LearnerLoop:
         return None
 
     async def _accept(self, delivery: Delivery) -> None:
-        try:
-            group = decode(delivery.payload, ScoredGroup)
-        except WireError as exc:
+        group = await decode_or_reject(self.consumer, self.redis, delivery, ScoredGroup, "a group")
+        if group is None:
             self.counters.rejected()
-            reason = f"WireError: {exc}"
-            await self.redis.run(lambda: self.consumer.dead_letter(delivery, reason), "dead-lettering a group")
             return
         reason = self._drop_reason(group)
         if reason is None:
