@@ -22,7 +22,7 @@ from services.launcher.from_trl import from_trl, installed_trl_defaults
 from services.launcher.from_verl import from_verl
 from services.launcher.prepare_model import prepare_smollm2
 from services.launcher.run import run
-from services.launcher.translation import UnmappedError, read_mapping, to_toml
+from services.launcher.translation import UnmappedError, check, read_mapping, summary, to_toml
 from shared.config.pipeline import PipelineConfig
 
 
@@ -72,6 +72,13 @@ def _add_config_commands(config: argparse.ArgumentParser) -> None:
             translate.add_argument(
                 "--trl-defaults", type=Path, help="JSON of GRPOConfig's defaults (when TRL is not installed here)"
             )
+        else:
+            translate.add_argument(
+                "--verl-defaults",
+                type=Path,
+                help="verl's composed configuration (verl/trainer/config/_generated_ppo_trainer.yaml, or --cfg job's "
+                "output) for the keys the file leaves out; needed for a Hydra defaults: file",
+            )
 
 
 def _config_command(args: argparse.Namespace) -> int:
@@ -84,7 +91,8 @@ def _config_command(args: argparse.Namespace) -> int:
             return _explain(args.file)
         return _translate(args)
     except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        where = f"{args.file}: " if args.config_command != "explain" and str(args.file) not in str(exc) else ""
+        print(f"error: {where}{exc}", file=sys.stderr)
         return 2
 
 
@@ -94,21 +102,29 @@ def _explain(path: Path) -> int:
 
 
 def _translate(args: argparse.Namespace) -> int:
+    """Translate, refuse what has no counterpart or would not load here, write the TOML, summarise."""
     data = read_mapping(args.file)
     if args.config_command == "from-verl":
-        result, kind = from_verl(data), "verl"
-        defaults_from = "asyncgrpo's defaults (verl's YAML defaults are not read)"
+        composed = read_mapping(args.verl_defaults) if args.verl_defaults else None
+        result, kind = from_verl(data, composed), "verl"
+        defaults_from = (
+            f"verl's composed configuration {args.verl_defaults}"
+            if composed is not None
+            else "asyncgrpo's defaults (no --verl-defaults: verl's own are not read)"
+        )
     else:
         defaults, defaults_from = _trl_defaults(args.trl_defaults)
         result, kind = from_trl(data, defaults), "TRL"
     if result.unmapped and not args.allow_unmapped:
         raise UnmappedError(result.unmapped)
+    check(result, kind)
     text = to_toml(result, args.file, kind, defaults_from)
     if args.output:
         args.output.write_text(text)
-        print(f"wrote {args.output}; {len(result.unmapped)} option(s) had no counterpart (listed at its top)")
+        print(summary(result, kind, args.output))
     else:
         print(text)
+        print(summary(result, kind, None), file=sys.stderr)
     return 0
 
 

@@ -1,8 +1,13 @@
-"""``asyncgrpo config from-trl``: our TOML tables from TRL ``GRPOConfig`` fields.
+"""``asyncgrpo config from-trl``: our TOML tables from a ``trl grpo`` configuration.
 
-Options the file leaves out take GRPOConfig's own defaults (read from the installed TRL's dataclass, or a
-JSON of them), never ours, so a translated run means what the TRL run meant. The README's TRL mapping table
-is the map; every option read is listed in ``_TRL_READ``.
+The file holds ``GRPOConfig`` fields (with the ``TrainingArguments`` it extends) and, as the ``trl grpo``
+YAML does, TRL's ``ModelConfig`` (``model_name_or_path``, ``use_peft``, ``lora_*``) and script arguments
+(``reward_funcs``). Options the file leaves out take TRL's own defaults (read from the installed TRL's
+dataclasses, or a JSON of them), never ours, so a translated run means what the TRL run meant; where it
+cannot, the value is refused with the reason or listed as a difference with both values. The README's TRL
+mapping table is the map; every option read is listed in ``_TRL_READ``. This module holds the algorithm's
+side; ``trl_training`` the Trainer's (steps, schedule, checkpoints, precision, LoRA) and ``trl_rewards`` the
+reward functions.
 """
 
 from __future__ import annotations
@@ -10,7 +15,17 @@ from __future__ import annotations
 from typing import Any
 
 from services.launcher.explain import trl_batch
-from services.launcher.translation import Translation, translation
+from services.launcher.translation import Draft, Translation, fit_micro_batch, ours
+from services.launcher.trl_rewards import trl_rewards
+from services.launcher.trl_training import (
+    LORA_FIELDS,
+    trl_checkpoints,
+    trl_lora,
+    trl_output,
+    trl_precision,
+    trl_schedule,
+    trl_steps,
+)
 from shared.config.learner import CLIPPED_LOSSES
 
 _TRL_LOSS = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -27,8 +42,6 @@ _TRL_DIRECT = {
     "top_p": "top_p",
     "top_k": "top_k",
     "repetition_penalty": "repetition_penalty",
-    "max_steps": "max_steps",
-    "warmup_steps": "warmup_steps",
     "weight_decay": "weight_decay",
     "max_grad_norm": "max_grad_norm",
     "seed": "seed",
@@ -73,20 +86,56 @@ _TRL_READ = (
     "vllm_importance_sampling_clip_min",
     "vllm_importance_sampling_cap",
     "sync_ref_model",
+    "generation_batch_size",
+    "max_prompt_length",
+    "use_vllm",
+    # TrainingArguments (GRPOConfig's base)
+    "max_steps",
+    "num_train_epochs",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_ratio",
+    "warmup_steps",
+    "save_strategy",
+    "save_steps",
+    "save_total_limit",
+    "output_dir",
+    "resume_from_checkpoint",
+    "bf16",
+    "fp16",
+    # ModelConfig and the trl grpo script's arguments
+    "use_peft",
+    *LORA_FIELDS,
+    "reward_funcs",
+    "reward_model_name_or_path",
 )
 
 
 def installed_trl_defaults() -> dict[str, Any] | None:
-    """Field defaults of the installed TRL's ``GRPOConfig`` (read from the dataclass, never from memory);
-    None when TRL is not importable here."""
+    """Field defaults of the installed TRL's ``GRPOConfig``, ``ModelConfig`` and ``trl grpo`` script arguments
+    (read from the dataclasses, never from memory); None when TRL is not importable here."""
     try:
-        from trl import GRPOConfig
+        from trl import GRPOConfig, ModelConfig
     except ImportError:
         return None
+    classes: list[type] = [GRPOConfig, ModelConfig]
+    try:
+        from trl.scripts.grpo import GRPOScriptArguments
+
+        classes.append(GRPOScriptArguments)
+    except ImportError:
+        pass  # an older TRL without the script module: its reward_funcs default (None) is not needed
+    out: dict[str, Any] = {}
+    for cls in reversed(classes):  # GRPOConfig's value wins where two classes share a name
+        out.update(_dataclass_defaults(cls))
+    return out
+
+
+def _dataclass_defaults(cls: type) -> dict[str, Any]:
     import dataclasses
 
     out: dict[str, Any] = {}
-    for field in dataclasses.fields(GRPOConfig):
+    for field in dataclasses.fields(cls):
         if field.default is not dataclasses.MISSING:
             out[field.name] = field.default
         elif field.default_factory is not dataclasses.MISSING:
@@ -95,47 +144,72 @@ def installed_trl_defaults() -> dict[str, Any] | None:
 
 
 def from_trl(fields: dict[str, Any], defaults: dict[str, Any] | None = None) -> Translation:
-    """Our TOML tables from TRL GRPOConfig fields. ``defaults``: GRPOConfig's own defaults
-    (:func:`installed_trl_defaults`), used for the fields the file leaves out; None leaves them at ours."""
+    """Our TOML tables from TRL fields. ``defaults``: TRL's own defaults (:func:`installed_trl_defaults`),
+    used for the fields the file leaves out; None leaves them at ours (and their differences unlisted)."""
+    draft = Draft("TRL", given=set(fields))
     fields = _with_defaults(fields, defaults)
-    learner: dict[str, Any] = {}
-    notes: list[str] = []
-    _trl_batch_fields(fields, learner)
-    for theirs, ours in _TRL_DIRECT.items():
+    staleness = _trl_batch_fields(fields, draft.learner)
+    for theirs, ours_name in _TRL_DIRECT.items():
         if theirs in fields:
             value = fields.pop(theirs)
             if value is not None:
-                learner[ours] = value
-    _trl_objective(fields, learner, notes)
-    _trl_importance(fields, learner)
-    _trl_precision_and_sampling(fields, learner)
-    scorer = _trl_scorer(fields)
+                draft.learner[ours_name] = value
+    steps_known = trl_steps(fields, draft)
+    _trl_algorithm(fields, draft, staleness, defaults is not None)
+    _trl_trainer(fields, draft, steps_known)
+    return draft.finish(fields)
+
+
+def _trl_algorithm(fields: dict[str, Any], draft: Draft, staleness: int, defaults_known: bool) -> None:
+    """The objective, the importance correction, sampling, rewards and what differs from TRL there."""
+    _trl_objective(fields, draft.learner, draft.notes)
+    use_vllm = fields.pop("use_vllm", None)
+    _trl_importance(fields, draft.learner)
+    _trl_sampling(fields, draft.learner)
+    draft.scorer.update(_trl_scorer(fields))
+    trl_rewards(fields, draft)
     if not fields.get("sync_ref_model", True):
         for name in ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"):
             fields.pop(name, None)  # off: nothing to translate
-    generator = _trl_generator(fields, notes)
-    return translation(generator, scorer, learner, fields, notes)
+    _trl_generator(fields, draft.generator)
+    _staleness_difference(draft, staleness)
+    _importance_difference(draft, use_vllm)
+    _prompt_length_difference(draft, defaults_known)
+
+
+def _trl_trainer(fields: dict[str, Any], draft: Draft, steps_known: bool) -> None:
+    """The Trainer's and ModelConfig's side (``trl_training``), and a micro-batch that divides the step."""
+    trl_schedule(fields, draft, steps_known)
+    trl_checkpoints(fields, draft, steps_known)
+    trl_output(fields, draft)
+    trl_precision(fields, draft)
+    trl_lora(fields, draft)
+    fit_micro_batch(draft.learner, draft.notes)
 
 
 def _with_defaults(fields: dict[str, Any], defaults: dict[str, Any] | None) -> dict[str, Any]:
     if defaults is None:
         return dict(fields)
     filled = {k: defaults[k] for k in _TRL_READ if k in defaults and k not in fields}
-    if filled.get("max_steps") is not None and filled["max_steps"] <= 0:
-        del filled["max_steps"]  # TrainingArguments' -1 means "use num_train_epochs": no counterpart
     return {**filled, **fields}
 
 
-def _trl_batch_fields(fields: dict[str, Any], learner: dict[str, Any]) -> None:
+def _trl_batch_fields(fields: dict[str, Any], learner: dict[str, Any]) -> int:
+    """Prompts per step, G and the micro-batch; returns TRL's staleness: a generation block trains several
+    optimizer steps, the last of them on samples that many versions old."""
     per_device = int(fields.pop("per_device_train_batch_size", 8))
     num_generations = int(fields.pop("num_generations", 8))
     num_processes = int(fields.pop("num_processes", 1))
     accumulation = int(fields.pop("gradient_accumulation_steps", 1))
+    steps_per_generation = fields.pop("steps_per_generation", None)
+    generation_batch = fields.pop("generation_batch_size", None)
+    if generation_batch is not None and steps_per_generation is None:
+        steps_per_generation = int(generation_batch) // (per_device * num_processes)
     batch = trl_batch(
         per_device,
         num_generations,
         num_processes=num_processes,
-        steps_per_generation=fields.pop("steps_per_generation", None),
+        steps_per_generation=steps_per_generation,
         gradient_accumulation_steps=accumulation,
     )
     learner.update(
@@ -143,6 +217,54 @@ def _trl_batch_fields(fields: dict[str, Any], learner: dict[str, Any]) -> None:
     )
     if batch.optimizer_steps_per_generation > 1:
         learner["max_staleness"] = batch.optimizer_steps_per_generation - 1
+    return batch.optimizer_steps_per_generation - 1
+
+
+def _prompt_length_difference(draft: Draft, defaults_known: bool) -> None:
+    """TRL truncates long prompts from the left (older TRL) or has no limit (TRL 1.x); here they are skipped."""
+    length = draft.learner.get("max_prompt_length")
+    if length is not None:
+        theirs = f"{length} (longer prompts are cut from the left)"
+    elif defaults_known:
+        length = draft.learner["max_prompt_length"] = ours(draft.learner, "max_prompt_length")
+        theirs = "none (prompts are used whole)"
+    else:
+        return
+    draft.differ(
+        "max_prompt_length",
+        theirs,
+        f"{length} (longer prompts are skipped, and counted)",
+        "raise it above your longest prompt",
+    )
+
+
+def _staleness_difference(draft: Draft, theirs: int) -> None:
+    here = draft.learner.setdefault("max_staleness", ours(draft.learner, "max_staleness"))
+    if here != theirs:
+        draft.differ(
+            "max_staleness",
+            f"{theirs} (on-policy: each generation block is trained on, then the next one is generated)",
+            f"{here} (generation runs ahead of training; groups up to {here} policy versions old are trained on)",
+            "set max_staleness = 0 for TRL's on-policy batches; generation then waits for every step",
+        )
+
+
+def _importance_difference(draft: Draft, use_vllm: bool | None) -> None:
+    """TRL corrects vLLM's sampling only with use_vllm; here vLLM always samples, often a version behind."""
+    here = draft.learner.setdefault("importance_correction", ours(draft.learner, "importance_correction"))
+    if use_vllm is False and here:
+        draft.differ(
+            "importance_correction",
+            "off (use_vllm = false: the trained model samples its own completions, nothing to correct)",
+            f"on ({ours(draft.learner, 'importance_level')} {ours(draft.learner, 'importance_mode')}, cap "
+            f"{ours(draft.learner, 'importance_cap')})",
+            "vLLM always samples here, from weights up to max_staleness versions old",
+        )
+    elif here:
+        draft.notes.append(
+            "TRL's importance weights correct vLLM's sampling against the trainer's; here the same weights also "
+            "correct for staleness (a behaviour policy up to max_staleness versions old)"
+        )
 
 
 def _trl_objective(fields: dict[str, Any], learner: dict[str, Any], notes: list[str]) -> None:
@@ -192,9 +314,7 @@ def _trl_importance(fields: dict[str, Any], learner: dict[str, Any]) -> None:
         learner["importance_cap_min"] = clip_min
 
 
-def _trl_precision_and_sampling(fields: dict[str, Any], learner: dict[str, Any]) -> None:
-    if fields.get("bf16") is not None:  # TRL's bf16: autocast over float32 weights, as our compute_dtype
-        learner["compute_dtype"] = "bfloat16" if fields.pop("bf16") else "float32"
+def _trl_sampling(fields: dict[str, Any], learner: dict[str, Any]) -> None:
     if "min_p" in fields:
         learner["min_p"] = fields.pop("min_p") or 0.0
     if learner.get("top_k") == 0:
@@ -202,25 +322,16 @@ def _trl_precision_and_sampling(fields: dict[str, Any], learner: dict[str, Any])
 
 
 def _trl_scorer(fields: dict[str, Any]) -> dict[str, Any]:
-    """Reward scaling, aggregation and weights; each weighted reward becomes a plugin for the user to name."""
+    """Reward scaling and aggregation (the functions and their weights: ``trl_rewards``)."""
     scorer: dict[str, Any] = {}
     if "scale_rewards" in fields:
         value = fields.pop("scale_rewards")
         scorer["scale_rewards"] = {True: "group", False: "none"}.get(value, value)
     if "multi_objective_aggregation" in fields:
         scorer["reward_aggregation"] = fields.pop("multi_objective_aggregation")
-    weights = fields.pop("reward_weights", None)
-    if weights:
-        scorer["rewards"] = [
-            {"name": f"reward_{i}", "weight": w, "function": f"your_module:reward_{i}"} for i, w in enumerate(weights)
-        ]
     return scorer
 
 
-def _trl_generator(fields: dict[str, Any], notes: list[str]) -> dict[str, Any]:
-    generator: dict[str, Any] = {}
+def _trl_generator(fields: dict[str, Any], generator: dict[str, Any]) -> None:
     if "vllm_gpu_memory_utilization" in fields:
         generator["gpu_memory_utilization"] = fields.pop("vllm_gpu_memory_utilization")
-    if fields.pop("use_vllm", None) is False:
-        notes.append("use_vllm = false: generation here is always vLLM; importance correction as configured")
-    return generator

@@ -1,6 +1,8 @@
 """``asyncgrpo config from-verl``: our TOML tables from a verl ``ppo_trainer.yaml``-style document.
 
-Keys the document leaves out keep our defaults (verl's YAML defaults are not read). The README's verl
+Keys the document leaves out take verl's values from its composed configuration when one is given
+(``defaults``: ``--verl-defaults``), else ours; a Hydra ``defaults:`` file without it is refused
+(``verl_hydra``). Values that behave differently here are listed with both values. The README's verl
 mapping table is the map; keys with no counterpart stay in the flattened document and are reported.
 """
 
@@ -8,7 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.launcher.translation import Translation, translation
+from services.launcher.translation import Draft, Translation, fit_micro_batch, ours
+from services.launcher.verl_hydra import composition, own_values, refusal, resolve
+from services.launcher.verl_training import (
+    VERL_TRAINING_READ,
+    verl_checkpoints,
+    verl_correction,
+    verl_lora,
+    verl_optimizer,
+    verl_steps,
+)
 
 # verl's loss_agg_mode -> our aggregation, and the loss type that aggregates that way.
 _VERL_AGG = {
@@ -56,28 +67,82 @@ _VERL_DIRECT = {
     "actor_rollout_ref.rollout.top_k": "top_k",
     "data.max_prompt_length": "max_prompt_length",
     "data.max_response_length": "max_completion_length",
-    "trainer.total_training_steps": "max_steps",
     "actor_rollout_ref.model.path": "model",
 }
 _VERL_GENERATOR = {
     "actor_rollout_ref.rollout.gpu_memory_utilization": "gpu_memory_utilization",
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "tensor_parallel_size",
 }
+# Every key the translation reads (filled from verl's composed defaults when they are given).
+_VERL_READ = frozenset(
+    {
+        *_VERL_DIRECT,
+        *_VERL_GENERATOR,
+        *VERL_TRAINING_READ,
+        "data.train_batch_size",
+        "actor_rollout_ref.rollout.n",
+        f"{_ACTOR}.ppo_mini_batch_size",
+        f"{_ACTOR}.clip_ratio",
+        f"{_ACTOR}.clip_ratio_c",
+        f"{_ACTOR}.policy_loss.loss_mode",
+        f"{_ACTOR}.loss_agg_mode",
+        f"{_ACTOR}.use_kl_loss",
+        f"{_ACTOR}.kl_loss_coef",
+        f"{_ACTOR}.kl_loss_type",
+        "algorithm.norm_adv_by_std_in_grpo",
+        "algorithm.adv_estimator",
+    }
+)
 
 
-def from_verl(document: dict[str, Any]) -> Translation:
-    """Our TOML tables from a verl ppo_trainer.yaml-style document (keys it leaves out keep our defaults)."""
+def from_verl(document: dict[str, Any], defaults: dict[str, Any] | None = None) -> Translation:
+    """Our TOML tables from a verl ppo_trainer.yaml-style document. ``defaults``: the composed verl
+    configuration (``_generated_ppo_trainer.yaml``, or ``--cfg job``'s output) for the keys the document leaves
+    out; None leaves them at ours, and refuses a Hydra ``defaults:`` document."""
+    groups = composition(document)
+    if groups and defaults is None:
+        raise refusal(groups)
+    flat = _verl_flat(own_values(document), defaults)
+    draft = Draft("verl")
+    theirs_staleness = _verl_batch(flat, draft.learner)
+    _verl_direct(flat, draft.learner)
+    _verl_objective(flat, draft.learner, draft.notes)
+    _verl_kl(flat, draft.learner)
+    draft.scorer.update(_verl_scorer(flat))
+    draft.generator.update(_verl_generator(flat, draft.notes))
+    steps_known = verl_steps(flat, draft)
+    verl_optimizer(flat, draft, steps_known)
+    verl_checkpoints(flat, draft, steps_known)
+    verl_lora(flat, draft)
+    verl_correction(flat, draft)
+    _staleness_difference(draft, theirs_staleness)
+    fit_micro_batch(draft.learner, draft.notes)
+    return draft.finish(flat)
+
+
+def _verl_flat(document: dict[str, Any], defaults: dict[str, Any] | None) -> dict[str, Any]:
+    """The document's dotted keys, with the keys it leaves out that the translation reads taken from
+    ``defaults``, and the interpolations of those keys resolved."""
     flat: dict[str, Any] = {}
     _flatten("", document, flat)
-    learner: dict[str, Any] = {}
-    notes: list[str] = []
-    _verl_batch(flat, learner)
-    _verl_direct(flat, learner)
-    _verl_objective(flat, learner, notes)
-    _verl_kl(flat, learner)
-    scorer = _verl_scorer(flat)
-    generator = _verl_generator(flat)
-    return translation(generator, scorer, learner, flat, notes)
+    composed: dict[str, Any] = {}
+    if defaults is not None:
+        _flatten("", own_values(defaults), composed)
+        fill = (_VERL_READ - {"actor_rollout_ref.model.path"}) & set(composed)  # verl's placeholder model: not one
+        flat = {**{k: composed[k] for k in fill if k not in flat}, **flat}
+    resolve(flat, set(_VERL_READ), {**composed, **flat})
+    return flat
+
+
+def _staleness_difference(draft: Draft, theirs: int) -> None:
+    here = draft.learner.setdefault("max_staleness", ours(draft.learner, "max_staleness"))
+    if here != theirs:
+        draft.differ(
+            "max_staleness",
+            f"{theirs} (each rollout batch is trained on, {theirs + 1} mini-batch(es), then the next is generated)",
+            f"{here} (generation runs ahead of training; groups up to {here} policy versions old are trained on)",
+            f"set max_staleness = {theirs} for verl's on-policy batches; generation then waits for every step",
+        )
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -88,20 +153,23 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
         out[prefix] = value
 
 
-def _verl_batch(flat: dict[str, Any], learner: dict[str, Any]) -> None:
-    """Prompts per step and G; several mini-batches per rollout batch train on older samples: staleness."""
-    train_batch = int(flat.pop("data.train_batch_size", 8))
-    n = int(flat.pop("actor_rollout_ref.rollout.n", 8))
-    mini = int(flat.pop(f"{_ACTOR}.ppo_mini_batch_size", train_batch) or train_batch)
+def _verl_batch(flat: dict[str, Any], learner: dict[str, Any]) -> int:
+    """Prompts per step and G; several mini-batches per rollout batch train on older samples: staleness,
+    which is returned (a key left out keeps our value)."""
+    train_batch = int(flat.pop("data.train_batch_size", None) or ours(learner, "groups_per_step"))
+    n = int(flat.pop("actor_rollout_ref.rollout.n", None) or ours(learner, "group_size"))
+    mini = int(flat.pop(f"{_ACTOR}.ppo_mini_batch_size", None) or train_batch)
     learner.update(groups_per_step=mini, group_size=n)
     if train_batch // mini > 1:
         learner["max_staleness"] = train_batch // mini - 1
+    return max(0, train_batch // mini - 1)
 
 
 def _verl_direct(flat: dict[str, Any], learner: dict[str, Any]) -> None:
-    for theirs, ours in _VERL_DIRECT.items():
-        if theirs in flat and flat[theirs] is not None:
-            learner[ours] = flat.pop(theirs)
+    for theirs, mine in _VERL_DIRECT.items():
+        value = flat.pop(theirs, None)  # null: verl's "unset", ours applies
+        if value is not None:
+            learner[mine] = value
     if f"{_ACTOR}.clip_ratio" in flat:
         ratio = flat.pop(f"{_ACTOR}.clip_ratio")
         learner.setdefault("epsilon_low", ratio)
@@ -163,5 +231,12 @@ def _verl_scorer(flat: dict[str, Any]) -> dict[str, Any]:
     return scorer
 
 
-def _verl_generator(flat: dict[str, Any]) -> dict[str, Any]:
-    return {ours: flat.pop(theirs) for theirs, ours in _VERL_GENERATOR.items() if theirs in flat}
+def _verl_generator(flat: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    generator = {mine: flat.pop(theirs) for theirs, mine in _VERL_GENERATOR.items() if theirs in flat}
+    if generator.get("tensor_parallel_size", 1) > 1:
+        generator["gpu_count"] = "auto"  # a replica over several GPUs leases them (README, GPU box)
+        notes.append(
+            "generator.gpu_count = 'auto': verl's hybrid engine shares every GPU between actor and rollout; "
+            "here each generator replica leases its own tensor_parallel_size GPUs"
+        )
+    return generator

@@ -1,16 +1,29 @@
 """What ``config from-trl`` and ``config from-verl`` share: the result, the refusal, reading and writing files.
 
 A translation is our TOML tables, the peer's options with no counterpart here (the command refuses them
-unless ``--allow-unmapped``, then lists them at the top of the output) and notes on what changed meaning.
+unless ``--allow-unmapped``, then lists them at the top of the output), the values whose behaviour differs
+from the peer's (each with both values: they head the output and the command's summary line) and notes on
+what changed meaning. A translation that our settings would refuse is refused with their reasons, so what
+the command writes always passes ``config explain`` once the model is filled in.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel
+
+from shared.config.generator import GeneratorSettings
+from shared.config.learner import LearnerSettings
+from shared.config.pipeline import PipelineConfig, PipelineError
+
+# Fills the model for the check of a translation that names none (the user gives it before running).
+_PLACEHOLDER_MODEL = "/path/to/model"
 
 
 class UnmappedError(ValueError):
@@ -24,41 +37,171 @@ class UnmappedError(ValueError):
         self.names = names
 
 
+class InvalidTranslationError(ValueError):
+    """The translated tables are not a valid configuration here; ``problems`` says what to change."""
+
+    def __init__(self, peer: str, problems: list[str]) -> None:
+        super().__init__(
+            f"the {peer} configuration translates to settings this pipeline refuses:\n  - " + "\n  - ".join(problems)
+        )
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One setting whose behaviour here differs from the peer's: both values and why (or what to do)."""
+
+    name: str
+    peer: str
+    theirs: str
+    ours: str
+    why: str
+
+    def line(self) -> str:
+        return f"{self.name}: {self.peer} {self.theirs}; here {self.ours} ({self.why})"
+
+    def short(self) -> str:
+        """Both values without their explanations, for the command's summary line."""
+        return f"{self.name} ({self.peer} {_head(self.theirs)}, here {_head(self.ours)})"
+
+
+def _head(shown: str) -> str:
+    return shown.split(" (", 1)[0]
+
+
 @dataclass(frozen=True)
 class Translation:
-    """Our TOML tables, the peer's options with no counterpart, and notes on what changed meaning."""
+    """Our TOML tables, the peer's options with no counterpart, what behaves differently, and notes."""
 
     tables: dict[str, Any]
     unmapped: list[str]
     notes: list[str]
+    differences: list[Difference] = field(default_factory=list)
+
+
+@dataclass
+class Draft:
+    """A translation being built: our tables, the notes and the differences from ``peer`` found so far."""
+
+    peer: str
+    generator: dict[str, Any] = field(default_factory=dict)
+    scorer: dict[str, Any] = field(default_factory=dict)
+    learner: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    differences: list[Difference] = field(default_factory=list)
+    given: set[str] = field(default_factory=set)  # the options the peer's file itself sets
+
+    def differ(self, name: str, theirs: Any, ours: Any, why: str) -> None:
+        """Record that ``name`` behaves as ``theirs`` in the peer and as ``ours`` here."""
+        self.differences.append(Difference(name, self.peer, _shown(theirs), _shown(ours), why))
+
+    def steps_hint(self, epochs: Any) -> str:
+        """How to give the step count of a run the peer sizes in epochs."""
+        per_step, iterations = ours(self.learner, "groups_per_step"), ours(self.learner, "num_iterations")
+        return (
+            f"set max_steps = {epochs} x your dataset's prompts / groups_per_step ({per_step}) x num_iterations "
+            f"({iterations})"
+        )
+
+    def finish(self, rest: Iterable[str]) -> Translation:
+        return translation(
+            self.generator,
+            self.scorer,
+            self.learner,
+            rest,
+            self.notes,
+            data=self.data,
+            differences=self.differences,
+        )
+
+
+def _shown(value: Any) -> str:
+    """Prose as it is; a value as Python writes it (a string setting is passed already quoted: ``repr(x)``)."""
+    return value if isinstance(value, str) else repr(value)
 
 
 def translation(
-    generator: dict[str, Any], scorer: dict[str, Any], learner: dict[str, Any], rest: Iterable[str], notes: list[str]
+    generator: dict[str, Any],
+    scorer: dict[str, Any],
+    learner: dict[str, Any],
+    rest: Iterable[str],
+    notes: list[str],
+    *,
+    data: dict[str, Any] | None = None,
+    differences: Iterable[Difference] = (),
 ) -> Translation:
-    """The non-empty tables (the generator loads the learner's initial model), the options nothing consumed
-    (``rest``), sorted, and the notes."""
+    """The non-empty tables (the generator loads the learner's initial model and holds prompt + completion),
+    the options nothing consumed (``rest``), sorted, the differences and the notes."""
     if "model" in learner:
         generator["model"] = learner["model"]
-    tables = {"generator": generator, "scorer": scorer, "learner": learner}
-    return Translation({k: v for k, v in tables.items() if v}, sorted(rest), list(notes))
+    _fit_model_len(generator, learner)
+    tables = {"generator": generator, "scorer": scorer, "learner": learner, "data": data or {}}
+    return Translation({k: v for k, v in tables.items() if v}, sorted(rest), list(notes), list(differences))
+
+
+def ours(table: dict[str, Any], name: str, settings: type[BaseModel] = LearnerSettings) -> Any:
+    """The value ``name`` takes here: the translated one, else our default."""
+    if name in table:
+        return table[name]
+    return settings.model_fields[name].get_default(call_default_factory=True)
+
+
+def _fit_model_len(generator: dict[str, Any], learner: dict[str, Any]) -> None:
+    """The engine must hold the longest prompt and completion the learner asks for."""
+    needed = ours(learner, "max_prompt_length") + ours(learner, "max_completion_length")
+    if needed > ours(generator, "max_model_len", GeneratorSettings):
+        generator["max_model_len"] = needed
+
+
+def fit_micro_batch(learner: dict[str, Any], notes: list[str]) -> None:
+    """A micro-batch the peer left unset: ours, or the largest divisor of the completions per step below it."""
+    if "micro_batch_size" in learner:
+        return
+    completions = ours(learner, "groups_per_step") * ours(learner, "group_size")
+    default = ours(learner, "micro_batch_size")
+    fitting = max(d for d in range(1, min(default, completions) + 1) if completions % d == 0)
+    if fitting != default:
+        learner["micro_batch_size"] = fitting
+        notes.append(f"micro_batch_size = {fitting}: the largest divisor of the {completions} completions per step")
 
 
 def read_mapping(path: Path) -> dict[str, Any]:
     """A JSON or YAML file of settings, as a mapping."""
     text = path.read_text()
     if path.suffix == ".json":
-        return json.loads(text)
-    import yaml
+        data = json.loads(text)
+    else:
+        import yaml
 
-    data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a mapping of settings")
     return data
 
 
+def check(result: Translation, peer: str) -> None:
+    """Raise :class:`InvalidTranslationError` when ``config explain`` would refuse the translation (the model,
+    which the user may still have to give, is filled in for the check)."""
+    tables = {name: dict(table) for name, table in result.tables.items()}
+    for name in ("generator", "learner"):
+        tables.setdefault(name, {}).setdefault("model", _PLACEHOLDER_MODEL)
+    import tomli_w
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "translated.toml"
+        path.write_text(tomli_w.dumps(tables))
+        try:
+            PipelineConfig.load(path)
+        except PipelineError as exc:
+            raise InvalidTranslationError(peer, exc.problems) from None
+
+
 def to_toml(result: Translation, source: Path, kind: str, defaults_from: str) -> str:
-    """The tables as TOML, headed by where they came from, what was left out and the notes."""
+    """The tables as TOML, headed by where they came from, what was left out, what differs and the notes."""
     import tomli_w
 
     header = [
@@ -68,5 +211,18 @@ def to_toml(result: Translation, source: Path, kind: str, defaults_from: str) ->
     if result.unmapped:
         header.append("# Options with no counterpart here (not translated, --allow-unmapped):")
         header.extend(f"#   {name}" for name in result.unmapped)
+    if result.differences:
+        header.append(f"# Behaviour that differs from {kind}'s ({kind}'s value; ours):")
+        header.extend(f"#   {difference.line()}" for difference in result.differences)
     header.extend(f"# Note: {note}" for note in result.notes)
     return "\n".join(header) + "\n\n" + tomli_w.dumps(result.tables)
+
+
+def summary(result: Translation, kind: str, written: Path | None) -> str:
+    """The command's closing line: where the TOML went, how many options were left out, what differs."""
+    where = f"wrote {written}" if written else "translated"
+    line = f"{where}; {len(result.unmapped)} option(s) had no counterpart (listed at its top)"
+    if not result.differences:
+        return line + f"; no value differs from {kind}'s"
+    listed = "; ".join(difference.short() for difference in result.differences)
+    return line + f"; {len(result.differences)} value(s) differ from {kind}'s: {listed}"

@@ -462,13 +462,19 @@ def test_from_trl_maps_every_new_option():
     assert from_trl({"vllm_importance_sampling_cap": 4.0}).tables["learner"]["importance_cap"] == 4.0
 
 
-def test_from_trl_reward_weights_become_plugins_to_name():
-    rewards = from_trl({"reward_weights": [1.0, 0.5]}).tables["scorer"]["rewards"]
+def test_from_trl_reward_funcs_and_weights_become_plugins():
+    """reward_funcs names each weighted function (the placeholder your_module:reward_i is gone: issue 16)."""
+    result = from_trl(
+        {"reward_funcs": ["my_lib.rewards.accuracy", "my_lib.rewards.length"], "reward_weights": [1.0, 0.5]}
+    )
+    rewards = result.tables["scorer"]["rewards"]
     assert rewards == [
-        {"name": "reward_0", "weight": 1.0, "function": "your_module:reward_0"},
-        {"name": "reward_1", "weight": 0.5, "function": "your_module:reward_1"},
+        {"name": "accuracy", "function": "my_lib.rewards:accuracy", "weight": 1.0},
+        {"name": "length", "function": "my_lib.rewards:length", "weight": 0.5},
     ]
     assert [spec.kind for spec in ScorerSettings(rewards=rewards).rewards] == ["python", "python"]
+    with pytest.raises(ValueError, match="reward_funcs does not name the functions"):
+        from_trl({"reward_weights": [1.0, 0.5]})
 
 
 def test_from_trl_names_what_it_cannot_map():
