@@ -43,9 +43,11 @@ def check_context(settings: LearnerSettings, model_config) -> None:
 
 
 def prompt_length_counter(tokenizer):
-    """Tokens a chat prompt takes once templated, as the generator will tokenize it."""
+    """Tokens a prompt takes as the generator will tokenize it: text as it is, chat messages templated."""
 
-    def count(messages: tuple[ChatMessage, ...]) -> int:
+    def count(messages: str | tuple[ChatMessage, ...]) -> int:
+        if isinstance(messages, str):
+            return len(tokenizer(messages)["input_ids"])
         prefill = messages[-1].role == "assistant"
         encoded = tokenizer.apply_chat_template(
             [m.model_dump() for m in messages],

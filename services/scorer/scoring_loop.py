@@ -12,7 +12,9 @@ group still failing after ``max_reward_wait_s`` is dead-lettered with the reason
 reward's breaker is open the loop takes no new rollouts, so the rollouts backlog fills and the generators
 stop at their backlog bound; when it is half-open and nothing is in flight, one rollout is taken as the
 trial. Optional rewards that fail are NaN for that group. On shutdown held groups are left pending
-(unacknowledged) for the next scorer.
+(unacknowledged) for the next scorer. A required reward's *bug* (an exception from a Python function that is
+not an outage, see :mod:`services.scorer.rewards.functions`) is not waited out: its group is released for
+after the fix and the loop stops, raising :class:`RewardBugError` (the scorer exits 1).
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.scorer.rewards.functions import RewardFailure, RewardFunction, intake_state, run_function
+from services.scorer.rewards.functions import (
+    RewardBugError,
+    RewardFailure,
+    RewardFunction,
+    intake_state,
+    run_function,
+)
 from services.scorer.scoring import reward_batch, scored_group
 from shared.codec import encode
 from shared.config.scorer import ScorerSettings
@@ -114,6 +122,7 @@ class ScoringLoop:
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
         self.redis = RedisRetry()
+        self.bug: RewardBugError | None = None  # set when a required reward's bug stops the loop
 
     @classmethod
     def from_settings(
@@ -196,6 +205,8 @@ class ScoringLoop:
                 task.add_done_callback(self._tasks.discard)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.bug is not None:
+            raise self.bug
 
     async def _idle(self) -> None:
         if self._tasks:
@@ -217,6 +228,10 @@ class ScoringLoop:
                 await self._commit(delivery, rollout, outcome)
         except _Released:
             await self.consumer.release(delivery, "the scorer stopped while a required reward was failing")
+        except RewardBugError as exc:
+            await self.consumer.release(delivery, str(exc))
+            self.bug = self.bug or exc
+            self._stop.set()
         except Exception as exc:
             self.stats.failures += 1
             log.exception("scoring group %s failed; it will be retried", delivery.record_id)
@@ -240,6 +255,9 @@ class ScoringLoop:
                         failed.append((index, result))
                 if not failed:
                     return per_func
+                bugs = [failure for _, failure in failed if failure.bug]
+                if bugs:
+                    raise RewardBugError(bugs[0])
                 todo = [index for index, _ in failed]
                 waited = time.monotonic() - started
                 if waited >= self.max_reward_wait_s:

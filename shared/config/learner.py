@@ -26,28 +26,91 @@ from shared.records import ChatMessage
 log = logging.getLogger(__name__)
 
 
+# The arguments every reward function gets besides the columns (TRL's names): no column may take them.
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
+
+
 class DataSettings(BaseModel):
-    """Where prompts come from (``[data]``)."""
+    """Where prompts come from (``[data]``); README, "Data", has the rules in full.
+
+    TRL's rule: a prompt that is a list of chat messages is chat-templated and its completions reach the reward
+    functions as message lists; a prompt that is a string is used as plain text and its completions are strings.
+    ``system_prompt``, ``examples`` and ``assistant_prefill`` make a string prompt a conversation. Every column
+    but the prompt reaches the reward functions under its own name, renamed only by ``rename_columns``.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    source: str = Field(
+    source: str | list[str] = Field(
         "builtin:arithmetic",
-        description="A JSONL/Parquet file or a directory of them, or builtin:arithmetic.",
+        description="A JSONL/JSON/Parquet/CSV file, a directory of them or written by datasets' save_to_disk, a "
+        "list of files, a datasets name in the local Hugging Face cache, or builtin:arithmetic.",
     )
     split: str = Field("train", description="Split to read when the source has several.")
-    prompt_column: str = Field("question", description="Column holding the user's question.")
-    answer_column: str = Field("answer", description="Column holding the reference answer (passed as 'answer').")
-    extra_columns: list[str] = Field(default_factory=list, description="More columns to hand to reward functions.")
-    system_prompt: str = Field("", description="System message put before every question ('' for none).")
-    examples: list[ChatMessage] = Field(
-        default_factory=list, description="Few-shot turns put between the system prompt and the question."
+    dataset_config: str | None = Field(
+        None, description="Configuration (subset) of a datasets name, e.g. 'main' for openai/gsm8k (TRL's)."
     )
-    assistant_prefill: str = Field("", description="Start of the assistant's answer (e.g. '<think>').")
+    prompt_column: str | None = Field(
+        None, description="Column holding the prompt (None: 'prompt', TRL's name, if present, else 'question')."
+    )
+    answer_column: str | None = Field(
+        None,
+        description="Shorthand for rename_columns = {<this> = 'answer'} (the built-in correctness reads 'answer').",
+    )
+    rename_columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Columns handed to reward functions under another name, {dataset name = new name}; a dotted "
+        "name reaches into a nested column ('reward_model.ground_truth').",
+    )
+    extra_columns: list[str] = Field(
+        default_factory=list,
+        description="Columns that must be present (checked at start); every column reaches the reward functions.",
+    )
+    system_prompt: str = Field(
+        "",
+        description="System message put first in every prompt ('' for none; a row's own system message wins); a "
+        "string prompt becomes a conversation.",
+    )
+    examples: list[ChatMessage] = Field(
+        default_factory=list,
+        description="Few-shot turns put after the system prompt; a string prompt becomes a conversation.",
+    )
+    assistant_prefill: str = Field(
+        "", description="Start of the assistant's answer (e.g. '<think>'); a string prompt becomes a conversation."
+    )
     shuffle_seed: int = Field(0, description="Seed of the per-epoch shuffle.")
     epochs: int = Field(1, ge=0, description="Passes over the data (0: no limit).")
     builtin_size: int = Field(2000, ge=1, description="builtin:arithmetic: number of problems.")
     builtin_max_operand: int = Field(50, ge=1, description="builtin:arithmetic: largest operand.")
+
+    @property
+    def renames(self) -> dict[str, str]:
+        """``rename_columns`` with ``answer_column`` folded in."""
+        if self.answer_column is None:
+            return dict(self.rename_columns)
+        return {**self.rename_columns, self.answer_column: "answer"}
+
+    @property
+    def makes_conversations(self) -> bool:
+        """Whether a string prompt becomes a conversation (a system prompt, examples or a prefill is set)."""
+        return bool(self.system_prompt or self.examples or self.assistant_prefill)
+
+    @model_validator(mode="after")
+    def _check_columns(self) -> DataSettings:
+        if isinstance(self.source, list) and not self.source:
+            raise ValueError("data.source is an empty list; name at least one file")
+        targets = list(self.renames.values())
+        reserved = sorted(set(targets) & set(RESERVED_COLUMNS))
+        if reserved:
+            raise ValueError(
+                f"data.rename_columns: {', '.join(reserved)} is an argument of every reward function; pick another name"
+            )
+        repeated = sorted({name for name in targets if targets.count(name) > 1})
+        if repeated:
+            raise ValueError(f"data.rename_columns gives several columns the name {', '.join(repeated)}")
+        if self.answer_column is not None and self.answer_column in self.rename_columns:
+            raise ValueError(f"data.answer_column {self.answer_column!r} is also renamed in rename_columns; keep one")
+        return self
 
 
 class LearnerSettings(ServiceSettings):

@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 import pytest
 
+from services.scorer.rewards.functions import RewardBugError
 from services.scorer.scoring import build_functions
 from services.scorer.scoring_loop import ScoringLoop
 from shared.codec import decode, encode
@@ -222,7 +223,10 @@ async def test_null_for_one_item_stays_nan_and_is_not_a_failure(plugin, redis_cl
     _required_column_is_complete([g for g in groups if g not in nan_groups], "judge")
 
 
-async def test_python_reward_that_raises_holds_or_dead_letters_with_the_traceback(redis_client, keys):
+async def test_python_reward_outage_is_held_and_its_bug_is_nan_or_stops_the_scorer(redis_client, keys):
+    """A Python reward's ConnectionError is an outage (held, retried); its ValueError is a bug: NaN when the
+    reward is optional, and for a required reward the loop stops with the traceback's summary, leaving the
+    group unacknowledged for after the fix."""
     keys = Keys(keys.prefix)
     fault_plugin.python_calls.clear()
     fed = await _feed(redis_client, keys, 3)
@@ -230,18 +234,31 @@ async def test_python_reward_that_raises_holds_or_dead_letters_with_the_tracebac
         RewardSpec(name="flaky", function="tests.support.fault_plugin:flaky_length", breaker_failures=10),
         RewardSpec(name="buggy", function="tests.support.fault_plugin:always_raises", required=False),
     ]
-    accounting, groups, _ = await _score_in_process(redis_client, keys, specs, fed)
+    accounting, groups, loop = await _score_in_process(redis_client, keys, specs, fed)
     _required_column_is_complete(groups, "flaky")
     assert all(np.isnan(g.rewards_per_func[:, 1]).all() for g in groups)  # optional: NaN
     assert len(accounting.scored) == 3 and fault_plugin.python_calls["flaky"] == 6
+    assert loop.functions[1].stats.bugs == 3 and loop.functions[0].stats.bugs == 0
 
     keys2 = Keys(keys.prefix + "-b")
     fed = await _feed(redis_client, keys2, 2)
     specs = [RewardSpec(name="buggy", function="tests.support.fault_plugin:always_raises", breaker_failures=10)]
-    accounting, _, _ = await _score_in_process(redis_client, keys2, specs, fed, max_wait_s=0.5)
-    assert len(accounting.dead) == 2
-    for reason in accounting.dead.values():
-        assert "ValueError: this reward has a bug (at fault_plugin.py:" in reason and "in always_raises" in reason
+    async with httpx.AsyncClient() as http:
+        functions, _ = build_functions(specs, http)
+        consumer = StreamConsumer(redis_client, keys2, keys2.rollouts, Keys.SCORERS, "s1", block_ms=100)
+        await consumer.start()
+        loop = ScoringLoop(
+            consumer, StreamProducer(redis_client, keys2.scored), functions, [1.0], AdvantageSpec(),
+            drop_zero_std=False, max_in_flight=1, max_reward_wait_s=60,
+        )  # fmt: skip
+        with pytest.raises(RewardBugError) as stopped:
+            await asyncio.wait_for(loop.run(asyncio.Event()), 30)
+    assert "ValueError: this reward has a bug (at fault_plugin.py:" in str(stopped.value)
+    assert "in always_raises" in str(stopped.value) and "set required = false" in str(stopped.value)
+    accounting, _ = await _account(redis_client, keys2, len(fed))
+    print(f"\nrequired bug: scored={len(accounting.scored)} dead={len(accounting.dead)} pending={accounting.pending}")
+    assert not accounting.scored and not accounting.dead  # nothing scored, nothing thrown away
+    assert accounting.pending + accounting.undelivered == 2  # left for a scorer with the fixed function
 
 
 def _scorer(name: str, redis_url: str, keys: Keys, rewards: list[dict], env: dict | None = None) -> ServiceProcess:

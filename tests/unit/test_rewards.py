@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
+import httpx
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -22,8 +23,10 @@ from services.scorer.rewards.builtin import (
 )
 from services.scorer.rewards.functions import (
     RewardBatch,
+    RewardBugError,
     RewardError,
     RewardFailure,
+    RewardFunction,
     intake_state,
     run_function,
     score_batch,
@@ -31,7 +34,7 @@ from services.scorer.rewards.functions import (
     validate_rewards,
 )
 from services.scorer.scoring import reward_batch, scored_group
-from services.scorer.scoring_loop import retry_delay
+from services.scorer.scoring_loop import ScoringLoop, retry_delay
 from shared.config.scorer import RewardSpec, ScorerSettings
 from shared.records import AdvantageSpec, ChatMessage
 from shared.reward_protocol import load_reward_function
@@ -204,12 +207,86 @@ async def test_required_and_optional_failures_are_reported_with_the_group_and_wh
     assert isinstance(result, RewardFailure) and result.group_id == "g-42"
     assert result.detail.startswith("RuntimeError: this plugin always fails (at trl_doc_rewards.py:")
     assert "in broken_reward" in result.detail
-    assert "group g-42" in caplog.text and "the group waits and is retried" in caplog.text
-    assert "Traceback" in caplog.text  # the first failure after a success carries the traceback
+    assert "group g-42" in caplog.text and "a bug in the function, the scorer stops" in caplog.text
+    assert "Traceback" in caplog.text  # a function's first bug carries the traceback
     optional = trl_style("opt", lambda completions, **kw: [1.0, 2.0], in_thread=False, required=False)
     result = await run_function(optional, batch)
     assert "returned 2 rewards for 1 completions" in result.detail
     assert "its rewards are NaN for this group" in caplog.text
+
+
+def _raising_on(calls: set[int], exc: Exception):
+    """A TRL-style function that raises ``exc`` on the given call numbers (1-based) and answers 1.0 otherwise."""
+    count = [0]
+
+    def function(completions, **kwargs):
+        count[0] += 1
+        if count[0] in calls:
+            raise exc
+        return [1.0] * len(completions)
+
+    return function
+
+
+@pytest.mark.parametrize(
+    ("exc", "bug"),
+    [
+        (KeyError("answer"), True),
+        (TypeError("expected string or bytes-like object, got 'list'"), True),
+        (ConnectionError("judge still loading"), False),
+        (TimeoutError(), False),
+        (httpx.ConnectError("refused"), False),
+        (httpx.HTTPStatusError("503", request=httpx.Request("POST", "http://j"), response=httpx.Response(503)), False),
+    ],
+)
+async def test_a_python_functions_exception_is_a_bug_unless_it_is_an_outage(exc, bug):
+    batch = RewardBatch(["p"], ["x"], [[1]], {}, group_id="g")
+    function = trl_style("f", _raising_on({1}, exc), in_thread=False)
+    failure = await run_function(function, batch)
+    assert isinstance(failure, RewardFailure) and failure.bug is bug
+    assert function.stats.bugs == int(bug) and function.stats.errors == 1
+    assert function.stats.as_metrics("f")["rewards/f/bugs"] == int(bug)
+
+
+async def test_wrong_answers_are_bugs_of_python_functions_but_not_of_http_plugins():
+    batch = RewardBatch(["p"], ["x"], [[1]], {}, group_id="g")
+    python = trl_style("py", lambda completions, **kw: [1.0, 2.0], in_thread=False)
+    assert (await run_function(python, batch)).bug
+    plugin = RewardFunction("http", _plugin_that_raises)  # what an HTTP plugin's call looks like
+    assert not (await run_function(plugin, batch)).bug
+
+
+async def _plugin_that_raises(batch):
+    raise RewardError("HTTP 200 with 2 rewards for 1 items")
+
+
+async def test_a_bugs_traceback_is_logged_once_per_function(caplog):
+    batch = RewardBatch(["p"], ["x"], [[1]], {}, group_id="g")
+    function = trl_style("buggy", _raising_on({1, 3, 4}, ValueError("bad row")), in_thread=False, required=False)
+    caplog.set_level(logging.WARNING, logger="services.scorer.rewards.functions")
+    results = [await run_function(function, batch) for _ in range(4)]
+    assert [isinstance(r, RewardFailure) for r in results] == [True, False, True, True]
+    records = [r for r in caplog.records if "reward buggy" in r.getMessage()]
+    assert [r.levelno for r in records] == [logging.ERROR, logging.WARNING, logging.WARNING]
+    assert [r.exc_info is not None for r in records] == [True, False, False]  # once, not after each success
+    assert "its rewards are NaN for this group (required = false)" in records[0].getMessage()
+    assert "(3 so far)" in records[-1].getMessage() and function.stats.bugs == 3
+
+
+async def test_a_required_rewards_bug_stops_scoring_instead_of_holding_the_group():
+    """An exception in a required Python reward is a bug: the loop raises at once (the scorer exits) rather
+    than holding the group for max_reward_wait_s like an outage; an outage is still held and retried."""
+    rollout = make_rollout(make_task(group_size=2))
+    buggy = trl_style("buggy", _raising_on({1, 2, 3}, ValueError("bad row")), in_thread=False)
+    loop = ScoringLoop(None, None, [buggy], [1.0], AdvantageSpec(), drop_zero_std=False, max_in_flight=1)
+    with pytest.raises(RewardBugError, match=r"required reward buggy on group .*ValueError: bad row.*set required"):
+        await loop.score_rewards(rollout)
+    assert buggy.stats.calls == 1
+    flaky = trl_style("flaky", _raising_on({1, 2}, ConnectionError("judge loading")), in_thread=False)
+    loop = ScoringLoop(
+        None, None, [flaky], [1.0], AdvantageSpec(), drop_zero_std=False, max_in_flight=1, retry_backoff_s=0.01
+    )
+    assert (await loop.score_rewards(rollout)).tolist() == [[1.0], [1.0]] and flaky.stats.calls == 3
 
 
 def test_intake_state_follows_required_breakers_only():

@@ -7,6 +7,14 @@ status and a body excerpt, or a Python traceback summary); it logs and counts ev
 means for the group - NaN for an optional reward, the group held back for a required one - is the scoring
 loop's decision. :func:`score_batch` is the simple form: the [G, F] matrix with NaN wherever a function
 failed.
+
+A failure is an *outage* or a *bug*. An HTTP plugin's failures, and a Python function's ``OSError``
+(``ConnectionError``, ``TimeoutError``, what ``requests`` and ``urllib`` raise) or ``httpx.HTTPError``, say
+"not now": something the function needs is out of reach, and a later call may succeed. Any other exception
+from a Python function (built-in or plugin), or an answer that is not G numbers, is a bug in the function:
+the same group would fail the same way again. A bug's traceback is logged at ERROR the first time each
+function has one (later ones are one line each) and counted in ``rewards/<name>/bugs``; the scoring loop
+stops the scorer on a required reward's bug (as TRL's trainer stops) instead of waiting it out.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import numpy as np
 
 from services.scorer.rewards.breaker import CircuitBreaker, CircuitOpenError
@@ -29,9 +38,25 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CircuitOpenError", "RewardBatch", "RewardError", "RewardFailure", "RewardFunction"]
 
+# What a Python reward function raises when something it calls is out of reach: an outage, retried like an
+# HTTP plugin's. Anything else it raises is a bug in the function.
+OUTAGE_EXCEPTIONS: tuple[type[Exception], ...] = (OSError, httpx.HTTPError)
+
 
 class RewardError(RuntimeError):
     """A reward function failed or answered something that is not G rewards."""
+
+
+class RewardBugError(RuntimeError):
+    """A required reward's Python function has a bug: the scorer stops rather than retry or skip its groups."""
+
+    def __init__(self, failure: RewardFailure) -> None:
+        super().__init__(
+            f"required {failure}: a bug in the function (the same group would fail the same way again), so the "
+            "scorer stops, as TRL's trainer would. Fix the function and start the scorer again (the group is "
+            "scored then), or set required = false to give this reward NaN where it raises"
+        )
+        self.failure = failure
 
 
 @dataclass(frozen=True)
@@ -54,6 +79,7 @@ class RewardStats:
     errors: int = 0
     short_circuited: int = 0
     nan_values: int = 0
+    bugs: int = 0  # failures of an in-process function that are not outages (see the module docstring)
     retried_5xx: int = 0
     retried_transport: int = 0
     latency_s_total: float = 0.0
@@ -65,6 +91,7 @@ class RewardStats:
             f"rewards/{name}/errors": self.errors,
             f"rewards/{name}/short_circuited": self.short_circuited,
             f"rewards/{name}/nan_values": self.nan_values,
+            f"rewards/{name}/bugs": self.bugs,
             f"rewards/{name}/retried_5xx": self.retried_5xx,
             f"rewards/{name}/retried_transport": self.retried_transport,
             f"rewards/{name}/latency_seconds_total": self.latency_s_total,
@@ -76,6 +103,7 @@ class RewardFunction:
     """A named reward function: ``call(batch)`` -> G values, behind its own breaker.
 
     ``required``: a failure holds the group back (the scoring loop retries it) instead of giving NaN.
+    ``in_process``: a Python function (built-in or plugin), whose failures other than outages are bugs.
     """
 
     name: str
@@ -83,6 +111,7 @@ class RewardFunction:
     stats: RewardStats = field(default_factory=RewardStats)
     required: bool = True
     breaker: CircuitBreaker | None = None
+    in_process: bool = False
 
     def __post_init__(self) -> None:
         if self.breaker is None:
@@ -97,6 +126,7 @@ class RewardFailure:
     group_id: str
     detail: str  # "HTTP 503 after 3 attempts: body 'boom'", "ValueError: x (at m.py:3 in f)", ...
     short_circuited: bool = False  # the breaker refused the call; nothing was sent
+    bug: bool = False  # a bug in a Python function, not an outage: calling again would fail the same way
 
     def __str__(self) -> str:
         return f"reward {self.reward} on group {self.group_id}: {self.detail}"
@@ -149,7 +179,7 @@ def trl_style(
             return await asyncio.to_thread(function, **kwargs)
         return function(**kwargs)
 
-    return RewardFunction(name, call, required=required, breaker=breaker)
+    return RewardFunction(name, call, required=required, breaker=breaker, in_process=True)
 
 
 def failure_detail(exc: BaseException) -> str:
@@ -190,16 +220,35 @@ async def run_function(function: RewardFunction, batch: RewardBatch) -> list[flo
     return values
 
 
+def is_bug(function: RewardFunction, exc: Exception) -> bool:
+    """Whether ``exc`` is a bug in ``function`` rather than an outage (see the module docstring)."""
+    return function.in_process and not isinstance(exc, OUTAGE_EXCEPTIONS)
+
+
 def _failed(function: RewardFunction, batch: RewardBatch, exc: Exception, trial: bool, *, first: bool) -> RewardFailure:
-    failure = RewardFailure(function.name, batch.group_id, failure_detail(exc))
+    bug = is_bug(function, exc)
+    failure = RewardFailure(function.name, batch.group_id, failure_detail(exc), bug=bug)
     function.stats.errors += 1
     function.stats.last_error = failure.detail
     assert function.breaker is not None
     function.breaker.failure(f"group {batch.group_id}: {failure.detail}", trial=trial)
+    if bug:
+        function.stats.bugs += 1
+        _log_bug(function, failure, exc)
+        return failure
     what = "the group waits and is retried" if function.required else "its rewards are NaN for this group"
     # The first failure after a success carries the whole traceback; the rest one line each.
     log.warning("%s (%s)", failure, what, exc_info=exc if first and not isinstance(exc, RewardError) else None)
     return failure
+
+
+def _log_bug(function: RewardFunction, failure: RewardFailure, exc: Exception) -> None:
+    """A function's first bug at ERROR with its traceback; later ones one line each."""
+    what = "the scorer stops" if function.required else "its rewards are NaN for this group (required = false)"
+    if function.stats.bugs == 1:
+        log.error("%s: a bug in the function, %s", failure, what, exc_info=exc)
+    else:
+        log.warning("%s: a bug in the function (%d so far), %s", failure, function.stats.bugs, what)
 
 
 async def score_batch(functions: Sequence[RewardFunction], batch: RewardBatch) -> np.ndarray:

