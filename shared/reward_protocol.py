@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from shared.config.base import CONFIG_ENV
 
 PROTOCOL = "asyncgrpo.reward/v1"
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "reward_v1.json"
@@ -100,17 +104,38 @@ if __name__ == "__main__":  # python -m shared.reward_protocol: rewrite the comm
 
 
 def load_reward_function(path: str) -> Callable[..., Any]:
-    """Import a reward function named ``module:function`` (the module must be importable, e.g. on PYTHONPATH);
-    ValueError naming what is wrong when it cannot. The scorer's Python rewards and ``python -m
-    services.reward_plugin --function`` both load theirs this way."""
+    """Import a reward function named ``module:function``; ValueError naming what is wrong when it cannot.
+    The scorer's Python rewards and ``python -m services.reward_plugin --function`` both load theirs this way.
+
+    The module is looked up on ``sys.path``, then beside the configuration file (``$ASYNCGRPO_CONFIG``), then
+    in the working directory: a ``my_rewards.py`` next to the user's config imports wherever the services run."""
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
         raise ValueError(f"a reward function is named 'module:function', got {path!r}")
+    directories = reward_module_directories()
+    for directory in directories:
+        if directory not in sys.path:
+            sys.path.append(directory)  # appended: installed and project modules keep their precedence
+    importlib.invalidate_caches()
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import reward function module {module_name!r}: {exc}") from exc
+        raise ValueError(
+            f"cannot import reward function module {module_name!r}: {exc} (looked on sys.path, then in "
+            f"{' and '.join(directories)}); put it beside the configuration file or on PYTHONPATH"
+        ) from exc
     function = getattr(module, attribute, None)
     if not callable(function):
         raise ValueError(f"{module_name!r} has no callable {attribute!r}")
     return function
+
+
+def reward_module_directories() -> list[str]:
+    """Where reward modules are looked for after ``sys.path``: the configuration file's directory, the
+    working directory."""
+    directories = []
+    config = os.environ.get(CONFIG_ENV)
+    if config:
+        directories.append(str(Path(config).resolve().parent))
+    directories.append(os.getcwd())
+    return list(dict.fromkeys(directories))

@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from shared.config.base import ServiceSettings
+from shared.config.base import CONFIG_ENV, ServiceSettings
 from shared.config.pipeline import load_or_exit
 from shared.telemetry import setup_logging
 
@@ -31,6 +33,8 @@ def main(
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=description)
     parser.add_argument("--config", help=f"TOML file (else $ASYNCGRPO_CONFIG); {tables} and [common] are read")
     args = parser.parse_args(argv)
+    if args.config:  # the whole process (a reward module beside the file, too) knows which file it runs
+        os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
     settings = cast(S, load_or_exit(args.config, name))  # its table, checked with the file, and its start checks
     setup_logging(name, settings.log_level)
     logging.getLogger(f"services.{name}").info("settings: %s", settings.masked())

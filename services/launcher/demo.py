@@ -1,8 +1,9 @@
 """``make demo``: SmolLM2-135M-Instruct learns to answer in ``<think>...</think><answer>...</answer>``.
 
-Prepares the model (once), fills it into the demo configuration, runs generator, scorer and learner as
-separate processes (Redis started if none answers), then writes the reward curve as a PNG and prints where
-the checkpoint is, how long it took, and the goal: the mean reward of the last 5 steps at least 0.3 above
+Prepares the model (once, with the cache given), fills it into the demo configuration, runs generator, scorer
+and learner as separate processes (Redis started if none answers) as the run ``demo-<time>`` (everything in
+``runs/demo-<time>/``), then writes the reward curve as a PNG there and prints where the checkpoint is, how
+long it took, and the goal: the mean reward of the last 5 steps at least 0.3 above
 that of the first 5.
 """
 
@@ -18,6 +19,8 @@ import tomli_w
 
 from services.launcher.prepare_model import prepare_smollm2
 from services.launcher.run import run
+from shared.config.learner import LearnerSettings
+from shared.runs import list_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -25,18 +28,19 @@ MODEL_PLACEHOLDER = "@smollm2"
 GOAL_GAIN = 0.3
 
 
-def _materialise(config: Path, model: Path, run_dir: Path) -> Path:
-    """The demo config with the model path and this run's directories filled in."""
+def _materialise(config: Path, model: Path, run_name: str) -> tuple[Path, LearnerSettings]:
+    """The demo config with the model path and the run's name filled in, written into the run directory;
+    and the learner's settings as the run will resolve them (where its checkpoints and metrics go)."""
     document = tomllib.loads(config.read_text())
     for table in ("generator", "learner"):
         if document.get(table, {}).get("model") == MODEL_PLACEHOLDER:
             document[table]["model"] = str(model)
-    document.setdefault("learner", {})["checkpoint_dir"] = str(run_dir / "checkpoints")
-    document["learner"]["log_dir"] = str(run_dir / "logs")
-    document.setdefault("launcher", {})["log_dir"] = str(run_dir / "logs")
+    document.setdefault("learner", {})["run_name"] = run_name
+    run_dir = Path(document["learner"].get("runs_dir", "runs")) / run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.toml"
     path.write_text(tomli_w.dumps(document))
-    return path
+    return path, LearnerSettings.load(path, run_name=run_name)
 
 
 def reward_curve(metrics: Path, png: Path) -> tuple[list[float], float, float]:
@@ -83,23 +87,21 @@ def run_demo(config: Path, cache: Path | None) -> int:
     """Prepare the model, run the demo configuration, report the reward curve; returns the run's exit code."""
     started = time.monotonic()
     model = prepare_smollm2(cache)
-    run_dir = Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_config = _materialise(config, model, run_dir)
-    code, _ = run(run_config)
-    metrics = run_dir / "logs" / "metrics.jsonl"
+    run_config, learner = _materialise(config, model, time.strftime("demo-%Y%m%d-%H%M%S"))
+    code, _ = run(run_config, run_name=learner.run_name)
+    metrics = Path(learner.log_dir) / "metrics.jsonl"
     if not metrics.exists() or not metrics.read_text().strip():
-        print(f"no training steps were recorded; see the logs in {run_dir / 'logs'}")
+        print(f"no training steps were recorded; see the logs in {learner.run_dir / 'logs'}")
         return code or 1
-    png = run_dir / "reward_curve.png"
+    png = learner.run_dir / "reward_curve.png"
     rewards, first, last = reward_curve(metrics, png)
     minutes = (time.monotonic() - started) / 60
-    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    checkpoints = list_checkpoints(Path(learner.checkpoint_dir))
     print()
     print(f"steps trained      {len(rewards)} in {minutes:.1f} min (model preparation included)")
     print(f"reward, first 5    {first:.3f}")
     print(f"reward, last 5     {last:.3f}   (gain {last - first:+.3f}; goal >= +{GOAL_GAIN})")
     print(f"reward curve       {png}")
     print(f"checkpoint         {checkpoints[-1] if checkpoints else 'none'}")
-    print(f"logs               {run_dir / 'logs'}")
+    print(f"run directory      {learner.run_dir} (config.toml, metrics.jsonl, logs/)")
     return code

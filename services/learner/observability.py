@@ -58,20 +58,29 @@ class StepProgress:
             self._progress.stop()
 
 
-class MetricsSink:
-    def __init__(self, log_dir: Path, gauges: MetricsGauges, total_steps: int, progress: str) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.path = log_dir / "metrics.jsonl"
-        self._jsonl = self.path.open("a", encoding="utf-8")
-        self._batches = (log_dir / "batches.jsonl").open("a", encoding="utf-8")
-        self._drops = (log_dir / "dropped.jsonl").open("a", encoding="utf-8")
-        self._tensorboard: Any = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+# The learner's files in its log directory (the run directory by default).
+METRICS_FILE, BATCHES_FILE, DROPS_FILE = "metrics.jsonl", "batches.jsonl", "dropped.jsonl"
+TENSORBOARD_DIR = "tensorboard"
 
-            self._tensorboard = SummaryWriter(log_dir=str(log_dir / "tensorboard"))
-        except ImportError as exc:
-            log.warning("TensorBoard logging off: %s", exc)
+
+class MetricsSink:
+    """One run's metrics. ``resumed_step``: the step of the checkpoint the run continues from (its records
+    after that step are dropped: they are trained again); None: a new run, whose files start empty (an earlier
+    run's, in an explicit ``log_dir`` both share, are renamed aside, never appended to)."""
+
+    def __init__(
+        self, log_dir: Path, gauges: MetricsGauges, total_steps: int, progress: str, resumed_step: int | None = None
+    ) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if resumed_step is None:
+            set_aside(log_dir, (METRICS_FILE, BATCHES_FILE, DROPS_FILE, TENSORBOARD_DIR))
+        else:
+            keep_steps_up_to(log_dir / METRICS_FILE, resumed_step)
+        self.path = log_dir / METRICS_FILE
+        self._jsonl = self.path.open("a", encoding="utf-8")
+        self._batches = (log_dir / BATCHES_FILE).open("a", encoding="utf-8")
+        self._drops = (log_dir / DROPS_FILE).open("a", encoding="utf-8")
+        self._tensorboard = _tensorboard(log_dir / TENSORBOARD_DIR, resumed_step)
         self.gauges = gauges
         enabled = progress == "on" or (progress == "auto" and sys.stderr.isatty())
         self.progress = StepProgress(total_steps, enabled)
@@ -113,3 +122,42 @@ class MetricsSink:
         self._drops.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def _tensorboard(directory: Path, resumed_step: int | None) -> Any:
+    """A TensorBoard writer (None without tensorboard); a resumed run purges the events after its checkpoint."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        log.warning("TensorBoard logging off: %s", exc)
+        return None
+    purge = None if resumed_step is None else resumed_step + 1
+    return SummaryWriter(log_dir=str(directory), purge_step=purge)
+
+
+def set_aside(directory: Path, names: tuple[str, ...]) -> None:
+    """Rename an earlier run's files in ``directory`` to ``<name>.<time>`` so a new run starts them empty."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for name in names:
+        path = directory / name
+        if path.exists():
+            aside = path.with_name(f"{name}.{stamp}")
+            path.rename(aside)
+            log.warning("%s is an earlier run's (this run starts afresh): renamed it %s", path, aside.name)
+
+
+def keep_steps_up_to(path: Path, step: int) -> None:
+    """Drop the records of steps after ``step`` (and a line cut short by a kill) from a JSONL metrics file."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    staging = path.with_name(path.name + ".tmp")
+    staging.write_text("".join(kept), encoding="utf-8")
+    staging.replace(path)

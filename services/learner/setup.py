@@ -16,7 +16,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from services.learner import distributed
-from services.learner.checkpoint import LearnerState, list_checkpoints, load_state
+from services.learner.checkpoint import LearnerState, load_state
 from services.learner.distributed import Topology
 from services.learner.feeder import PromptFeeder, load_rows
 from services.learner.hardware import resolve_precision
@@ -28,8 +28,9 @@ from services.learner.weight_push import WeightPusher
 from shared.codec import encode
 from shared.config.learner import LearnerSettings
 from shared.keys import Keys
-from shared.lifecycle import start_consumer
+from shared.lifecycle import NotStarting, start_consumer
 from shared.records import ChatMessage, DatasetPosition, SamplingSpec
+from shared.runs import ResumeRefused, checkpoint_to_resume, run_identity, write_run_file
 from shared.telemetry import MetricsGauges
 
 log = logging.getLogger(__name__)
@@ -61,37 +62,46 @@ def prompt_length_counter(tokenizer):
 
 
 def build_trainer(settings: LearnerSettings, topology: Topology | None = None):
-    """The trainer (resumed from the latest checkpoint when there is one), the tokenizer, the learner's
-    state and whether it resumed. Every rank builds its own; on several ranks the model is sharded."""
+    """The trainer (resumed from the checkpoint :func:`resume_point` picks, if any), the tokenizer, the
+    learner's state and whether it resumed. Every rank builds its own; on several ranks the model is sharded."""
     topology = topology or Topology()
     distributed.check_batch(settings.completions_per_step, settings.lora_rank, topology)
     torch.manual_seed(settings.seed)
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    checkpoints = list_checkpoints(Path(settings.checkpoint_dir)) if settings.resume else []
+    checkpoint = resume_point(settings)
     state, trainer_state = LearnerState(), None
     model_path, adapter = settings.model, None
-    if checkpoints:
-        state, trainer_state = load_state(checkpoints[-1])
+    if checkpoint is not None:
+        state, trainer_state = load_state(checkpoint)
         if settings.lora_rank:
-            adapter = str(checkpoints[-1] / "adapter")
+            adapter = str(checkpoint / "adapter")
         else:
-            model_path = str(checkpoints[-1])
-        log.info("resuming from %s (step %d)", checkpoints[-1], state.step)
+            model_path = str(checkpoint)
+        log.info("run %s: resuming from %s (step %d)", settings.run_name, checkpoint, state.step)
     model, tokenizer = load_policy(settings, model_path, adapter)
     check_context(settings, model.config)
     precision = resolve_precision(settings.param_dtype, settings.compute_dtype, settings.device)
     log.info("precision: %s", precision.describe())
     reference = None
     if settings.beta > 0:
-        initial = load_policy(settings, settings.model)[0] if checkpoints else model
+        initial = load_policy(settings, settings.model)[0] if checkpoint is not None else model
         reference = reference_model(initial, precision.compute)
     if topology.distributed:
         distributed.shard_model(model, precision.compute)
     trainer = Trainer(model, settings, reference, topology)
     if trainer_state is not None:
-        trainer.load_state_dict(trainer_state, checkpoints[-1])
-    return trainer, tokenizer, state, bool(checkpoints)
+        trainer.load_state_dict(trainer_state, checkpoint)
+    return trainer, tokenizer, state, checkpoint is not None
+
+
+def resume_point(settings: LearnerSettings) -> Path | None:
+    """The checkpoint this run continues from (its own newest, else ``resume_from``), None to start fresh;
+    :class:`NotStarting` naming the reason and the fix when the checkpoint is another run's or unlike it."""
+    try:
+        return checkpoint_to_resume(settings, run_identity(settings))
+    except ResumeRefused as exc:
+        raise NotStarting(str(exc)) from exc
 
 
 def sampling_spec(settings: LearnerSettings) -> SamplingSpec:
@@ -163,7 +173,10 @@ async def build_learner(
         batch_size=settings.groups_per_step,
     )
     pusher = await start_pusher(settings, client, keys)
-    sink = MetricsSink(Path(settings.log_dir), MetricsGauges(registry), settings.max_steps, settings.progress)
+    write_run_file(settings, run_identity(settings))
+    gauges = MetricsGauges(registry)
+    resumed_step = state.step if resumed else None
+    sink = MetricsSink(Path(settings.log_dir), gauges, settings.max_steps, settings.progress, resumed_step)
     loop = LearnerLoop(
         settings=settings,
         client=client,

@@ -13,14 +13,19 @@ Batch vocabulary (the README's "Batch arithmetic" section draws it):
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
+import secrets
 import socket
+import time
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.config.base import HOSTNAME_BASED, ServiceSettings
+from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
 from shared.records import ChatMessage
 
 log = logging.getLogger(__name__)
@@ -28,6 +33,17 @@ log = logging.getLogger(__name__)
 
 # The arguments every reward function gets besides the columns (TRL's names): no column may take them.
 RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
+
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@functools.cache
+def default_run_name() -> str:
+    """A new run's name: when this process first asked, and a few random characters so that two runs started
+    together differ. One per process, so loading the file twice gives the same settings; a restarted
+    process is a new run unless the name is set."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 class DataSettings(BaseModel):
@@ -255,11 +271,29 @@ class LearnerSettings(ServiceSettings):
         description="Modules LoRA adapts.",
     )
 
-    # Checkpoints, weight sync, observability.
-    checkpoint_dir: str = Field("runs/checkpoints", description="Where checkpoints go (shared with generators).")
+    # The run directory, checkpoints, weight sync, observability.
+    run_name: str = Field(
+        default_factory=default_run_name,
+        description="This run's name: its checkpoints, metrics and logs go to <runs_dir>/<run_name>/. Only a run "
+        "of the same name continues from them (asyncgrpo run --run-name NAME).",
+        json_schema_extra={DEFAULT_TEXT: "timestamped (YYYYmmdd-HHMMSS-xxxx)"},
+    )
+    runs_dir: str = Field("runs", description="Where run directories are made.")
+    resume_from: str = Field(
+        "",
+        description="A checkpoint (.../step-N), or a directory of them, this run starts from while it has none "
+        "of its own; its model and settings must match this run's.",
+    )
+    checkpoint_dir: str = Field(
+        "", description="Where checkpoints go (shared with generators); empty: <runs_dir>/<run_name>/checkpoints."
+    )
     checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints (groups are acked then).")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept on disk.")
-    resume: bool = Field(True, description="Resume from the latest checkpoint in checkpoint_dir if any.")
+    resume: bool = Field(
+        True,
+        description="Continue from this run's newest checkpoint (one of another run, model or settings is "
+        "refused with the reason); false: refuse to start when the run already has checkpoints.",
+    )
     weight_sync_host: str = Field(
         default_factory=socket.gethostname,
         description="Address generators reach the learner's store at.",
@@ -272,7 +306,9 @@ class LearnerSettings(ServiceSettings):
         30.0, gt=0, description="Longest to wait for every generator to join a push's group."
     )
     min_generators: int = Field(1, ge=0, description="Wait for this many live generators before training.")
-    log_dir: str = Field("runs/logs", description="JSONL metrics and TensorBoard events.")
+    log_dir: str = Field(
+        "", description="metrics.jsonl, batches.jsonl, dropped.jsonl and TensorBoard events; empty: the run directory."
+    )
     progress: Literal["auto", "on", "off"] = Field("auto", description="Rich progress bar (auto: in a terminal).")
     host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
     port: int = Field(8003, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
@@ -295,6 +331,30 @@ class LearnerSettings(ServiceSettings):
                 "of one prompt with each other"
             )
         return value
+
+    @field_validator("run_name")
+    @classmethod
+    def _directory_name(cls, value: str) -> str:
+        if not _RUN_NAME.fullmatch(value):
+            raise ValueError(
+                f"run_name {value!r} must be a directory name: letters, digits, '.', '_' and '-', "
+                "starting with a letter or digit"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _run_directory(self) -> LearnerSettings:
+        """Checkpoints and metrics default to the run directory; explicit directories are kept as given."""
+        if not self.checkpoint_dir:
+            self.checkpoint_dir = str(self.run_dir / "checkpoints")
+        if not self.log_dir:
+            self.log_dir = str(self.run_dir)
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        """``<runs_dir>/<run_name>``: this run's checkpoints, metrics and (under ``asyncgrpo run``) its logs."""
+        return Path(self.runs_dir) / self.run_name
 
     @property
     def completions_per_step(self) -> int:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from shared.config.base import ConfigFileError, ServiceSettings, config_path, read_config_file
 from shared.config.generator import GeneratorSettings
-from shared.config.launcher import LauncherSettings
+from shared.config.launcher import LauncherSettings, model_placeholder_problem
 from shared.config.learner import LearnerSettings
 from shared.config.scorer import ScorerSettings
 from shared.placement import memory_share_error
@@ -80,13 +80,14 @@ class PipelineConfig(BaseModel):
     def launch_problems(self) -> list[str]:
         """What ``asyncgrpo run`` checks on top: the processes it starts from ``[launcher]`` must be able to run."""
         learner, launcher = self.learner, self.launcher
+        problems = [model_placeholder_problem(table, getattr(self, table).model) for table in ("generator", "learner")]
         if learner.min_generators > launcher.generators:
-            return [
+            problems.append(
                 f"learner.min_generators ({learner.min_generators}) exceeds launcher.generators "
                 f"({launcher.generators}): the learner would wait for generators that never start; "
                 "raise launcher.generators or lower learner.min_generators"
-            ]
-        return []
+            )
+        return [problem for problem in problems if problem]
 
 
 def _load_sections(source: Path | None) -> tuple[dict[str, Any], list[str]]:

@@ -73,6 +73,7 @@ lr = 1e-2
 max_completion_length = 12
 max_prompt_length = 128
 max_staleness = 2
+run_name = "faults"  # the restarted learner continues this run
 checkpoint_dir = "{tmp}/checkpoints"
 checkpoint_every = 4
 log_dir = "{tmp}/logs"

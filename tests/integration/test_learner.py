@@ -154,6 +154,7 @@ async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
         "LEARNER_MAX_STEPS": "9",
         "LEARNER_MAX_COMPLETION_LENGTH": "8",
         "LEARNER_MAX_PROMPT_LENGTH": "200",
+        "LEARNER_RUN_NAME": "restarted",  # the restarted process continues this run (another name would not)
         "LEARNER_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
         "LEARNER_CHECKPOINT_EVERY": "3",
         "LEARNER_LOG_DIR": str(tmp_path / "logs"),
