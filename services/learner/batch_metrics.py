@@ -45,7 +45,9 @@ def finalize_advantages(groups: Sequence[ScoredGroup]) -> list[torch.Tensor]:
 
 
 def batch_metrics(groups: Sequence[ScoredGroup], policy_version: int) -> dict[str, float]:
-    """TRL's reward and completion figures over the batch, plus staleness."""
+    """TRL's reward and completion figures over the batch, plus staleness. ``completion_tokens``: the batch's
+    completion tokens; ``input_tokens``: its prompt and completion tokens, each completion counted with its
+    prompt as TRL counts them (the train loop adds these up into the run's cumulative ``num_tokens``)."""
     size = groups[0].rollout.group_size
     rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64)
     metrics: dict[str, float] = {}
@@ -63,5 +65,21 @@ def batch_metrics(groups: Sequence[ScoredGroup], policy_version: int) -> dict[st
     ages = [staleness(policy_version, g.rollout.policy_version) for g in groups]
     metrics["staleness/mean"] = float(np.mean(ages))
     metrics["staleness/max"] = float(max(ages))
-    metrics["num_tokens"] = float(sum(lengths))
+    metrics.update(terminated_length_metrics(lengths, [c.finish_reason == "stop" for c in completions]))
+    metrics["completion_tokens"] = float(sum(lengths))
+    prompt_tokens = sum(len(g.rollout.prompt_token_ids) * len(g.rollout.completions) for g in groups)
+    metrics["input_tokens"] = float(prompt_tokens + sum(lengths))
     return metrics
+
+
+def terminated_length_metrics(lengths: Sequence[int], terminated: Sequence[bool]) -> dict[str, float]:
+    """TRL's ``completions/{mean,min,max}_terminated_length``: token counts of the completions that ended
+    by themselves (EOS or a stop string, not cut at the token limit); 0 when none did, as TRL."""
+    ended = np.asarray(lengths, dtype=np.float64)[np.asarray(terminated, dtype=bool)]
+    if ended.size == 0:
+        ended = np.zeros(1)
+    return {
+        "completions/mean_terminated_length": float(ended.mean()),
+        "completions/min_terminated_length": float(ended.min()),
+        "completions/max_terminated_length": float(ended.max()),
+    }

@@ -69,6 +69,7 @@ class Counters:
     groups_rejected: int = 0
     weight_pushes: int = 0
     weight_push_failures: int = 0
+    input_tokens_seen: int = 0  # prompt + completion tokens of every trained completion (TRL's num_tokens)
 
     @classmethod
     def restore(cls, saved: Mapping[str, float]) -> Counters:
@@ -84,6 +85,10 @@ class Counters:
 
     def trained(self, groups: int) -> None:
         self.groups_trained += groups
+
+    def tokens_seen(self, tokens: float) -> int:
+        self.input_tokens_seen += int(tokens)
+        return self.input_tokens_seen
 
     def rejected(self) -> None:
         self.groups_rejected += 1
@@ -336,6 +341,7 @@ class LearnerLoop:
         waited = time.perf_counter() - started
         groups = [g for _, g in collected]
         metrics = {**batch_metrics(groups, self.policy_version), **self.dynamic_sampling}
+        metrics["num_tokens"] = float(self.counters.tokens_seen(metrics.pop("input_tokens")))
         self.sink.write_batch(
             self.trainer.step + 1, [g.group_id for g in groups], [g.rollout.policy_version for g in groups]
         )
@@ -383,8 +389,8 @@ class LearnerLoop:
                 **seconds,
                 "policy_version": step,
                 "groups_in_flight": self.in_flight,
-                "tokens_per_second": metrics["num_tokens"] / max(seconds["seconds/step"], 1e-9),
-                "train_tokens_per_second": metrics["num_tokens"] / max(result["seconds/train"], 1e-9),
+                "tokens_per_second": metrics["completion_tokens"] / max(seconds["seconds/step"], 1e-9),
+                "train_tokens_per_second": metrics["completion_tokens"] / max(result["seconds/train"], 1e-9),
             }
             record.update({f"counters/{k}": v for k, v in self.counters.as_dict().items()})
             self.sink.write(step, record)

@@ -1,0 +1,75 @@
+"""TRL's batch figures on hand-built groups: terminated lengths and the token counts behind ``num_tokens``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.learner.batch_metrics import batch_metrics, terminated_length_metrics
+from services.learner.train_loop import Counters
+from shared.advantages import group_advantages
+from shared.records import Completion, PromptTask, Rollout, RolloutTimings, SamplingSpec, ScoredGroup
+
+
+def _group(prompt_len: int, completions: list[tuple[int, str]]) -> ScoredGroup:
+    """One group: a prompt of ``prompt_len`` tokens; completions of (length, finish_reason)."""
+    size = len(completions)
+    task = PromptTask(prompt="x", group_size=size, policy_version=0, sampling=SamplingSpec(temperature=1.0))
+    rollout = Rollout(
+        group_id=task.task_id,
+        task=task,
+        prompt_token_ids=np.arange(prompt_len, dtype=np.int32),
+        completions=tuple(
+            Completion(
+                text="",
+                token_ids=np.ones(n, dtype=np.int32),
+                behaviour_logprobs=np.zeros(n, dtype=np.float32),
+                finish_reason=reason,
+            )
+            for n, reason in completions
+        ),
+        policy_version=0,
+        finished_policy_version=0,
+        generator_id="g",
+        timings=RolloutTimings(received_at=0, started_at=0, finished_at=0),
+    )
+    rewards = np.arange(size, dtype=np.float32)
+    return ScoredGroup(
+        rollout=rollout,
+        reward_names=("r",),
+        rewards_per_func=rewards[:, None],
+        rewards=rewards,
+        advantages=group_advantages(rewards, size),
+    )
+
+
+def test_terminated_lengths_count_only_completions_that_ended_by_themselves():
+    groups = [_group(3, [(4, "stop"), (10, "length")]), _group(5, [(6, "stop"), (10, "length")])]
+    metrics = batch_metrics(groups, policy_version=0)
+    assert metrics["completions/mean_terminated_length"] == 5.0
+    assert metrics["completions/min_terminated_length"] == 4.0
+    assert metrics["completions/max_terminated_length"] == 6.0
+    assert metrics["completions/mean_length"] == 7.5  # all four, as before
+
+
+def test_terminated_lengths_are_zero_when_every_completion_was_cut():
+    assert terminated_length_metrics([8, 8], [False, False]) == {
+        "completions/mean_terminated_length": 0.0,
+        "completions/min_terminated_length": 0.0,
+        "completions/max_terminated_length": 0.0,
+    }
+
+
+def test_input_tokens_count_the_prompt_with_every_completion():
+    groups = [_group(3, [(4, "stop"), (10, "length")]), _group(5, [(6, "stop"), (10, "length")])]
+    metrics = batch_metrics(groups, policy_version=0)
+    assert metrics["completion_tokens"] == 30.0  # 4 + 10 + 6 + 10
+    assert metrics["input_tokens"] == 46.0  # 30 + 2 * 3 + 2 * 5
+    assert "num_tokens" not in metrics  # the run's cumulative count comes from the learner's counters
+
+
+def test_num_tokens_is_cumulative_and_survives_a_checkpoint():
+    counters = Counters()
+    assert counters.tokens_seen(46.0) == 46
+    assert counters.tokens_seen(30.0) == 76
+    restored = Counters.restore({name: float(value) for name, value in counters.as_dict().items()})
+    assert restored.tokens_seen(4.0) == 80
