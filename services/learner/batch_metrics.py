@@ -83,3 +83,30 @@ def terminated_length_metrics(lengths: Sequence[int], terminated: Sequence[bool]
         "completions/min_terminated_length": float(ended.min()),
         "completions/max_terminated_length": float(ended.max()),
     }
+
+
+def sampling_logp_difference_metrics(
+    behaviour: torch.Tensor, old: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """TRL's ``sampling/sampling_logp_difference/{mean,max}``: |behaviour logprob - recomputed old logprob|
+    over the completion tokens of ``mask`` (all [B, T]); empty when there is no token."""
+    diff = (behaviour.float() - old.float()).abs()[mask.bool()]
+    if diff.numel() == 0:
+        return {}
+    return {
+        "sampling/sampling_logp_difference/mean": float(diff.mean()),
+        "sampling/sampling_logp_difference/max": float(diff.max()),
+    }
+
+
+def clip_ratio_extremes(per_micro_batch: Sequence[dict[str, float]]) -> dict[str, float]:
+    """TRL's ``clip_ratio/low_min`` and ``clip_ratio/high_max``: the smallest ``clip_ratio/low_mean`` and the
+    largest ``clip_ratio/high_mean`` of the micro-batches (of every rank) that had any, empty otherwise."""
+    out: dict[str, float] = {}
+    lows = [m["clip_ratio/low_mean"] for m in per_micro_batch if "clip_ratio/low_mean" in m]
+    highs = [m["clip_ratio/high_mean"] for m in per_micro_batch if "clip_ratio/high_mean" in m]
+    if lows:
+        out["clip_ratio/low_min"] = min(lows)
+    if highs:
+        out["clip_ratio/high_max"] = max(highs)
+    return out

@@ -36,13 +36,14 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from services.learner import distributed
 from services.learner.batch import TrainBatch
+from services.learner.batch_metrics import clip_ratio_extremes, sampling_logp_difference_metrics
 from services.learner.distributed import Channel, Topology
 from services.learner.hardware import Precision, compute_context, resolve_precision
 from services.learner.importance import importance_weight_metrics, importance_weights
@@ -72,6 +73,7 @@ class PreparedBatch:
     ref_logprobs: torch.Tensor | None  # [B_r, T] when beta > 0
     normalisers: BatchNormalisers  # the whole batch's counts (and entropy threshold) every loss is divided by
     seconds_old_logprobs: float  # wall time of the old-logprob and entropy pass
+    sampling_metrics: dict[str, float] = field(default_factory=dict)  # the logp difference, when recomputed
 
 
 @dataclass(frozen=True)
@@ -338,7 +340,7 @@ class Trainer:
         if s.beta > 0 and self.reference is not None:  # __init__ makes sure of the reference
             real = [mb for mb in passes if mb is not None]  # the reference replica runs no collective
             ref, _ = self._logprobs_no_grad(self.reference, batch, real)
-        return PreparedBatch(old, weights, ref, normalisers, seconds)
+        return PreparedBatch(old, weights, ref, normalisers, seconds, self._logp_difference(local, old))
 
     def _step_config(self) -> LossConfig:
         """The loss config of this optimizer step: the adaptive bonus applies while the last entropy <= target."""
@@ -398,6 +400,7 @@ class Trainer:
         entropy_mode: EntropyMode = "grad" if config.entropy_coef != 0.0 else "value"
         sums = {"loss": 0.0, _ACTING_SUM: 0.0, _ACTING_TOKENS: 0.0}
         used: list[torch.Tensor] = []
+        per_micro_batch: list[dict[str, float]] = []
         _, passes = self._plan(batch)
         start = 0
         for mb in passes:
@@ -409,7 +412,12 @@ class Trainer:
             if weights is not None:
                 used.append(weights)
             _add_outputs(sums, out, tokens=float(mb.completion_mask.sum()))
-        return _step_result(distributed.sum_across(sums), used, float(batch.completion_mask.sum()))
+            if mb.completion_mask.any():
+                per_micro_batch.append(out.metrics)
+        result = _step_result(distributed.sum_across(sums), used, float(batch.completion_mask.sum()))
+        every_rank = [m for ms in distributed.gather_objects(per_micro_batch) for m in ms]
+        result.metrics.update(clip_ratio_extremes(every_rank))
+        return result
 
     def _control_entropy(self, acting_entropy: float) -> dict[str, float]:
         """TRL's adaptive controller after the step; ``entropy_coef`` logged as TRL does."""
@@ -425,6 +433,14 @@ class Trainer:
                 coef_max=s.entropy_coef_max,
             )
         return {"entropy_coef": self.entropy_coef} if s.adaptive_entropy or s.entropy_coef else {}
+
+    def _logp_difference(self, local: TrainBatch, old: torch.Tensor | None) -> dict[str, float]:
+        """|behaviour - recomputed old| logprob figures over every rank's completion tokens (collective)."""
+        if old is None:
+            return {}
+        parts = distributed.gather_objects((local.behaviour_logprobs.cpu(), old.cpu(), local.completion_mask.cpu()))
+        behaviour, recomputed, mask = (torch.cat(column) for column in zip(*parts, strict=True))
+        return sampling_logp_difference_metrics(behaviour, recomputed, mask)
 
     def _importance_metrics(self, batch: TrainBatch, weights: torch.Tensor | None) -> dict[str, float]:
         if weights is None:
@@ -469,4 +485,5 @@ class Trainer:
             "seconds/train": time.perf_counter() - started,
             "seconds/old_logprobs": prepared.seconds_old_logprobs,
             **self._importance_metrics(batch, result.importance_weights),
+            **prepared.sampling_metrics,
         }

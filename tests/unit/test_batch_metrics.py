@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from services.learner.batch_metrics import batch_metrics, terminated_length_metrics
+from services.learner.batch_metrics import (
+    batch_metrics,
+    clip_ratio_extremes,
+    sampling_logp_difference_metrics,
+    terminated_length_metrics,
+)
 from services.learner.train_loop import Counters
 from shared.advantages import group_advantages
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, SamplingSpec, ScoredGroup
@@ -73,3 +79,24 @@ def test_num_tokens_is_cumulative_and_survives_a_checkpoint():
     assert counters.tokens_seen(30.0) == 76
     restored = Counters.restore({name: float(value) for name, value in counters.as_dict().items()})
     assert restored.tokens_seen(4.0) == 80
+
+
+def test_sampling_logp_difference_is_over_completion_tokens_only():
+    behaviour = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, 9.0]])
+    old = torch.tensor([[-1.5, -2.0, -2.0], [-0.25, -0.25, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])  # -4.0 and 9.0 are padding
+    assert sampling_logp_difference_metrics(behaviour, old, mask) == {
+        "sampling/sampling_logp_difference/mean": 0.4375,  # (0.5 + 0 + 1 + 0.25) / 4
+        "sampling/sampling_logp_difference/max": 1.0,
+    }
+    assert sampling_logp_difference_metrics(behaviour, old, torch.zeros_like(mask)) == {}
+
+
+def test_clip_ratio_extremes_take_the_smallest_low_and_the_largest_high():
+    per_micro_batch = [
+        {"clip_ratio/low_mean": 0.25, "clip_ratio/high_mean": 0.0},
+        {"clip_ratio/low_mean": 0.125, "clip_ratio/high_mean": 0.5},
+        {"loss": 1.0},  # an objective without these flags
+    ]
+    assert clip_ratio_extremes(per_micro_batch) == {"clip_ratio/low_min": 0.125, "clip_ratio/high_max": 0.5}
+    assert clip_ratio_extremes([{"cispo_clip_ratio": 0.5}]) == {}

@@ -205,3 +205,20 @@ def test_shared_prompt_forward_equals_the_padded_forward_values_and_gradients(ti
     # Micro-batches that split a group work too.
     split = torch.cat([completion_logprobs(model, mb) for mb in batch.micro_batches(3)])
     torch.testing.assert_close(split.detach(), results[False][0], atol=1e-12, rtol=1e-10)
+
+
+def test_step_metrics_have_trl_clip_extremes_and_the_sampling_logp_difference(tiny):
+    settings = _settings(tiny, num_iterations=2, micro_batch_size=8)  # one micro-batch: extremes = means
+    model, _ = load_policy(settings, str(tiny))
+    batch = _batch(_groups(model))
+    shift = torch.linspace(0.0, 0.7, batch.behaviour_logprobs.numel()).reshape(batch.behaviour_logprobs.shape)
+    batch.behaviour_logprobs.sub_(shift * batch.completion_mask)
+    mask = batch.completion_mask.bool()
+    diff = (batch.behaviour_logprobs - logprobs_no_grad(model, batch, micro_batch_size=3)).abs()[mask]
+    results = Trainer(model, settings).train(batch)
+    for result in results:
+        assert result["clip_ratio/low_min"] == pytest.approx(result["clip_ratio/low_mean"], abs=1e-7)
+        assert result["clip_ratio/high_max"] == pytest.approx(result["clip_ratio/high_mean"], abs=1e-7)
+        assert result["sampling/sampling_logp_difference/mean"] == pytest.approx(float(diff.mean()), abs=1e-5)
+        assert result["sampling/sampling_logp_difference/max"] == pytest.approx(float(diff.max()), abs=1e-5)
+    assert results[1]["clip_ratio/region_mean"] > 0  # the second iteration is off-policy: the extremes are not trivial
