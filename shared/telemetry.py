@@ -2,7 +2,9 @@
 
 Metric names follow TRL where it has a name for the same figure (``reward_std``, ``clip_ratio/low_mean``);
 Prometheus does not allow ``/`` in names, so :func:`prometheus_name` maps ``reward/std`` to
-``asyncgrpo_reward_std`` when a flat metrics dict is exported as gauges.
+``asyncgrpo_reward_std`` when a flat metrics dict is exported as gauges. A reward function's figure
+``rewards/<function>/<figure>`` becomes one family per figure with the function as a label
+(:func:`split_labels`): ``asyncgrpo_rewards_mean{function="accuracy"}``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,24 @@ def prometheus_name(name: str, namespace: str = "asyncgrpo") -> str:
     return f"{namespace}_{re.sub(r'[^a-zA-Z0-9_]', '_', name)}"
 
 
+def split_labels(name: str) -> tuple[str, dict[str, str]]:
+    """``rewards/accuracy/mean`` -> (``rewards/mean``, {"function": "accuracy"}); any other name unchanged with
+    no label. The figure is the last segment, so a function name may itself hold ``/``."""
+    if name.startswith("rewards/") and name.count("/") >= 2:
+        function, figure = name[len("rewards/") :].rsplit("/", 1)
+        return f"rewards/{figure}", {"function": function}
+    return name, {}
+
+
+def _families(values: Mapping[str, float]) -> dict[str, dict[tuple[str, ...], float]]:
+    """Family name -> {label values: value}; the label names are ``("function",)`` or none."""
+    families: dict[str, dict[tuple[str, ...], float]] = {}
+    for name, value in values.items():
+        family, labels = split_labels(name)
+        families.setdefault(family, {})[tuple(labels.values())] = float(value)
+    return families
+
+
 class MetricsGauges:
     """Exports a flat ``{name: float}`` dict (the services' metric vocabulary) as Prometheus gauges."""
 
@@ -55,11 +75,12 @@ class MetricsGauges:
 
     def update(self, metrics: Mapping[str, float]) -> None:
         for name, value in metrics.items():
-            gauge = self._gauges.get(name)
+            family, labels = split_labels(name)
+            gauge = self._gauges.get(family)
             if gauge is None:
-                gauge = Gauge(prometheus_name(name), f"{name} (last value)", registry=self.registry)
-                self._gauges[name] = gauge
-            gauge.set(float(value))
+                gauge = Gauge(prometheus_name(family), f"{family} (last value)", list(labels), registry=self.registry)
+                self._gauges[family] = gauge
+            (gauge.labels(**labels) if labels else gauge).set(float(value))
 
 
 class CallbackCollector(Collector):
@@ -74,7 +95,10 @@ class CallbackCollector(Collector):
         self._gauges = gauges
 
     def collect(self):
-        for name, value in self._counters().items():
-            yield CounterMetricFamily(prometheus_name(name), name, value=float(value))
-        for name, value in self._gauges().items():
-            yield GaugeMetricFamily(prometheus_name(name), name, value=float(value))
+        for kind, values in ((CounterMetricFamily, self._counters()), (GaugeMetricFamily, self._gauges())):
+            for family, samples in _families(values).items():
+                labelled = [key for key in samples if key]
+                metric = kind(prometheus_name(family), family, labels=["function"] if labelled else None)
+                for key, value in samples.items():
+                    metric.add_metric(list(key), value)
+                yield metric

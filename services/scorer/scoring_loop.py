@@ -146,7 +146,8 @@ class ScoringLoop:
         )
 
     def collector(self) -> CallbackCollector:
-        """The scorer's Prometheus figures, read at scrape time."""
+        """The scorer's Prometheus figures, read at scrape time; ``rewards/<function>/<figure>`` are exported
+        as ``asyncgrpo_rewards_<figure>{function="<function>"}``."""
 
         def counters() -> dict[str, float]:
             stream = self.consumer.stats

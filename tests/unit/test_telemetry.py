@@ -1,0 +1,44 @@
+"""Prometheus export: reward-function names are a ``function`` label, not part of the metric name."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from shared.telemetry import CallbackCollector, MetricsGauges, split_labels
+
+
+def _exposition(registry: CollectorRegistry) -> list[str]:
+    return [line for line in generate_latest(registry).decode().splitlines() if not line.startswith("#")]
+
+
+def test_split_labels_takes_the_function_out_of_reward_figures():
+    assert split_labels("rewards/accuracy/mean") == ("rewards/mean", {"function": "accuracy"})
+    assert split_labels("rewards/my.mod:judge/v2/errors") == ("rewards/errors", {"function": "my.mod:judge/v2"})
+    assert split_labels("clip_ratio/low_mean") == ("clip_ratio/low_mean", {})
+    assert split_labels("reward_std") == ("reward_std", {})
+
+
+def test_callback_collector_exports_one_family_per_figure_with_a_function_label():
+    registry = CollectorRegistry()
+    counters = {"rewards/judge/errors": 3, "rewards/format/errors": 1, "scorer/group_retries": 2}
+    gauges = {"rewards/judge/breaker_open": 1.0, "scorer/groups_held": 0.0}
+    registry.register(CallbackCollector(lambda: counters, lambda: gauges))
+    assert _exposition(registry) == [
+        'asyncgrpo_rewards_errors_total{function="judge"} 3.0',
+        'asyncgrpo_rewards_errors_total{function="format"} 1.0',
+        "asyncgrpo_scorer_group_retries_total 2.0",
+        'asyncgrpo_rewards_breaker_open{function="judge"} 1.0',
+        "asyncgrpo_scorer_groups_held 0.0",
+    ]
+
+
+def test_metrics_gauges_label_the_reward_functions():
+    registry = CollectorRegistry()
+    gauges = MetricsGauges(registry)
+    gauges.update({"rewards/accuracy/mean": 0.5, "rewards/format/mean": 0.25, "reward": 0.75})
+    gauges.update({"rewards/accuracy/mean": 1.0})
+    assert _exposition(registry) == [
+        'asyncgrpo_rewards_mean{function="accuracy"} 1.0',
+        'asyncgrpo_rewards_mean{function="format"} 0.25',
+        "asyncgrpo_reward 0.75",
+    ]
