@@ -1,9 +1,12 @@
 """Where the learner's per-step metrics go: JSONL, TensorBoard, Prometheus gauges, and a progress bar.
 
-Metric names are TRL's where TRL has the figure (``reward``, ``reward_std``, ``frac_reward_zero_std``,
-``clip_ratio/low_mean``, ``completions/mean_length``, ``kl``, ``grad_norm``...), plus ``staleness/mean``,
-``staleness/max``, ``sampling/importance_sampling_ratio/{min,mean,max}``, ``tokens_per_second`` and the
-step time split into ``seconds/wait``, ``seconds/old_logprobs``, ``seconds/train``, ``seconds/sync``.
+Metric names and meanings are TRL's where TRL has the figure (``reward``, ``reward_std``, ``frac_reward_zero_std``,
+``clip_ratio/low_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max``, ``completions/mean_length``,
+``completions/mean_terminated_length``, ``num_tokens`` (cumulative), ``entropy``, ``kl``, ``grad_norm``,
+``sampling/importance_sampling_ratio/{min,mean,max}``, ``sampling/sampling_logp_difference/{mean,max}``...),
+plus ``staleness/mean``, ``staleness/max``, ``tokens_per_second`` and the step time split into ``seconds/wait``,
+``seconds/old_logprobs``, ``seconds/train``, ``seconds/sync``. On Prometheus a reward function's name is a
+``function`` label (:func:`shared.telemetry.split_labels`).
 """
 
 from __future__ import annotations
