@@ -201,6 +201,12 @@ async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
     trained = state["trained_group_ids"]
     assert len(trained) == 18 and len(set(trained)) == 18, "a group was lost or trained twice"
     assert state["step"] == 9
+    # num_tokens (TRL's cumulative prompt + completion tokens) goes on from the checkpoint, not from zero.
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 10))
+    tokens = [r["num_tokens"] for r in records]
+    assert tokens == sorted(set(tokens)), tokens  # strictly increasing
+    assert tokens[-1] == state["counters"]["input_tokens_seen"]
     pending = await redis_client.xpending(keys.scored, Keys.LEARNER)
     assert pending["pending"] == 0
     print(
