@@ -103,7 +103,9 @@ def test_two_ranks_take_the_single_process_step_through_a_checkpoint(tmp_path):
         for name in ("loss", "grad_norm", "kl", "learning_rate", "sampling/importance_sampling_ratio/mean"):
             assert got[name] == pytest.approx(want[name], rel=1e-9, abs=1e-12), (step, name)
         for name in want:
-            if not name.startswith("seconds/"):
+            # The clip extremes are over micro-batches, which two ranks cut differently from one process (TRL's
+            # are over processes); every other figure is over the whole batch and must agree.
+            if not name.startswith("seconds/") and name not in ("clip_ratio/low_min", "clip_ratio/high_max"):
                 assert got[name] == pytest.approx(want[name], rel=1e-7, abs=1e-10), (step, name)
     weights = torch.load(tmp_path / "b" / "weights.pt")
     expected = dict(single.model.named_parameters())
