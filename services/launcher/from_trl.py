@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.launcher.explain import trl_batch
-from services.launcher.translation import Draft, Translation, fit_micro_batch, ours
+from services.launcher.translation import Draft, Translation, fit_micro_batch, ours, staleness_difference
 from services.launcher.trl_rewards import trl_rewards
 from services.launcher.trl_training import (
     LORA_FIELDS,
@@ -172,7 +172,12 @@ def _trl_algorithm(fields: dict[str, Any], draft: Draft, staleness: int, default
         for name in ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"):
             fields.pop(name, None)  # off: nothing to translate
     _trl_generator(fields, draft.generator)
-    _staleness_difference(draft, staleness)
+    staleness_difference(
+        draft,
+        staleness,
+        "on-policy: each generation block is trained on, then the next one is generated",
+        "set max_staleness = 0 for TRL's on-policy batches; generation then waits for every step",
+    )
     _importance_difference(draft, use_vllm)
     _prompt_length_difference(draft, defaults_known)
 
@@ -236,17 +241,6 @@ def _prompt_length_difference(draft: Draft, defaults_known: bool) -> None:
         f"{length} (longer prompts are skipped, and counted)",
         "raise it above your longest prompt",
     )
-
-
-def _staleness_difference(draft: Draft, theirs: int) -> None:
-    here = draft.learner.setdefault("max_staleness", ours(draft.learner, "max_staleness"))
-    if here != theirs:
-        draft.differ(
-            "max_staleness",
-            f"{theirs} (on-policy: each generation block is trained on, then the next one is generated)",
-            f"{here} (generation runs ahead of training; groups up to {here} policy versions old are trained on)",
-            "set max_staleness = 0 for TRL's on-policy batches; generation then waits for every step",
-        )
 
 
 def _importance_difference(draft: Draft, use_vllm: bool | None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.launcher.translation import Draft, Translation, fit_micro_batch, ours
+from services.launcher.translation import Draft, Translation, fit_micro_batch, ours, staleness_difference
 from services.launcher.verl_hydra import composition, own_values, refusal, resolve
 from services.launcher.verl_training import (
     VERL_TRAINING_READ,
@@ -115,7 +115,12 @@ def from_verl(document: dict[str, Any], defaults: dict[str, Any] | None = None) 
     verl_checkpoints(flat, draft, steps_known)
     verl_lora(flat, draft)
     verl_correction(flat, draft)
-    _staleness_difference(draft, theirs_staleness)
+    staleness_difference(
+        draft,
+        theirs_staleness,
+        f"each rollout batch is trained on, {theirs_staleness + 1} mini-batch(es), then the next is generated",
+        f"set max_staleness = {theirs_staleness} for verl's on-policy batches; generation then waits for every step",
+    )
     fit_micro_batch(draft.learner, draft.notes)
     return draft.finish(flat)
 
@@ -132,17 +137,6 @@ def _verl_flat(document: dict[str, Any], defaults: dict[str, Any] | None) -> dic
         flat = {**{k: composed[k] for k in fill if k not in flat}, **flat}
     resolve(flat, set(_VERL_READ), {**composed, **flat})
     return flat
-
-
-def _staleness_difference(draft: Draft, theirs: int) -> None:
-    here = draft.learner.setdefault("max_staleness", ours(draft.learner, "max_staleness"))
-    if here != theirs:
-        draft.differ(
-            "max_staleness",
-            f"{theirs} (each rollout batch is trained on, {theirs + 1} mini-batch(es), then the next is generated)",
-            f"{here} (generation runs ahead of training; groups up to {here} policy versions old are trained on)",
-            f"set max_staleness = {theirs} for verl's on-policy batches; generation then waits for every step",
-        )
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:

@@ -226,3 +226,16 @@ def summary(result: Translation, kind: str, written: Path | None) -> str:
         return line + f"; no value differs from {kind}'s"
     listed = "; ".join(difference.short() for difference in result.differences)
     return line + f"; {len(result.differences)} value(s) differ from {kind}'s: {listed}"
+
+
+def staleness_difference(draft: Draft, theirs: int, theirs_means: str, fix: str) -> None:
+    """List our ``max_staleness`` against the peer's ``theirs`` when they differ (``theirs_means``: what the
+    peer's value does; ``fix``: how to match it)."""
+    here = draft.learner.setdefault("max_staleness", ours(draft.learner, "max_staleness"))
+    if here != theirs:
+        draft.differ(
+            "max_staleness",
+            f"{theirs} ({theirs_means})",
+            f"{here} (generation runs ahead of training; groups up to {here} policy versions old are trained on)",
+            fix,
+        )
