@@ -28,12 +28,9 @@ async def lead(service: Service[LearnerSettings], topology) -> None:
 
 
 async def serve(settings: LearnerSettings) -> int:
-    from services.learner.setup import follow, start_process
+    from services.learner.setup import run_rank
 
-    settings, topology = start_process(settings)
-    if not topology.is_leader:
-        return follow(settings, topology)
-    return await run_service("learner", settings, partial(lead, topology=topology))
+    return await run_rank(settings, lambda s, topology: run_service("learner", s, partial(lead, topology=topology)))
 
 
 if __name__ == "__main__":

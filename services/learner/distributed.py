@@ -79,6 +79,13 @@ def start(topology: Topology, device: str) -> str:
     return device
 
 
+def stop() -> None:
+    """Leave the process group before the interpreter exits: a gloo group torn down at exit can abort the
+    process ("terminate called without an active exception", SIGABRT) after the work is done."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def check_batch(completions_per_step: int, lora_rank: int, topology: Topology) -> None:
     """Refuse what the sharded learner cannot do, naming the fix."""
     if not topology.distributed:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -201,6 +202,18 @@ def start_process(settings: LearnerSettings) -> tuple[LearnerSettings, Topology]
     if settings.device.startswith("cuda") and settings.gpu_memory_share < 1:
         torch.cuda.set_per_process_memory_fraction(settings.gpu_memory_share, torch.device(settings.device).index)
     return settings, topology
+
+
+async def run_rank(settings: LearnerSettings, lead: Callable[[LearnerSettings, Topology], Awaitable[int]]) -> int:
+    """This rank's process under torchrun (or alone): follow the leader, or ``lead``; the process group is
+    left at the end, whatever happened."""
+    settings, topology = start_process(settings)
+    try:
+        if not topology.is_leader:
+            return follow(settings, topology)
+        return await lead(settings, topology)
+    finally:
+        distributed.stop()
 
 
 def follow(settings: LearnerSettings, topology: Topology) -> int:

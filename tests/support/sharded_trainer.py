@@ -67,6 +67,7 @@ def main() -> int:
         trainer.load_state_dict(torch.load(Path(args.resume) / "trainer.pt", weights_only=False), Path(args.resume))
     if not topology.is_leader:
         distributed.follow(trainer)
+        distributed.stop()
         return 0
     out = Path(args.out)
     metrics = []
@@ -78,6 +79,7 @@ def main() -> int:
     with trainer.full_weights() as named:
         torch.save({name: tensor.clone() for name, tensor in named}, out / "weights.pt")
     trainer.stop_followers()
+    distributed.stop()
     (out / "metrics.json").write_text(json.dumps(metrics))
     return 0
 
