@@ -10,6 +10,7 @@ the command writes always passes ``config explain`` once the model is filled in.
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -239,3 +240,11 @@ def staleness_difference(draft: Draft, theirs: int, theirs_means: str, fix: str)
             f"{here} (generation runs ahead of training; groups up to {here} policy versions old are trained on)",
             fix,
         )
+
+
+def warmup_from_share(draft: Draft, share: float, steps_known: bool, refusal: str) -> None:
+    """A warm-up given as a share of the run -> ``warmup_steps``; ``refusal`` (what to set instead) when the
+    run's length in steps is not known."""
+    if not steps_known:
+        raise ValueError(refusal)
+    draft.learner["warmup_steps"] = math.ceil(share * draft.learner["max_steps"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.launcher.translation import Draft, ours
+from services.launcher.translation import Draft, ours, warmup_from_share
 
 # TRL's ModelConfig fields that only mean something with use_peft.
 LORA_FIELDS = (
@@ -105,14 +105,14 @@ def _trl_warmup(fields: dict[str, Any], draft: Draft, steps_known: bool) -> None
         ratio, steps = steps, None
     if steps is not None:
         draft.learner["warmup_steps"] = int(steps)
-    if not ratio:
-        return
-    if not steps_known:
-        raise ValueError(
+    if ratio:
+        warmup_from_share(
+            draft,
+            ratio,
+            steps_known,
             f"a warm-up of {ratio} of the run needs the run's length in steps, which the file does not give "
-            "(or leaves to num_train_epochs and the dataset): set max_steps, or warmup_steps to a number of steps"
+            "(or leaves to num_train_epochs and the dataset): set max_steps, or warmup_steps to a number of steps",
         )
-    draft.learner["warmup_steps"] = math.ceil(ratio * draft.learner["max_steps"])
 
 
 def trl_checkpoints(fields: dict[str, Any], draft: Draft, steps_known: bool) -> None:

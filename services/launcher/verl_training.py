@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.launcher.translation import Draft, ours
+from services.launcher.translation import Draft, ours, warmup_from_share
 
 _OPTIM = "actor_rollout_ref.actor.optim"
 _MODEL = "actor_rollout_ref.model"
@@ -86,12 +86,13 @@ def _verl_warmup(flat: dict[str, Any], draft: Draft, steps_known: bool) -> None:
     if steps is not None and steps > 0:
         draft.learner["warmup_steps"] = int(steps)
     elif ratio:
-        if not steps_known:
-            raise ValueError(
-                f"optim.lr_warmup_steps_ratio = {ratio} is a share of the run, whose length follows from the "
-                "dataset here: set trainer.total_training_steps, or optim.lr_warmup_steps"
-            )
-        draft.learner["warmup_steps"] = math.ceil(ratio * draft.learner["max_steps"])
+        warmup_from_share(
+            draft,
+            ratio,
+            steps_known,
+            f"optim.lr_warmup_steps_ratio = {ratio} is a share of the run, whose length follows from the "
+            "dataset here: set trainer.total_training_steps, or optim.lr_warmup_steps",
+        )
 
 
 def verl_checkpoints(flat: dict[str, Any], draft: Draft, steps_known: bool) -> None:

@@ -270,3 +270,11 @@ def test_every_translated_fixture_passes_config_explain(tmp_path):
 
         path.write_text(tomli_w.dumps(document))
         assert "completions per prompt (G)" in explain(PipelineConfig.load(path)), name
+
+
+def test_verl_warmup_share_becomes_steps_or_is_refused_without_the_run_length():
+    optim = {"actor_rollout_ref": {"actor": {"optim": {"lr_warmup_steps_ratio": 0.05}}}}
+    sized = from_verl({**optim, "trainer": {"total_training_steps": 200}})
+    assert sized.tables["learner"]["warmup_steps"] == 10
+    with pytest.raises(ValueError, match=r"lr_warmup_steps_ratio = 0\.05 is a share of the run"):
+        from_verl(optim)
