@@ -17,7 +17,7 @@ Three levels of checks, each run only where it means something:
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -93,17 +93,23 @@ class PipelineConfig(BaseModel):
 def _load_sections(source: Path | None) -> tuple[dict[str, Any], list[str]]:
     """Each table resolved on its own, and every problem of every table."""
     document = read_config_file(source) if source else {}
-    problems: list[str] = []
-    loaded: dict[str, Any] = {}
-    for name, settings_cls in SECTIONS.items():
-        try:
-            loaded[name] = settings_cls.load(source)
-        except ValidationError as exc:
-            problems.extend(describe(name, exc))
+    loaded, problems = _load_service_tables(source, SECTIONS)
     try:
         loaded[LAUNCHER] = LauncherSettings(**document.get(LAUNCHER, {}))
     except ValidationError as exc:
         problems.extend(describe(LAUNCHER, exc))
+    return loaded, problems
+
+
+def _load_service_tables(source: Path | None, names: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
+    """The service tables ``names``, each resolved as its service resolves it, and every problem of each."""
+    loaded: dict[str, Any] = {}
+    problems: list[str] = []
+    for name in names:
+        try:
+            loaded[name] = SECTIONS[name].load(source)
+        except ValidationError as exc:
+            problems.extend(describe(name, exc))
     return loaded, problems
 
 
@@ -164,14 +170,8 @@ def load_service(path: str | Path | None, service: str) -> ServiceSettings:
 
 def _load_present_tables(source: Path, document: dict[str, Any], service: str) -> ServiceSettings:
     """A file with only some services' tables: those tables and the service's own, and the checks between them."""
-    loaded: dict[str, Any] = {}
-    problems: list[str] = []
-    for name, settings_cls in SECTIONS.items():
-        if name in document or name == service:
-            try:
-                loaded[name] = settings_cls.load(source)
-            except ValidationError as exc:
-                problems.extend(describe(name, exc))
+    present = [name for name in SECTIONS if name in document or name == service]
+    loaded, problems = _load_service_tables(source, present)
     if not problems:
         problems = cross_problems(loaded.get("generator"), loaded.get("learner"))
     if problems:
