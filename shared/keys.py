@@ -27,6 +27,10 @@ class Keys:
         return f"{self.prefix}:scored"
 
     @property
+    def evaluated(self) -> str:  # scorers -> learner: scored groups of held-out prompts (evaluation only)
+        return f"{self.prefix}:evaluated"
+
+    @property
     def dead_letter(self) -> str:  # any consumer -> operators: entries that could not be processed
         return f"{self.prefix}:dead"
 

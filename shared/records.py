@@ -106,6 +106,9 @@ class PromptTask(WireModel):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     dataset_position: DatasetPosition | None = None
     policy_version: int = Field(ge=0)
+    # The learner step whose evaluation this task is part of (held-out prompts: the scorer writes their
+    # groups to the evaluated stream, never to training); None for a training prompt.
+    eval_step: int | None = Field(None, ge=0)
     created_at: float = Field(default_factory=_now)
 
     @field_validator("prompt")

@@ -49,11 +49,13 @@ def prometheus_name(name: str, namespace: str = "asyncgrpo") -> str:
 
 
 def split_labels(name: str) -> tuple[str, dict[str, str]]:
-    """``rewards/accuracy/mean`` -> (``rewards/mean``, {"function": "accuracy"}); any other name unchanged with
-    no label. The figure is the last segment, so a function name may itself hold ``/``."""
-    if name.startswith("rewards/") and name.count("/") >= 2:
-        function, figure = name[len("rewards/") :].rsplit("/", 1)
-        return f"rewards/{figure}", {"function": function}
+    """``rewards/accuracy/mean`` -> (``rewards/mean``, {"function": "accuracy"}), and the same under ``eval/``;
+    any other name unchanged with no label. The figure is the last segment, so a function name may itself
+    hold ``/``."""
+    for prefix in ("rewards/", "eval/rewards/"):
+        if name.startswith(prefix) and name.count("/") >= prefix.count("/") + 1:
+            function, figure = name[len(prefix) :].rsplit("/", 1)
+            return f"{prefix}{figure}", {"function": function}
     return name, {}
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services.learner.tasks import BUILTIN_TASKS
+from services.learner.tasks import BUILTIN_TASKS, held_out_rows
 from shared.config.learner import DataSettings
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -48,11 +48,34 @@ def read_source(data: DataSettings) -> list[dict[str, Any]]:
 
 
 def _builtin(name: str, data: DataSettings) -> list[dict[str, Any]]:
+    return _conversational(_builtin_task(name, data))
+
+
+def _builtin_task(name: str, data: DataSettings) -> list[dict[str, str]]:
+    """The training rows of built-in task ``name``, as ``question``/``answer`` text."""
     if name not in BUILTIN_TASKS:
         raise DataError(f"unknown built-in task {name!r}; available: {', '.join(BUILTIN_TASKS)}")
-    rows = BUILTIN_TASKS[name](data.builtin_size, data.builtin_max_operand, data.shuffle_seed + 1234)
-    # A built-in task is conversational: its question is the user's turn, as it always was.
+    return BUILTIN_TASKS[name](data.builtin_size, data.builtin_max_operand, data.shuffle_seed + 1234)
+
+
+def _conversational(rows: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """A built-in task is conversational: its question is the user's turn, as it always was."""
     return [{**row, "question": [{"role": "user", "content": row["question"]}]} for row in rows]
+
+
+def read_held_out(data: DataSettings, size: int) -> list[dict[str, Any]]:
+    """``eval_data = "held_out"``: ``size`` new problems of the built-in training task, none of them a
+    training row (where the task has that many other questions: see :func:`held_out_rows`)."""
+    source = data.source
+    if not (isinstance(source, str) and source.startswith("builtin:")):
+        raise DataError(
+            f"eval_data = 'held_out' draws new problems of a built-in task, and data.source is {source!r}; "
+            "set eval_data to a file or dataset of held-out rows"
+        )
+    name = source.removeprefix("builtin:")
+    training = _builtin_task(name, data)
+    seed = data.shuffle_seed + 4321  # another stream of problems than the training rows' (seed + 1234)
+    return _conversational(held_out_rows(name, size, data.builtin_max_operand, seed, exclude=training))
 
 
 def _looks_like_a_path(source: str) -> bool:

@@ -35,7 +35,7 @@ from services.learner.data_sources import DataError, read_source
 from shared.config.learner import RESERVED_COLUMNS, DataSettings
 from shared.records import ChatMessage, DatasetPosition, PromptTask, SamplingSpec
 
-__all__ = ["DataError", "PromptFeeder", "Row", "build_prompt", "load_rows"]
+__all__ = ["DataError", "PromptFeeder", "Row", "build_prompt", "load_rows", "prepare_rows"]
 
 
 def admission_budget(in_flight: int, bound: int) -> int:
@@ -60,7 +60,11 @@ class Row:
 
 def load_rows(data: DataSettings) -> list[Row]:
     """Every row of the configured source, prepared; a row that breaks the rules raises DataError naming it."""
-    raw = read_source(data)
+    return prepare_rows(read_source(data), data)
+
+
+def prepare_rows(raw: list[dict[str, Any]], data: DataSettings) -> list[Row]:
+    """``raw`` rows (read from ``data.source``) prepared by ``data``'s rules."""
     if not raw:
         raise DataError(f"{data.source} holds no rows")
     prompt_column = resolve_prompt_column(data, raw[0])

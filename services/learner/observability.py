@@ -100,6 +100,20 @@ class MetricsSink:
         self.last = clean
         self.progress.update(step, clean)
 
+    def write_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation's ``eval/*`` figures: a record of their own for ``step`` in the metrics file (beside
+        the step's training record), TensorBoard and Prometheus, and a log line."""
+        clean = {k: float(v) for k, v in metrics.items() if v is not None and not math.isnan(float(v))}
+        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+        self._jsonl.flush()
+        if self._tensorboard is not None:
+            for name, value in clean.items():
+                self._tensorboard.add_scalar(name, value, step)
+        self.gauges.update(clean)
+        rewards = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in clean.items() if "reward" in k)
+        log.info("evaluation at step %d: %s (%d prompts in %.1f s)", step, rewards, clean.get("eval/prompts", 0),
+                 clean.get("eval/seconds", 0))  # fmt: skip
+
     def write_batch(self, step: int, group_ids: list[str], policy_versions: list[int]) -> None:
         """Which groups (and sampled under which versions) made the batch of ``step``: an audit trail."""
         record = {"step": step, "group_ids": group_ids, "policy_versions": policy_versions}

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from services.learner import distributed
 from services.learner.checkpoint import LearnerState, load_state
 from services.learner.distributed import Topology
+from services.learner.evaluation import Evaluator, eval_sampling, load_eval_rows
 from services.learner.feeder import PromptFeeder, load_rows
 from services.learner.hardware import resolve_precision
 from services.learner.observability import MetricsSink
@@ -32,6 +33,7 @@ from shared.keys import Keys
 from shared.lifecycle import NotStarting, start_consumer
 from shared.records import ChatMessage, DatasetPosition, SamplingSpec
 from shared.runs import ResumeRefused, checkpoint_to_resume, run_identity, write_run_file
+from shared.streams import StreamProducer
 from shared.telemetry import MetricsGauges
 
 log = logging.getLogger(__name__)
@@ -137,6 +139,34 @@ async def build_feeder(
     )
 
 
+async def build_evaluator(settings: LearnerSettings, client: aioredis.Redis, keys: Keys, tokenizer) -> Evaluator | None:
+    """The evaluator of ``eval_data`` (None without): its held-out rows (those over ``max_prompt_length``
+    left out, counted in the log) and its consumer of the evaluated stream."""
+    if settings.eval_data is None:
+        return None
+    rows = load_eval_rows(settings)
+    length = prompt_length_counter(tokenizer)
+    fitting = [row for row in rows if length(row.prompt) <= settings.max_prompt_length]
+    if len(fitting) < len(rows):
+        log.warning(
+            "evaluation: %d held-out prompts exceed max_prompt_length and are left out", len(rows) - len(fitting)
+        )
+    if not fitting:
+        raise NotStarting(f"evaluation: no held-out prompt of {settings.eval_data!r} fits max_prompt_length")
+    consumer = await start_consumer(
+        client, keys, settings, stream=keys.evaluated, group=Keys.LEARNER, name="learner", batch_size=len(fitting)
+    )
+    log.info("evaluation: %d held-out prompts from %s", len(fitting), settings.eval_data)
+    return Evaluator(
+        fitting,
+        eval_sampling(settings),
+        settings.eval_group_size,
+        prompts=StreamProducer(client, keys.prompts),
+        consumer=consumer,
+        timeout_s=settings.eval_timeout_s,
+    )
+
+
 async def start_pusher(settings: LearnerSettings, client: aioredis.Redis, keys: Keys) -> WeightPusher:
     """The weight store the generators pull from; its runtime (the learner's physical GPU and library
     versions) is published for operators and generators."""
@@ -173,6 +203,7 @@ async def build_learner(
         name="learner",
         batch_size=settings.groups_per_step,
     )
+    evaluator = await build_evaluator(settings, client, keys, tokenizer)
     pusher = await start_pusher(settings, client, keys)
     write_run_file(settings, run_identity(settings))
     gauges = MetricsGauges(registry)
@@ -190,6 +221,7 @@ async def build_learner(
         http=http,
         sink=sink,
         state=state,
+        evaluator=evaluator,
     )
     return loop, resumed
 

@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 from services.learner.batch import collate
 from services.learner.batch_metrics import batch_metrics, finalize_advantages
 from services.learner.checkpoint import LearnerState, save_checkpoint
+from services.learner.evaluation import Evaluator
 from services.learner.feeder import PromptFeeder, admission_budget, replacement_cap_reached
 from services.learner.importance import is_stale
 from services.learner.observability import MetricsSink
@@ -126,6 +127,7 @@ class LearnerLoop:
         http: httpx.AsyncClient,
         sink: MetricsSink,
         state: LearnerState,
+        evaluator: Evaluator | None = None,
     ) -> None:
         self.settings, self.client, self.keys = settings, client, keys
         self.trainer, self.tokenizer, self.feeder = trainer, tokenizer, feeder
@@ -141,6 +143,9 @@ class LearnerLoop:
         self.running = False
         self.last_checkpoint: Path | None = None
         self.dynamic_sampling: dict[str, float] = {}  # the last collected batch's figures
+        self.evaluator = evaluator
+        self.pushed_version: int | None = None  # the version the generators were last given
+        self.evaluated_step: int | None = None  # the step of the last evaluation
 
     @property
     def policy_version(self) -> int:
@@ -270,6 +275,7 @@ class LearnerLoop:
                     lambda announcement=announcement: self.client.set(self.keys.weights, announcement),
                     "announcing weights",
                 )
+                self.pushed_version = self.policy_version
                 break
             except WeightPushError as exc:
                 self.counters.pushed(ok=False)
@@ -325,12 +331,30 @@ class LearnerLoop:
         if resumed:
             await self.push_weights(reset=True)
         self.running = True
+        if self.trainer.step == 0 and self.settings.eval_on_start:
+            await self.evaluate(stop)
         while self.trainer.step < self.settings.max_steps and not stop.is_set():
             if not await self.run_step(stop):
                 break
         if self.unacked or (self.trainer.step and self.last_checkpoint is None):
             await self.checkpoint()
+        if self.evaluated_step != self.trainer.step and not stop.is_set():
+            await self.evaluate(stop)  # after the last step
         self.running = False
+
+    async def evaluate(self, stop: asyncio.Event) -> None:
+        """An evaluation of the current weights (pushed first if the generators have older ones), written as
+        ``eval/*`` for this step; nothing without ``eval_data``."""
+        if self.evaluator is None:
+            return
+        if self.trainer.step and self.pushed_version != self.policy_version:
+            await self.push_weights()
+        metrics = await self.evaluator.run(self.trainer.step, self.policy_version, stop)
+        if metrics is None:
+            return
+        self.evaluated_step = self.trainer.step
+        metrics["counters/eval_orphans"] = float(self.evaluator.orphans)
+        self.sink.write_eval(self.trainer.step, metrics)
 
     async def run_step(self, stop: asyncio.Event) -> bool:
         """One batch: collect, train, push and checkpoint when due, write the metrics. False: nothing left."""
@@ -350,6 +374,8 @@ class LearnerLoop:
         train_wall = time.perf_counter() - train_started
         self._trained(collected)
         sync_seconds = await self._sync_and_checkpoint()
+        if self.settings.eval_every and self.trainer.step % self.settings.eval_every == 0:
+            await self.evaluate(stop)
         seconds = {
             "seconds/wait": waited,
             "seconds/sync": sync_seconds,

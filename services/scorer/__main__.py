@@ -1,5 +1,5 @@
-"""Scorer process: ``python -m services.scorer [--config FILE]``. Wiring only: probe the reward plugins,
-then score rollouts into groups with advantages until stopped."""
+"""Scorer process: ``python -m services.scorer [--config FILE]``. Wiring only: probe the reward plugins, then
+score rollouts into groups with advantages (held-out ones for evaluation) until stopped."""
 
 import asyncio
 import sys
@@ -25,7 +25,7 @@ async def start(service: Service[ScorerSettings]) -> None:
         keys.rollouts, Keys.SCORERS, settings.scorer_id, batch_size=settings.max_groups_in_flight
     )
     scored = service.producer(keys.scored, settings.max_scored_backlog)
-    loop = ScoringLoop.from_settings(consumer, scored, functions, settings)
+    loop = ScoringLoop.from_settings(consumer, scored, functions, settings, service.producer(keys.evaluated, None))
     service.registry.register(loop.collector())
     state.not_ready_reason = loop.not_ready_reason
     service.announce(f"scorer {settings.scorer_id} {loop.intake_summary()}")

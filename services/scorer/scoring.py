@@ -102,6 +102,23 @@ def scored_group(
     )
 
 
+def evaluated_group(
+    rollout: Rollout, names: Sequence[str], weights: Sequence[float], per_func: np.ndarray, *, scorer_id: str = ""
+) -> ScoredGroup:
+    """A held-out prompt's completions, scored for evaluation: rewards and metrics, no advantages (zeros: the
+    group is never trained, and a group of one completion has no group-relative advantage)."""
+    rewards = combine_rewards(per_func.astype(np.float64), np.asarray(weights, dtype=np.float64))
+    return ScoredGroup(
+        rollout=rollout,
+        reward_names=tuple(names),
+        rewards_per_func=per_func.astype(np.float32),
+        rewards=rewards.astype(np.float32),
+        advantages=np.zeros(rollout.group_size, dtype=np.float32),
+        metrics=group_metrics(rollout, names, per_func, rewards),
+        scorer_id=scorer_id,
+    )
+
+
 def build_functions(
     specs: Sequence[RewardSpec], http: httpx.AsyncClient
 ) -> tuple[list[RewardFunction], list[HttpRewardPlugin]]:

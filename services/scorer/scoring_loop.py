@@ -11,10 +11,12 @@ open, exactly when it lets a trial through; any change of the breaker wakes the 
 group still failing after ``max_reward_wait_s`` is dead-lettered with the reason. While a required
 reward's breaker is open the loop takes no new rollouts, so the rollouts backlog fills and the generators
 stop at their backlog bound; when it is half-open and nothing is in flight, one rollout is taken as the
-trial. Optional rewards that fail are NaN for that group. On shutdown held groups are left pending
-(unacknowledged) for the next scorer. A required reward's *bug* (an exception from a Python function that is
-not an outage, see :mod:`services.scorer.rewards.functions`) is not waited out: its group is released for
-after the fix and the loop stops, raising :class:`RewardBugError` (the scorer exits 1).
+trial. Optional rewards that fail are NaN for that group. Rollouts of held-out prompts (``task.eval_step``
+set) are scored by the same functions and written to the evaluated stream, without advantages, never to
+training. On shutdown held groups are left pending (unacknowledged) for the next scorer. A required
+reward's *bug* (an exception from a Python function that is not an outage, see
+:mod:`services.scorer.rewards.functions`) is not waited out: its group is released for after the fix and the
+loop stops, raising :class:`RewardBugError` (the scorer exits 1).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from services.scorer.rewards.functions import (
     intake_state,
     run_function,
 )
-from services.scorer.scoring import reward_batch, scored_group
+from services.scorer.scoring import evaluated_group, reward_batch, scored_group
 from shared.codec import encode
 from shared.config.scorer import ScorerSettings
 from shared.intake import decode_or_reject
@@ -57,6 +59,7 @@ class _Released(Exception):
 @dataclass
 class ScorerStats:
     groups_scored: int = 0
+    groups_evaluated: int = 0  # held-out prompts scored for the learner's evaluation
     groups_zero_std: int = 0
     groups_dropped: int = 0
     groups_dead_lettered: int = 0  # a required reward failed for max_reward_wait_s
@@ -67,7 +70,10 @@ class ScorerStats:
     last_metrics: dict[str, float] = field(default_factory=dict)
 
     def scored(self, group: ScoredGroup) -> None:
-        """One group written downstream (its figures become the last ones)."""
+        """One group written downstream (a training group's figures become the last ones)."""
+        if group.rollout.task.eval_step is not None:
+            self.groups_evaluated += 1
+            return
         self.groups_scored += 1
         self.groups_zero_std += group.zero_std
         self.groups_dropped += group.dropped
@@ -76,6 +82,7 @@ class ScorerStats:
     def counters(self) -> dict[str, float]:
         return {
             "scorer/groups": self.groups_scored,
+            "scorer/groups_evaluated": self.groups_evaluated,
             "scorer/groups_zero_std": self.groups_zero_std,
             "scorer/groups_dropped": self.groups_dropped,
             "scorer/groups_dead_lettered": self.groups_dead_lettered,
@@ -105,13 +112,14 @@ class ScoringLoop:
         weights: Sequence[float],
         spec: AdvantageSpec,
         *,
+        evaluated: StreamProducer | None = None,
         drop_zero_std: bool,
         max_in_flight: int,
         max_reward_wait_s: float = 1800.0,
         retry_backoff_s: float = 1.0,
         retry_backoff_max_s: float = 30.0,
     ) -> None:
-        self.consumer, self.scored = consumer, scored
+        self.consumer, self.scored, self.evaluated = consumer, scored, evaluated
         self.functions, self.weights = list(functions), list(weights)
         self.names = [f.name for f in self.functions]
         self.spec, self.drop_zero_std = spec, drop_zero_std
@@ -131,6 +139,7 @@ class ScoringLoop:
         scored: StreamProducer,
         functions: Sequence[RewardFunction],
         settings: ScorerSettings,
+        evaluated: StreamProducer | None = None,
     ) -> ScoringLoop:
         return cls(
             consumer,
@@ -138,6 +147,7 @@ class ScoringLoop:
             functions,
             [r.weight for r in settings.rewards],
             settings.advantage_spec,
+            evaluated=evaluated,
             drop_zero_std=settings.drop_zero_std_groups,
             max_in_flight=settings.max_groups_in_flight,
             max_reward_wait_s=settings.max_reward_wait_s,
@@ -314,16 +324,36 @@ class ScoringLoop:
         self.stats.groups_dead_lettered += 1
 
     async def _commit(self, delivery: Delivery, rollout: Rollout, per_func: np.ndarray) -> None:
-        group = scored_group(
-            rollout,
-            self.names,
-            self.weights,
-            per_func,
-            self.spec,
-            drop_zero_std=self.drop_zero_std,
-            scorer_id=self.consumer.consumer,
+        output = self._output(rollout, per_func)
+        group = output.record
+        committed = await self.redis.run(
+            lambda: self.consumer.commit(delivery, [output.entry]), "writing a scored group"
         )
-        output = Output(self.scored, group.group_id, encode(group))
-        committed = await self.redis.run(lambda: self.consumer.commit(delivery, [output]), "writing a scored group")
         if committed:
             self.stats.scored(group)
+
+    def _output(self, rollout: Rollout, per_func: np.ndarray) -> _Scored:
+        """The group to write and where: a training group to the scored stream, a held-out one to the
+        evaluated stream (a scorer started without one refuses it: it is an error, not training data)."""
+        scorer_id = self.consumer.consumer
+        if rollout.task.eval_step is None:
+            group = scored_group(
+                rollout,
+                self.names,
+                self.weights,
+                per_func,
+                self.spec,
+                drop_zero_std=self.drop_zero_std,
+                scorer_id=scorer_id,
+            )
+            return _Scored(group, Output(self.scored, group.group_id, encode(group)))
+        if self.evaluated is None:
+            raise RuntimeError("an evaluation rollout reached a scorer that has no evaluated stream")
+        group = evaluated_group(rollout, self.names, self.weights, per_func, scorer_id=scorer_id)
+        return _Scored(group, Output(self.evaluated, group.group_id, encode(group)))
+
+
+@dataclass(frozen=True)
+class _Scored:
+    record: ScoredGroup
+    entry: Output

@@ -173,6 +173,24 @@ class LearnerSettings(ServiceSettings):
     max_prompt_length: int = Field(512, ge=1, description="Longer prompts are skipped (counted).")
     model_context: int = Field(0, ge=0, description="Model context (0: read from the model's config).")
 
+    # Evaluation on held-out prompts (README, "Evaluation").
+    eval_data: str | list[str] | None = Field(
+        None,
+        description="Held-out prompts, read like data.source with the [data] table's prompt rules; 'held_out': "
+        "new problems of the built-in training task, none of them a training row; None: no evaluation.",
+    )
+    eval_split: str | None = Field(None, description="Split of eval_data to read (None: data.split).")
+    eval_samples: int = Field(100, ge=1, description="Prompts per evaluation: the first eval_samples of eval_data.")
+    eval_every: int = Field(
+        0, ge=0, description="Steps between evaluations (0: only at the start and after the last step)."
+    )
+    eval_on_start: bool = Field(True, description="Evaluate the initial weights before the first step.")
+    eval_temperature: float = Field(0.0, ge=0, description="Sampling temperature of evaluation (0: greedy).")
+    eval_group_size: int = Field(1, ge=1, description="Completions per held-out prompt.")
+    eval_timeout_s: float = Field(
+        1800.0, gt=0, description="Longest wait for one evaluation's completions; then it is given up (logged)."
+    )
+
     # Objective.
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo", "geo_mean", "kl_cov"] = (
         Field(
@@ -425,6 +443,7 @@ class LearnerSettings(ServiceSettings):
         if self.delta is not None and self.delta <= 1 + self.epsilon_high:
             raise ValueError(f"delta ({self.delta}) must exceed 1 + epsilon_high ({1 + self.epsilon_high})")
         _check_objective(self)
+        _check_eval(self)
         return self
 
 
@@ -453,6 +472,16 @@ def _check_objective(s: LearnerSettings) -> None:
         raise ValueError(
             f"adaptive_entropy starts from entropy_coef ({s.entropy_coef}), which lies outside [entropy_coef_min, "
             f"entropy_coef_max] = [{s.entropy_coef_min}, {s.entropy_coef_max}]; set it inside"
+        )
+
+
+def _check_eval(s: LearnerSettings) -> None:
+    """``eval_data = "held_out"`` draws from the built-in training task; files need eval_data of their own."""
+    source = s.data.source
+    if s.eval_data == "held_out" and not (isinstance(source, str) and source.startswith("builtin:")):
+        raise ValueError(
+            f"eval_data = 'held_out' draws new problems of a built-in task, and data.source is {source!r}: set "
+            "eval_data to a file or dataset of held-out rows (read with the [data] table's prompt rules)"
         )
 
 

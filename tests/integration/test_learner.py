@@ -213,3 +213,34 @@ async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
         f"\n{ranks} rank(s): killed during step 5 (checkpoint at 3); restarted at step 3; final step 9, trained "
         f"{len(trained)} unique groups"
     )
+
+
+async def test_evaluation_rounds_at_start_every_n_steps_and_at_the_end(tiny, tmp_path, redis_client, redis_url, keys):
+    """Held-out prompts go out marked with the step, come back on the evaluated stream, and become ``eval/*``
+    records of their own at steps 0, 3 and 4 (the last); none of them is trained, and each round's groups come
+    from the weights of its step (the learner trains nothing while it waits)."""
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"question": f"h{i}", "answer": str(i)}) + "\n" for i in range(9)))
+    settings = _settings(
+        tiny, tmp_path, keys.prefix, redis_url, max_steps=4, eval_data=str(held_out), eval_samples=6, eval_every=3
+    )
+    async with httpx.AsyncClient() as http:
+        loop, _ = await build_learner(settings, redis_client, http, CollectorRegistry())
+        stop = asyncio.Event()
+        fake = asyncio.create_task(run_fake_pipeline(redis_client, keys, stop))
+        await asyncio.wait_for(loop.run(stop, resumed=False), timeout=300)
+        stop.set()
+        await fake
+        loop.sink.close()
+    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in records if "eval/prompts" in r]
+    assert [r["step"] for r in evaluations] == [0, 3, 4]
+    for record in evaluations:
+        assert (record["eval/prompts"], record["eval/missing"]) == (6, 0)
+        assert record["eval/policy_version/min"] == record["eval/policy_version/max"] == record["step"]
+        assert "eval/rewards/fake/mean" in record and "reward" not in record
+    assert [r["step"] for r in records if "reward" in r] == [1, 2, 3, 4]
+    trained = {g for line in (tmp_path / "logs" / "batches.jsonl").read_text().splitlines()
+               for g in json.loads(line)["group_ids"]}  # fmt: skip
+    assert len(trained) == 8 and loop.counters.groups_trained == 8
+    assert loop.evaluator is not None and loop.evaluator.orphans == 0

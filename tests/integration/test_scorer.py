@@ -115,6 +115,46 @@ async def test_faulty_optional_plugins_give_nan_and_counted_errors_and_every_gro
     print("\nerrors per function:", {k: v.errors for k, v in stats.items()}, "calls:", calls)
 
 
+async def test_held_out_rollouts_go_to_the_evaluated_stream_with_the_same_rewards(redis_client, keys):
+    """A rollout of a held-out prompt (``eval_step`` set) is scored by the same functions and written to the
+    evaluated stream, never to the training stream; a group of one is fine there (no advantage needed)."""
+    keys = Keys(keys.prefix)
+    training = [make_rollout(make_task(group_size=4), seed=i) for i in range(2)]
+    held_out = [make_rollout(make_task(group_size=1, eval_step=3), seed=i) for i in range(3)]
+    await StreamProducer(redis_client, keys.rollouts).add_many([(r.group_id, encode(r)) for r in training + held_out])
+    async with httpx.AsyncClient() as http:
+        functions, _ = build_functions([RewardSpec(name="correctness")], http)
+        consumer = StreamConsumer(redis_client, keys, keys.rollouts, Keys.SCORERS, "s1", block_ms=100)
+        await consumer.start()
+        loop = ScoringLoop(
+            consumer,
+            StreamProducer(redis_client, keys.scored),
+            functions,
+            [1.0],
+            AdvantageSpec(),
+            evaluated=StreamProducer(redis_client, keys.evaluated),
+            drop_zero_std=True,
+            max_in_flight=4,
+        )
+        stop = asyncio.Event()
+        runner = asyncio.create_task(loop.run(stop))
+        deadline = time.monotonic() + 60
+        while loop.stats.groups_scored + loop.stats.groups_evaluated < 5:
+            assert time.monotonic() < deadline and not runner.done()
+            await asyncio.sleep(0.05)
+        stop.set()
+        await runner
+    scored = await _scored(redis_client, keys)
+    evaluated = [decode(f[b"data"], ScoredGroup) for _, f in await redis_client.xrange(keys.evaluated)]
+    assert sorted(g.group_id for g in scored) == sorted(r.group_id for r in training)
+    assert sorted(g.group_id for g in evaluated) == sorted(r.group_id for r in held_out)
+    for group in evaluated:
+        text = group.rollout.completions[0].text  # "<answer>0</answer>"; the answer is 5
+        assert group.rewards.tolist() == [0.0] and text == "<answer>0</answer>"
+        assert group.advantages.tolist() == [0.0] and not group.dropped
+    assert loop.stats.counters()["scorer/groups_evaluated"] == 3
+
+
 async def test_open_breaker_short_circuits_and_down_plugin_fails_probe(redis_client):
     async with httpx.AsyncClient() as http:
         down = HttpRewardPlugin(

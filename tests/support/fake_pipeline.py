@@ -65,6 +65,7 @@ async def run_fake_pipeline(
     consumer = StreamConsumer(client, keys, keys.prompts, Keys.GENERATORS, "fake", block_ms=100)
     await consumer.start()
     scored = StreamProducer(client, keys.scored)
+    evaluated = StreamProducer(client, keys.evaluated)  # held-out prompts go there, as the scorer sends them
     while not stop.is_set():
         for delivery in await consumer.read():
             task = decode(delivery.payload, PromptTask)
@@ -73,4 +74,5 @@ async def run_fake_pipeline(
             else:
                 version = await latest_weights_version(client, keys) or 0
             group = scored_group_for(task, version)
-            await consumer.commit(delivery, [Output(scored, group.group_id, encode(group))])
+            stream = scored if task.eval_step is None else evaluated
+            await consumer.commit(delivery, [Output(stream, group.group_id, encode(group))])

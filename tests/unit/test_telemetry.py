@@ -16,6 +16,8 @@ def test_split_labels_takes_the_function_out_of_reward_figures():
     assert split_labels("rewards/my.mod:judge/v2/errors") == ("rewards/errors", {"function": "my.mod:judge/v2"})
     assert split_labels("clip_ratio/low_mean") == ("clip_ratio/low_mean", {})
     assert split_labels("reward_std") == ("reward_std", {})
+    assert split_labels("eval/rewards/correctness/mean") == ("eval/rewards/mean", {"function": "correctness"})
+    assert split_labels("eval/reward") == ("eval/reward", {})
 
 
 def test_callback_collector_exports_one_family_per_figure_with_a_function_label():
