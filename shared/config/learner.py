@@ -60,7 +60,8 @@ class DataSettings(BaseModel):
     source: str | list[str] = Field(
         "builtin:arithmetic",
         description="A JSONL/JSON/Parquet/CSV file, a directory of them or written by datasets' save_to_disk, a "
-        "list of files, a datasets name in the local Hugging Face cache, or builtin:arithmetic.",
+        "list of files, a datasets name in the local Hugging Face cache, or a built-in task: builtin:arithmetic, "
+        "sums, products, compare, count_items or count_letters.",
     )
     split: str = Field("train", description="Split to read when the source has several.")
     dataset_config: str | None = Field(
@@ -96,8 +97,10 @@ class DataSettings(BaseModel):
     )
     shuffle_seed: int = Field(0, description="Seed of the per-epoch shuffle.")
     epochs: int = Field(1, ge=0, description="Passes over the data (0: no limit).")
-    builtin_size: int = Field(2000, ge=1, description="builtin:arithmetic: number of problems.")
-    builtin_max_operand: int = Field(50, ge=1, description="builtin:arithmetic: largest operand.")
+    builtin_size: int = Field(2000, ge=1, description="A built-in task's number of problems.")
+    builtin_max_operand: int = Field(
+        50, ge=1, description="A built-in task's largest number (operand, list length or word length)."
+    )
 
     @property
     def renames(self) -> dict[str, str]:

@@ -22,15 +22,18 @@ from tests.support.tiny_model import build_tiny_llama
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 STEPS = 3
+EVAL_SAMPLES = 12
 
 
-def _dataset(path: Path) -> Path:
-    rows = [{"prompt": f"Q: what is {i} plus {i + 1}? A:", "ground_truth": str(2 * i + 1)} for i in range(40)]
+def _dataset(path: Path, first: int = 0) -> Path:
+    rows = [
+        {"prompt": f"Q: what is {i} plus {i + 1}? A:", "ground_truth": str(2 * i + 1)} for i in range(first, first + 40)
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
-def _config(tmp: Path, model: Path, data: Path) -> Path:
+def _config(tmp: Path, model: Path, data: Path, held_out: Path) -> Path:
     text = f"""
 [launcher]
 generators = 1
@@ -65,6 +68,8 @@ log_dir = "{tmp}/logs"
 weight_sync_port = 0
 port = 0
 progress = "off"
+eval_data = "{held_out}"
+eval_samples = {EVAL_SAMPLES}
 
 [data]
 source = "{data}"
@@ -77,7 +82,7 @@ epochs = 0
 
 def test_a_standard_format_dataset_with_trls_documented_rewards(tmp_path):
     model = build_tiny_llama(tmp_path / "tiny", seed=5, logit_scale=1.0)
-    config = _config(tmp_path, model, _dataset(tmp_path / "train.jsonl"))
+    config = _config(tmp_path, model, _dataset(tmp_path / "train.jsonl"), _dataset(tmp_path / "test.jsonl", 100))
     result = run_pipeline(config, timeout_s=1100)
     output = result.stdout + result.stderr
     scorer_log = (tmp_path / "logs" / "scorer-0.log").read_text()
@@ -86,7 +91,9 @@ def test_a_standard_format_dataset_with_trls_documented_rewards(tmp_path):
     assert exits == {"scorer-0": "0", "generator-0": "0", "learner": "0"}, output[-3000:]
     assert "a bug in the function" not in scorer_log
 
-    records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "reward" in r]
+    evaluations = [r for r in map(json.loads, lines) if "eval/prompts" in r]
     assert len(records) == STEPS
     for name in ("reward_std", "rewards/reward_len/std", "rewards/reward_len/mean", "rewards/has_number/mean"):
         print(f"{name}: {[round(r[name], 3) for r in records]}")
@@ -96,3 +103,12 @@ def test_a_standard_format_dataset_with_trls_documented_rewards(tmp_path):
     assert all(r["rewards/reward_len/std"] > 0 for r in records)
     assert all(r["rewards/reward_len/mean"] > -19 for r in records)
     assert all(r["rewards/boxed/mean"] == 0 for r in records)  # ground_truth reached it; no \boxed{} here
+    # Held-out prompts were completed greedily by the weights of step 0 and of the last step, and scored by the
+    # same functions; none of them was trained.
+    assert [r["step"] for r in evaluations] == [0, STEPS], evaluations
+    for record in evaluations:
+        assert (record["eval/prompts"], record["eval/missing"]) == (EVAL_SAMPLES, 0)
+        assert record["eval/policy_version/min"] == record["eval/policy_version/max"] == record["step"]
+        assert record["eval/rewards/reward_len/mean"] > -19
+    batches = [json.loads(line) for line in (tmp_path / "logs" / "batches.jsonl").read_text().splitlines()]
+    assert sum(len(b["group_ids"]) for b in batches) == STEPS * 2
