@@ -1,4 +1,5 @@
-"""Where the learner's per-step metrics go: JSONL, TensorBoard, Prometheus gauges, and a progress bar.
+"""Where the learner's per-step metrics go: JSONL, the trackers of ``report_to`` (TensorBoard by default; W&B,
+trackio), Prometheus gauges, and a progress bar; and the completion tables of ``log_completions``.
 
 Metric names and meanings are TRL's where TRL has the figure (``reward``, ``reward_std``, ``frac_reward_zero_std``,
 ``clip_ratio/low_mean``, ``clip_ratio/low_min``, ``clip_ratio/high_max``, ``completions/mean_length``,
@@ -17,8 +18,9 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
+from services.learner.completions_log import Row, jsonl_records
+from services.learner.trackers import TENSORBOARD_DIR, TrackingRun, open_trackers
 from shared.telemetry import MetricsGauges
 
 log = logging.getLogger(__name__)
@@ -63,27 +65,36 @@ class StepProgress:
 
 # The learner's files in its log directory (the run directory by default).
 METRICS_FILE, BATCHES_FILE, DROPS_FILE = "metrics.jsonl", "batches.jsonl", "dropped.jsonl"
-TENSORBOARD_DIR = "tensorboard"
+COMPLETIONS_FILE = "completions.jsonl"
 
 
 class MetricsSink:
     """One run's metrics. ``resumed_step``: the step of the checkpoint the run continues from (its records
     after that step are dropped: they are trained again); None: a new run, whose files start empty (an earlier
-    run's, in an explicit ``log_dir`` both share, are renamed aside, never appended to)."""
+    run's, in an explicit ``log_dir`` both share, are renamed aside, never appended to). ``tracking``: the
+    trackers besides the files (TensorBoard by default)."""
 
     def __init__(
-        self, log_dir: Path, gauges: MetricsGauges, total_steps: int, progress: str, resumed_step: int | None = None
+        self,
+        log_dir: Path,
+        gauges: MetricsGauges,
+        total_steps: int,
+        progress: str,
+        resumed_step: int | None = None,
+        tracking: TrackingRun | None = None,
     ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         if resumed_step is None:
-            set_aside(log_dir, (METRICS_FILE, BATCHES_FILE, DROPS_FILE, TENSORBOARD_DIR))
+            set_aside(log_dir, (METRICS_FILE, BATCHES_FILE, DROPS_FILE, COMPLETIONS_FILE, TENSORBOARD_DIR))
         else:
             keep_steps_up_to(log_dir / METRICS_FILE, resumed_step)
+            keep_steps_up_to(log_dir / COMPLETIONS_FILE, resumed_step)
         self.path = log_dir / METRICS_FILE
         self._jsonl = self.path.open("a", encoding="utf-8")
         self._batches = (log_dir / BATCHES_FILE).open("a", encoding="utf-8")
         self._drops = (log_dir / DROPS_FILE).open("a", encoding="utf-8")
-        self._tensorboard = _tensorboard(log_dir / TENSORBOARD_DIR, resumed_step)
+        self._completions = (log_dir / COMPLETIONS_FILE).open("a", encoding="utf-8")
+        self._trackers = open_trackers(tracking or TrackingRun(), log_dir, resumed_step)
         self.gauges = gauges
         enabled = progress == "on" or (progress == "auto" and sys.stderr.isatty())
         self.progress = StepProgress(total_steps, enabled)
@@ -93,22 +104,20 @@ class MetricsSink:
         clean = {k: float(v) for k, v in metrics.items() if v is not None and not math.isnan(float(v))}
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
         self._jsonl.flush()
-        if self._tensorboard is not None:
-            for name, value in clean.items():
-                self._tensorboard.add_scalar(name, value, step)
+        for tracker in self._trackers:
+            tracker.log(step, clean)
         self.gauges.update(clean | {"step": step})
         self.last = clean
         self.progress.update(step, clean)
 
     def write_eval(self, step: int, metrics: dict[str, float]) -> None:
         """An evaluation's ``eval/*`` figures: a record of their own for ``step`` in the metrics file (beside
-        the step's training record), TensorBoard and Prometheus, and a log line."""
+        the step's training record), the trackers and Prometheus, and a log line."""
         clean = {k: float(v) for k, v in metrics.items() if v is not None and not math.isnan(float(v))}
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
         self._jsonl.flush()
-        if self._tensorboard is not None:
-            for name, value in clean.items():
-                self._tensorboard.add_scalar(name, value, step)
+        for tracker in self._trackers:
+            tracker.log(step, clean)
         self.gauges.update(clean)
         rewards = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in clean.items() if "reward" in k)
         log.info("evaluation at step %d: %s (%d prompts in %.1f s)", step, rewards, clean.get("eval/prompts", 0),
@@ -119,6 +128,16 @@ class MetricsSink:
         record = {"step": step, "group_ids": group_ids, "policy_versions": policy_versions}
         self._batches.write(json.dumps(record) + "\n")
         self._batches.flush()
+
+    def write_completions(self, step: int, rows: list[Row]) -> None:
+        """A table of sampled completions and their rewards (:mod:`services.learner.completions_log`), one
+        ``completions.jsonl`` line per completion and one table per tracker."""
+        if not rows:
+            return
+        self._completions.write(jsonl_records(step, rows))
+        self._completions.flush()
+        for tracker in self._trackers:
+            tracker.log_completions(step, rows)
 
     def write_drop(self, group_id: str, reason: str, group_version: int, learner_version: int) -> None:
         """A group acknowledged without training, and why (stale, zero std, already trained...)."""
@@ -137,19 +156,9 @@ class MetricsSink:
         self._jsonl.close()
         self._batches.close()
         self._drops.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-
-
-def _tensorboard(directory: Path, resumed_step: int | None) -> Any:
-    """A TensorBoard writer (None without tensorboard); a resumed run purges the events after its checkpoint."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as exc:
-        log.warning("TensorBoard logging off: %s", exc)
-        return None
-    purge = None if resumed_step is None else resumed_step + 1
-    return SummaryWriter(log_dir=str(directory), purge_step=purge)
+        self._completions.close()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 def set_aside(directory: Path, names: tuple[str, ...]) -> None:

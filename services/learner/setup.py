@@ -24,11 +24,12 @@ from services.learner.feeder import PromptFeeder, load_rows
 from services.learner.hardware import resolve_precision
 from services.learner.observability import MetricsSink
 from services.learner.policy import load_policy, reference_model
+from services.learner.trackers import TrackingRun
 from services.learner.train_loop import FEEDER_POSITION, LearnerLoop
 from services.learner.trainer import Trainer
 from services.learner.weight_push import WeightPusher
 from shared.codec import encode
-from shared.config.learner import LearnerSettings
+from shared.config.learner import LearnerSettings, missing_trackers
 from shared.keys import Keys
 from shared.lifecycle import NotStarting, start_consumer
 from shared.records import ChatMessage, DatasetPosition, SamplingSpec
@@ -191,6 +192,9 @@ async def build_learner(
     topology: Topology | None = None,
 ) -> tuple[LearnerLoop, bool]:
     """The learner loop (the leader's, on several ranks), and whether it resumed from a checkpoint."""
+    problems = missing_trackers(settings.report_to)  # before the model loads: the fix is an install
+    if problems:
+        raise NotStarting("; ".join(problems))
     keys = Keys(settings.stream_prefix)
     trainer, tokenizer, state, resumed = build_trainer(settings, topology)
     feeder = await build_feeder(settings, client, keys, state, tokenizer)
@@ -208,7 +212,8 @@ async def build_learner(
     write_run_file(settings, run_identity(settings))
     gauges = MetricsGauges(registry)
     resumed_step = state.step if resumed else None
-    sink = MetricsSink(Path(settings.log_dir), gauges, settings.max_steps, settings.progress, resumed_step)
+    tracking = TrackingRun.from_settings(settings)
+    sink = MetricsSink(Path(settings.log_dir), gauges, settings.max_steps, settings.progress, resumed_step, tracking)
     loop = LearnerLoop(
         settings=settings,
         client=client,

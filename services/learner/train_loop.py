@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 from services.learner.batch import collate
 from services.learner.batch_metrics import batch_metrics, finalize_advantages
 from services.learner.checkpoint import LearnerState, save_checkpoint
+from services.learner.completions_log import completion_rows, completions_due
 from services.learner.evaluation import Evaluator
 from services.learner.feeder import PromptFeeder, admission_budget, replacement_cap_reached
 from services.learner.importance import is_stale
@@ -364,6 +365,9 @@ class LearnerLoop:
             return False
         waited = time.perf_counter() - started
         groups = [g for _, g in collected]
+        if completions_due(self.trainer.step + 1, self.settings.num_iterations, self.settings.log_completions):
+            rows = completion_rows(groups, self.settings.num_completions_to_log)
+            self.sink.write_completions(self.trainer.step + 1, rows)
         metrics = {**batch_metrics(groups, self.policy_version), **self.dynamic_sampling}
         metrics["num_tokens"] = float(self.counters.tokens_seen(metrics.pop("input_tokens")))
         self.sink.write_batch(

@@ -14,6 +14,7 @@ Batch vocabulary (the README's "Batch arithmetic" section draws it):
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import re
 import secrets
@@ -29,6 +30,23 @@ from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
 from shared.records import ChatMessage
 
 log = logging.getLogger(__name__)
+
+
+# Where the learner reports besides metrics.jsonl (TRL's report_to values), and the packages two of them need.
+ReportTo = Literal["tensorboard", "wandb", "trackio"]
+DEFAULT_REPORT_TO: tuple[ReportTo, ...] = ("tensorboard",)
+TRACKER_PACKAGES: dict[str, str] = {"wandb": "wandb", "trackio": "trackio"}
+
+
+def missing_trackers(report_to: list[ReportTo]) -> list[str]:
+    """A problem for each tracker in ``report_to`` whose package this environment lacks, naming the install
+    command: asked for, it is never skipped in silence. (TensorBoard comes with the learner's torch.)"""
+    return [
+        f"learner.report_to includes {name!r} but {package} is not installed in the learner's environment: "
+        f"pip install {package} (or remove {name!r} from report_to)"
+        for name, package in TRACKER_PACKAGES.items()
+        if name in report_to and importlib.util.find_spec(package) is None
+    ]
 
 
 # The arguments every reward function gets besides the columns (TRL's names): no column may take them.
@@ -328,9 +346,31 @@ class LearnerSettings(ServiceSettings):
     )
     min_generators: int = Field(1, ge=0, description="Wait for this many live generators before training.")
     log_dir: str = Field(
-        "", description="metrics.jsonl, batches.jsonl, dropped.jsonl and TensorBoard events; empty: the run directory."
+        "",
+        description="metrics.jsonl, batches.jsonl, dropped.jsonl, completions.jsonl and TensorBoard events; empty: "
+        "the run directory.",
     )
     progress: Literal["auto", "on", "off"] = Field("auto", description="Rich progress bar (auto: in a terminal).")
+    log_completions: int = Field(
+        0,
+        ge=0,
+        description="Steps between tables of sampled completions with each reward and the advantage "
+        "(completions.jsonl and every report_to; TRL's log_completions); 0: none.",
+    )
+    num_completions_to_log: int = Field(
+        16,
+        ge=1,
+        description="Completions per table: the batch's first, group by group (TRL's num_completions_to_print).",
+    )
+    report_to: list[ReportTo] = Field(
+        default_factory=lambda: list(DEFAULT_REPORT_TO),
+        description="Where metrics and completion tables go besides metrics.jsonl (TRL's report_to; [] for none); "
+        "wandb and trackio must be installed in the learner's environment.",
+    )
+    tracking_project: str = Field(
+        "", description="W&B and trackio project (the run is run_name); empty: WANDB_PROJECT, else 'asyncgrpo'."
+    )
+    wandb_entity: str = Field("", description="W&B entity (user or team); empty: WANDB_ENTITY, else your default.")
     host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
     port: int = Field(8003, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
     claim_idle_ms: int = Field(600_000, ge=100, description="Learner entries are claimed only after this.")
@@ -352,6 +392,18 @@ class LearnerSettings(ServiceSettings):
                 "of one prompt with each other"
             )
         return value
+
+    @field_validator("report_to")
+    @classmethod
+    def _report_once(cls, value: list[ReportTo]) -> list[ReportTo]:
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"report_to names {', '.join(repeated)} more than once; name each tracker once")
+        return value
+
+    def start_problems(self) -> list[str]:
+        """Checks of the learner's own environment (run when it starts): the trackers it reports to."""
+        return super().start_problems() + missing_trackers(self.report_to)
 
     @field_validator("run_name")
     @classmethod

@@ -55,7 +55,7 @@ def _settings(tiny: Path, tmp: Path, prefix: str, redis_url: str, **overrides) -
 
 
 async def test_admission_bounds_in_flight_and_stale_groups_are_dropped(tiny, tmp_path, redis_client, redis_url, keys):
-    settings = _settings(tiny, tmp_path, keys.prefix, redis_url)
+    settings = _settings(tiny, tmp_path, keys.prefix, redis_url, log_completions=4, num_completions_to_log=6)
     keys = Keys(keys.prefix)
     async with httpx.AsyncClient() as http:
         loop, resumed = await build_learner(settings, redis_client, http, CollectorRegistry())
@@ -104,6 +104,13 @@ async def test_admission_bounds_in_flight_and_stale_groups_are_dropped(tiny, tmp
     records = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["staleness/max"] <= settings.max_staleness for r in records)
     assert records[-1]["counters/groups_stale_dropped"] == loop.counters.groups_stale_dropped
+    # log_completions = 4: the first 6 completions (a group of 4, then 2 of the next) of steps 4 and 8.
+    completions = [json.loads(line) for line in (tmp_path / "logs" / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in completions] == [4] * 6 + [8] * 6
+    batches = _batches(tmp_path / "logs")
+    for step, rows in ((4, completions[:6]), (8, completions[6:])):
+        assert [r["group_id"] for r in rows] == [batches[step][0][0]] * 4 + [batches[step][0][1]] * 2
+    assert all(r["completion"] and any(k.startswith("rewards/") for k in r) for r in completions)
     print(
         f"\nadmitted={loop.counters.groups_admitted} trained={loop.counters.groups_trained} "
         f"stale_dropped={loop.counters.groups_stale_dropped} max_in_flight={max(observed)} bound={bound}"

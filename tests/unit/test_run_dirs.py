@@ -159,6 +159,25 @@ def test_a_resumed_run_drops_the_metrics_after_its_checkpoint(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
 
 
+def _write_completions(log_dir: Path, steps: range, resumed_step: int | None = None) -> Path:
+    sink = MetricsSink(log_dir, MetricsGauges(CollectorRegistry()), 10, "off", resumed_step)
+    for step in steps:
+        sink.write_completions(step, [{"completion": "a"}, {"completion": "b"}])
+    sink.close()
+    return log_dir / "completions.jsonl"
+
+
+def test_completion_tables_start_afresh_in_a_new_run_and_drop_the_retrained_steps_on_resume(tmp_path):
+    log_dir = tmp_path / "logs"
+    _write_completions(log_dir, range(1, 4))
+    path = _write_completions(log_dir, range(1, 3))
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 1, 2, 2]
+    (aside,) = [p for p in log_dir.iterdir() if p.name.startswith("completions.jsonl.")]
+    assert len(aside.read_text().splitlines()) == 6  # the earlier run's, kept aside
+    _write_completions(log_dir, range(2, 4), resumed_step=1)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 1, 2, 2, 3, 3]
+
+
 def test_the_learner_continues_its_own_run_and_refuses_another_model(tmp_path):
     """The learner itself (``build_trainer``, every rank): a real checkpoint carries its run's identity."""
     from services.learner.checkpoint import LearnerState, save_checkpoint

@@ -1,0 +1,112 @@
+"""Tables of sampled completions and their rewards (TRL's ``log_completions``): what the policy wrote for which
+prompt, how each reward function scored it and the advantage it got, every ``log_completions`` steps.
+
+Reading a few completions is the quickest check that a reward function does what its author meant; the
+metrics alone show that reward goes up, not why. Rows are plain JSON-able dicts: one per completion, columns
+``group_id``, ``policy_version``, ``prompt``, ``completion``, ``rewards/<function>`` (None where the function
+gave no reward: NaN on the wire), ``reward`` (the weighted combination) and ``advantage``. The reward
+functions' columns are namespaced as in the metrics (``rewards/<function>/mean``) so that a function named
+``reward`` or ``prompt`` cannot overwrite another column.
+
+``advantage`` is the scorer's, normalised within the group; with ``scale_rewards = "batch"`` (or another
+estimator that needs the whole batch) the learner trains on advantages recomputed over the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from shared.records import ChatMessage, ScoredGroup
+
+Row = dict[str, Any]
+
+REWARD_PREFIX = "rewards/"
+
+
+def completions_due(first_step: int, steps: int, every: int) -> bool:
+    """Whether a batch trained as optimizer steps ``first_step .. first_step + steps - 1`` gets a table:
+    one of those steps is a multiple of ``every`` (0: never). With ``num_iterations`` > 1 a batch spans
+    several steps, so "step % every == 0" on its first step alone could never hold."""
+    if every <= 0:
+        return False
+    last = first_step + steps - 1
+    return last // every > (first_step - 1) // every
+
+
+def completion_rows(groups: Sequence[ScoredGroup], limit: int) -> list[Row]:
+    """The first ``limit`` completions of ``groups`` in batch order (whole groups first: a group's completions
+    are compared with each other), one row each."""
+    rows: list[Row] = []
+    for group in groups:
+        rollout = group.rollout
+        prompt = _prompt_value(rollout.task.prompt)
+        for i, completion in enumerate(rollout.completions):
+            if len(rows) >= limit:
+                return rows
+            row: Row = {
+                "group_id": group.group_id,
+                "policy_version": rollout.policy_version,
+                "prompt": prompt,
+                "completion": completion.text,
+            }
+            for name, value in zip(group.reward_names, group.rewards_per_func[i], strict=True):
+                row[REWARD_PREFIX + name] = _finite_or_none(value)
+            row["reward"] = _finite_or_none(group.rewards[i])
+            row["advantage"] = float(group.advantages[i])
+            rows.append(row)
+    return rows
+
+
+def table_columns(rows: Sequence[Row]) -> list[str]:
+    """Every column of ``rows`` in the order first seen (groups scored by different reward functions have
+    different ``rewards/*`` columns; a table needs them all)."""
+    columns: dict[str, None] = {}
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+    return list(columns)
+
+
+def cell_text(value: Any) -> str:
+    """A cell as text: a conversation one ``role: content`` line per message, None empty, numbers as
+    ``repr`` gives them (short and exact)."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        return "\n".join(f"{m['role']}: {m['content']}" for m in value)
+    return str(value)
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    """``rows`` as a Markdown table (TensorBoard's text tab renders it); line breaks become ``<br>`` and
+    pipes are escaped so that every completion stays in its cell."""
+    columns = table_columns(rows)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [_markdown_cell(cell_text(row.get(column))) for column in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def jsonl_records(step: int, rows: Sequence[Row]) -> str:
+    """``rows`` as JSON lines, each with its ``step`` first (the resume truncation keys on it)."""
+    return "".join(json.dumps({"step": step, **row}) + "\n" for row in rows)
+
+
+def _prompt_value(prompt: str | tuple[ChatMessage, ...]) -> str | list[dict[str, str]]:
+    """A prompt as JSON: text as it is, a conversation as its list of ``{role, content}`` messages."""
+    if isinstance(prompt, str):
+        return prompt
+    return [message.model_dump() for message in prompt]
+
+
+def _finite_or_none(value: float) -> float | None:
+    """NaN (no reward) as None: JSON has no NaN, and a table shows an empty cell."""
+    number = float(value)
+    return None if math.isnan(number) else number
+
+
+def _markdown_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\r\n", "\n").replace("\n", "<br>")
