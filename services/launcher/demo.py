@@ -1,4 +1,4 @@
-"""``make demo``: SmolLM2-135M-Instruct gets better at sums, answered in ``<think>...</think><answer>...</answer>``.
+"""``make demo``: SmolLM2-135M-Instruct gets better at word problems (``<think>...</think><answer>...</answer>``).
 
 Prepares the model (once, with the cache given), fills it into the demo configuration, runs generator, scorer
 and learner as separate processes (Redis started if none answers) as the run ``demo-<time>`` (everything in
