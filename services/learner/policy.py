@@ -2,25 +2,37 @@
 
 Logprobs are computed as the generator sampled them: logits divided by the sampling temperature, then a
 log-softmax in float32 (also when the model runs in bf16), for the completion positions only
-(``logits_to_keep`` skips the prompt's logits).
+(``logits_to_keep`` skips the prompt's logits). With ``chunk_tokens`` > 0 the LM head runs on the final hidden
+states a chunk of completion tokens at a time (:mod:`services.learner.lm_head`), so the [tokens x vocab]
+float32 logits never exist; 0 computes them whole.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Any
 
 import torch
 
 from services.learner.batch import TrainBatch
-from services.learner.entropy import token_entropy
 from services.learner.hardware import resolve_precision
+from services.learner.lm_head import (
+    EntropyMode,
+    Stats,
+    chunked_token_stats,
+    final_hidden_states,
+    output_embeddings,
+    token_stats,
+)
 from shared.config.learner import LearnerSettings
 
 log = logging.getLogger(__name__)
+
+# (model, **inputs) -> (per-position tensor, model output): logits or the final hidden states.
+Forward = Callable[..., tuple[torch.Tensor, Any]]
 
 
 def load_policy(settings: LearnerSettings, path: str, adapter_path: str | None = None):
@@ -78,108 +90,152 @@ def reference_model(model: torch.nn.Module, dtype: torch.dtype | None = None) ->
     return reference
 
 
-def _token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits / T)[target], in float32 (float64 stays float64). logits [B, T, V]."""
-    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> float32
-    scaled = logits.to(dtype) / temperatures.to(logits.device, dtype).view(-1, 1, 1)
-    return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+def _chunked_stats(
+    model: torch.nn.Module, hidden: torch.Tensor, batch: TrainBatch, entropy: EntropyMode, chunk_tokens: int
+) -> Stats:
+    """Log-probabilities [B, T] (and entropies) from hidden [B, T, H], whose position t predicts completion
+    token t, through the LM head in chunks (:mod:`services.learner.lm_head`). Only completion tokens are
+    computed: padding positions are 0, as the plain path's are after masking."""
+    mask = batch.completion_mask.bool()
+    temperatures = batch.temperatures.to(hidden.device)[:, None].expand(mask.shape)[mask]
+    logprobs, entropies = chunked_token_stats(
+        output_embeddings(model), hidden[mask], batch.completion_ids[mask], temperatures, entropy, chunk_tokens
+    )
+    logprobs = logprobs.new_zeros(mask.shape).masked_scatter(mask, logprobs)
+    return logprobs, None if entropies is None else entropies.new_zeros(mask.shape).masked_scatter(mask, entropies)
 
 
-EntropyMode = Literal["none", "value", "grad"]
-_Stats = tuple[torch.Tensor, torch.Tensor | None]
-
-
-def _token_stats(
-    logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor, entropy: EntropyMode
-) -> _Stats:
-    """:func:`_token_logprobs` and, when asked, the entropy of softmax(logits / T) from the same scaled logits."""
-    if entropy == "none":
-        return _token_logprobs(logits, targets, temperatures), None
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    scaled = logits.to(dtype) / temperatures.to(logits.device, dtype).view(-1, 1, 1)
-    lse = torch.logsumexp(scaled, dim=-1)
-    logprobs = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    return logprobs, token_entropy(scaled if entropy == "grad" else scaled.detach(), lse)
-
-
-def _padded_logprobs(model: torch.nn.Module, batch: TrainBatch, entropy: EntropyMode = "none") -> _Stats:
+def _padded_logprobs(
+    model: torch.nn.Module, batch: TrainBatch, entropy: EntropyMode = "none", chunk_tokens: int = 0
+) -> Stats:
     """One forward over left-padded prompts + right-padded completions."""
-    output = model(
+    inputs = dict(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
         position_ids=batch.position_ids,
         logits_to_keep=batch.completion_length + 1,
         use_cache=False,
     )
-    return _token_stats(output.logits[:, :-1], batch.completion_ids, batch.temperatures, entropy)
+    if chunk_tokens:
+        hidden, _ = final_hidden_states(model, **inputs)
+        return _chunked_stats(model, hidden[:, :-1], batch, entropy, chunk_tokens)
+    output = model(**inputs)
+    return token_stats(output.logits[:, :-1], batch.completion_ids, batch.temperatures[:, None], entropy)
 
 
-def _shared_prompt_logprobs(model: torch.nn.Module, batch: TrainBatch, entropy: EntropyMode = "none") -> _Stats:
+def _logits(model: torch.nn.Module, **inputs: Any) -> tuple[torch.Tensor, Any]:
+    """The model's logits [B, K, V] and its output: :func:`final_hidden_states`'s plain counterpart."""
+    output = model(**inputs)
+    return output.logits, output
+
+
+def _group_spans(group_index: list[int]) -> list[slice]:
+    """The row spans of each group (rows of a group are contiguous; a micro-batch may split a group)."""
+    starts = [row for row in range(len(group_index)) if row == 0 or group_index[row] != group_index[row - 1]]
+    return [slice(start, stop) for start, stop in zip(starts, [*starts[1:], len(group_index)], strict=True)]
+
+
+def _group_predictors(model: torch.nn.Module, batch: TrainBatch, rows: slice, forward: Forward) -> torch.Tensor:
+    """The prompt of the group at ``rows`` once, its completions on top of the prompt's KV cache: [b, T, X]
+    whose position t predicts completion token t, X = V (``forward`` = logits) or H (final hidden states)."""
+    size = rows.stop - rows.start
+    prompt_end = batch.input_ids.shape[1] - batch.completion_length
+    prompt_len = int(batch.attention_mask[rows.start, :prompt_end].sum())
+    prompt = batch.input_ids[rows.start : rows.start + 1, prompt_end - prompt_len : prompt_end]
+    first, output = forward(model, input_ids=prompt, use_cache=True)
+    cache = output.past_key_values
+    cache.batch_repeat_interleave(size)
+    completions = batch.completion_ids[rows]
+    steps = completions.shape[1]
+    positions = torch.arange(prompt_len, prompt_len + steps, device=completions.device).expand(size, -1)
+    rest, _ = forward(
+        model,
+        input_ids=completions,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=steps,
+    )
+    return torch.cat([first[:, -1:].expand(size, -1, -1), rest[:, :-1]], dim=1)
+
+
+def _shared_prompt_logprobs(
+    model: torch.nn.Module, batch: TrainBatch, entropy: EntropyMode = "none", chunk_tokens: int = 0
+) -> Stats:
     """Each group's prompt once, its completions on top of the prompt's KV cache (gradients flow into it).
 
     The completions of one group share their prompt, so computing it once per group instead of once per
     completion saves (G - 1) prompt passes. Completions are right-padded, so causal attention alone keeps
     real tokens from seeing padding: no attention mask is needed.
     """
-    prompt_end = batch.input_ids.shape[1] - batch.completion_length
-    parts = []
-    rows = batch.group_index.tolist()
-    start = 0
-    while start < len(rows):
-        end = start
-        while end < len(rows) and rows[end] == rows[start]:
-            end += 1
-        prompt_len = int(batch.attention_mask[start, :prompt_end].sum())
-        prompt = batch.input_ids[start : start + 1, prompt_end - prompt_len : prompt_end]
-        first = model(input_ids=prompt, use_cache=True)
-        cache = first.past_key_values
-        cache.batch_repeat_interleave(end - start)
-        completions = batch.completion_ids[start:end]
-        steps = completions.shape[1]
-        positions = torch.arange(prompt_len, prompt_len + steps, device=completions.device).expand(end - start, -1)
-        rest = model(
-            input_ids=completions, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=steps
+    spans = _group_spans(batch.group_index.tolist())
+    if chunk_tokens:
+        hidden = torch.cat([_group_predictors(model, batch, rows, final_hidden_states) for rows in spans])
+        return _chunked_stats(model, hidden, batch, entropy, chunk_tokens)
+    parts = [
+        token_stats(
+            _group_predictors(model, batch, rows, _logits),
+            batch.completion_ids[rows],
+            batch.temperatures[rows, None],
+            entropy,
         )
-        logits = torch.cat([first.logits[:, -1:].expand(end - start, -1, -1), rest.logits[:, :-1]], dim=1)
-        parts.append(_token_stats(logits, completions, batch.temperatures[start:end], entropy))
-        start = end
+        for rows in spans
+    ]
     logprobs = torch.cat([lp for lp, _ in parts])
     return logprobs, None if entropy == "none" else torch.cat([h for _, h in parts])  # type: ignore[misc]
 
 
-def completion_logprobs(model: torch.nn.Module, batch: TrainBatch, *, share_prompts: bool = True) -> torch.Tensor:
+def completion_logprobs(
+    model: torch.nn.Module, batch: TrainBatch, *, share_prompts: bool = True, chunk_tokens: int = 0
+) -> torch.Tensor:
     """log pi(token | prefix) of each completion token, [B, T] float32 (0 where masked)."""
-    logprobs, _ = completion_logprobs_and_entropy(model, batch, share_prompts=share_prompts, entropy="none")
+    logprobs, _ = completion_logprobs_and_entropy(
+        model, batch, share_prompts=share_prompts, entropy="none", chunk_tokens=chunk_tokens
+    )
     return logprobs
 
 
 def completion_logprobs_and_entropy(
-    model: torch.nn.Module, batch: TrainBatch, *, share_prompts: bool = True, entropy: EntropyMode = "value"
-) -> _Stats:
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    *,
+    share_prompts: bool = True,
+    entropy: EntropyMode = "value",
+    chunk_tokens: int = 0,
+) -> Stats:
     """:func:`completion_logprobs` and, from the same logits, the policy's entropy at each completion position
     ([B, T] float32, 0 where masked; None when ``entropy="none"``). ``"grad"`` lets the entropy bonus
     differentiate it; ``"value"`` keeps it out of the graph. No [tokens x vocab] tensor is added
-    (:mod:`services.learner.entropy`)."""
+    (:mod:`services.learner.entropy`). ``chunk_tokens`` > 0: the LM head runs on that many tokens at a time
+    and no [tokens x vocab] float32 logits exist at all (:mod:`services.learner.lm_head`); 0: full logits."""
     forward = _shared_prompt_logprobs if share_prompts else _padded_logprobs
-    logprobs, entropies = forward(model, batch, entropy)
+    logprobs, entropies = forward(model, batch, entropy, chunk_tokens)
     mask = batch.completion_mask.to(logprobs.dtype)
     return logprobs * mask, None if entropies is None else entropies * mask
 
 
-@torch.no_grad()
 def logprobs_no_grad(
-    model: torch.nn.Module, batch: TrainBatch, micro_batch_size: int, *, share_prompts: bool = True
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    micro_batch_size: int,
+    *,
+    share_prompts: bool = True,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
-    """:func:`completion_logprobs` without gradients, in micro-batches (the training micro-batch size)."""
+    """:func:`completion_logprobs` under ``torch.inference_mode`` (no autograd bookkeeping at all), in
+    micro-batches; the result is cloned out of inference mode, so later autograd code may save it."""
     was_training = model.training
     model.eval()
     try:
-        parts = [
-            completion_logprobs(model, mb, share_prompts=share_prompts) for mb in batch.micro_batches(micro_batch_size)
-        ]
+        with torch.inference_mode():
+            parts = [
+                completion_logprobs(model, mb, share_prompts=share_prompts, chunk_tokens=chunk_tokens)
+                for mb in batch.micro_batches(micro_batch_size)
+            ]
+            logprobs = torch.cat(parts)
     finally:
         model.train(was_training)
-    return torch.cat(parts)
+    return logprobs.clone()
 
 
 @contextmanager

@@ -35,7 +35,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -255,18 +255,25 @@ class Trainer:
             cap_min=s.importance_cap_min,
         )
 
-    def _plan(self, batch: TrainBatch) -> tuple[TrainBatch, list[TrainBatch | None]]:
-        """This rank's rows of ``batch`` and its forward passes (None: a zero-weighted padding pass)."""
+    def _plan(self, batch: TrainBatch, size: int = 0) -> tuple[TrainBatch, list[TrainBatch | None]]:
+        """This rank's rows of ``batch`` and its forward passes of ``size`` rows, micro_batch_size when 0 (None:
+        a zero-weighted padding pass)."""
+        size = size or self.settings.micro_batch_size
         if not self.topology.distributed:
-            return batch, list(batch.micro_batches(self.settings.micro_batch_size))
+            return batch, list(batch.micro_batches(size))
         local = batch.rows(distributed.split_rows(batch.size, self.topology))
-        plan = distributed.micro_batch_plan(batch.size, self.settings.micro_batch_size, self.topology)
+        plan = distributed.micro_batch_plan(batch.size, size, self.topology)
         return local, [None if rows is None else local.rows(rows) for rows in plan]
 
     def _padding(self, batch: TrainBatch) -> TrainBatch:
         return batch.rows(slice(0, 1))
 
-    @torch.no_grad()
+    def _no_grad(self) -> AbstractContextManager:
+        """``torch.inference_mode`` (no autograd bookkeeping, no version counters) on one rank; ``no_grad``
+        under torchrun: FSDP2 gathers parameters into buffers that the training passes reuse, and a tensor made
+        under inference_mode cannot take part in autograd later."""
+        return torch.no_grad() if self.topology.distributed else torch.inference_mode()
+
     def _logprobs_no_grad(
         self,
         model: torch.nn.Module,
@@ -274,25 +281,32 @@ class Trainer:
         passes: Sequence[TrainBatch | None],
         entropy: EntropyMode = "none",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probabilities [B_r, T] (and entropies) of ``passes`` without gradient, in eval mode. The results
+        are cloned out of inference mode: the loss may then save them for its backward like any tensor."""
         was_training = model.training
         model.eval()
         try:
             parts, entropies = [], []
-            for mb in passes:
-                with compute_context(self.autocast, self.device):
-                    logprobs, h = completion_logprobs_and_entropy(
-                        model, mb or self._padding(batch), share_prompts=self.share_prompts, entropy=entropy
-                    )
-                if mb is not None:
-                    parts.append(logprobs)
-                    entropies.append(h)
+            with self._no_grad():
+                for mb in passes:
+                    with compute_context(self.autocast, self.device):
+                        logprobs, h = completion_logprobs_and_entropy(
+                            model,
+                            mb or self._padding(batch),
+                            share_prompts=self.share_prompts,
+                            entropy=entropy,
+                            chunk_tokens=self.settings.logprob_chunk_tokens,
+                        )
+                    if mb is not None:
+                        parts.append(logprobs)
+                        entropies.append(h)
         finally:
             model.train(was_training)
         empty = torch.zeros((0, batch.completion_length), device=self.device)
-        logprobs = torch.cat(parts) if parts else empty
+        logprobs = torch.cat(parts).clone() if parts else empty
         if entropy == "none":
             return logprobs, None
-        return logprobs, torch.cat(entropies) if entropies else empty  # type: ignore[arg-type]
+        return logprobs, torch.cat(entropies).clone() if entropies else empty  # type: ignore[arg-type]
 
     def _loss_mask(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] the tokens the loss sums over: completion tokens, minus truncated completions if masked."""
@@ -316,15 +330,16 @@ class Trainer:
         return BatchNormalisers.of_batch(self._loss_mask(batch), entropy_threshold=threshold, num_entropy_tokens=acting)
 
     def prepare(self, batch: TrainBatch) -> PreparedBatch:
-        """Old logprobs, reference logprobs and importance weights of this rank's rows (no gradient), and the
-        batch's normalisers, with its entropy threshold when ``top_entropy_quantile`` < 1.
+        """Old logprobs, reference logprobs and importance weights of this rank's rows (no gradient, passes of
+        ``no_grad_micro_batch_size``), and the batch's normalisers, with its entropy threshold when
+        ``top_entropy_quantile`` < 1.
 
         With ``old_logprobs = "reuse"`` the old logprobs (and the importance weights that need them) come
         from the training forward instead: with one iteration the weights are the same, so are the numbers.
         """
         s = self.settings
         started = time.perf_counter()
-        local, passes = self._plan(batch)
+        local, passes = self._plan(batch, s.no_grad_micro_batch_size)
         entropy: EntropyMode = "value" if s.top_entropy_quantile < 1.0 else "none"
         old: torch.Tensor | None = None
         entropies: torch.Tensor | None = None
@@ -367,7 +382,11 @@ class Trainer:
         """Forward, loss and backward of one micro-batch (``rows`` of this rank's); the importance weights used."""
         with compute_context(self.autocast, self.device):
             logprobs, entropies = completion_logprobs_and_entropy(
-                self.model, mb, share_prompts=self.share_prompts, entropy=entropy_mode
+                self.model,
+                mb,
+                share_prompts=self.share_prompts,
+                entropy=entropy_mode,
+                chunk_tokens=self.settings.logprob_chunk_tokens,
             )
         old, weights = self._old_and_weights(logprobs, mb, rows, prepared)
         inputs = LossInputs(
@@ -390,7 +409,11 @@ class Trainer:
         """A zero-weighted pass: keeps the ranks' collectives in step and adds no gradient."""
         with compute_context(self.autocast, self.device):
             logprobs, _ = completion_logprobs_and_entropy(
-                self.model, self._padding(batch), share_prompts=self.share_prompts, entropy=entropy_mode
+                self.model,
+                self._padding(batch),
+                share_prompts=self.share_prompts,
+                entropy=entropy_mode,
+                chunk_tokens=self.settings.logprob_chunk_tokens,
             )
         (logprobs.sum() * 0.0).backward()
 

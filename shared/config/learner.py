@@ -179,6 +179,20 @@ class LearnerSettings(ServiceSettings):
     group_size: int = Field(8, description="G: completions per prompt (at least 2).")
     groups_per_step: int = Field(4, ge=1, description="Prompts (groups) per optimizer step.")
     micro_batch_size: int = Field(8, ge=1, description="Completions per forward/backward pass.")
+    no_grad_micro_batch_size: int = Field(
+        0,
+        ge=0,
+        description="Completions per no-grad pass (old logprobs, reference model): it keeps no activations for a "
+        "backward, so it can take more than micro_batch_size (0: micro_batch_size).",
+    )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=0,
+        description="Completion tokens whose logits exist at once: the LM head, log-softmax and entropy run on "
+        "chunks of this many tokens (recomputed in the backward), so the [tokens x vocab] float32 logits never "
+        "exist (0: whole logits, as before; needed for models that change logits after their LM head, e.g. "
+        "Gemma's softcapping).",
+    )
     num_iterations: int = Field(1, ge=1, description="Optimizer steps per batch (TRL's num_iterations, mu).")
     sync_every: int = Field(1, ge=1, description="Optimizer steps between weight pushes to the generators.")
     max_staleness: int = Field(1, ge=0, description="Oldest trainable group, in policy versions behind.")
