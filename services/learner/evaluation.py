@@ -50,17 +50,11 @@ def load_eval_rows(settings: LearnerSettings) -> list[Row]:
     return prepare_rows(raw[: settings.eval_samples], data)
 
 
-def eval_sampling(settings: LearnerSettings) -> SamplingSpec:
-    """Evaluation's sampling: the training settings, at ``eval_temperature`` (0: greedy, so no top-k/p)."""
-    greedy = settings.eval_temperature == 0
-    return SamplingSpec(
-        temperature=settings.eval_temperature,
-        top_p=1.0 if greedy else settings.top_p,
-        top_k=-1 if greedy else settings.top_k,
-        min_p=0.0 if greedy else settings.min_p,
-        repetition_penalty=settings.repetition_penalty,
-        max_tokens=settings.max_completion_length,
-    )
+def eval_sampling(training: SamplingSpec, temperature: float) -> SamplingSpec:
+    """Evaluation's sampling: the training spec at ``eval_temperature`` (0: greedy, so no top-k/p/min-p)."""
+    if temperature > 0:
+        return training.model_copy(update={"temperature": temperature})
+    return training.model_copy(update={"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0})
 
 
 def eval_metrics(groups: Sequence[ScoredGroup], wanted: int, seconds: float) -> dict[str, float]:

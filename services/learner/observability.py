@@ -101,23 +101,24 @@ class MetricsSink:
         self.last: dict[str, float] = {}
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        clean = {k: float(v) for k, v in metrics.items() if v is not None and not math.isnan(float(v))}
-        self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
-        self._jsonl.flush()
-        for tracker in self._trackers:
-            tracker.log(step, clean)
+        clean = self._record(step, metrics)
         self.gauges.update(clean | {"step": step})
         self.last = clean
         self.progress.update(step, clean)
 
-    def write_eval(self, step: int, metrics: dict[str, float]) -> None:
-        """An evaluation's ``eval/*`` figures: a record of their own for ``step`` in the metrics file (beside
-        the step's training record), the trackers and Prometheus, and a log line."""
+    def _record(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` without NaN, as a metrics-file line for ``step`` and to every tracker; returns them."""
         clean = {k: float(v) for k, v in metrics.items() if v is not None and not math.isnan(float(v))}
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
         self._jsonl.flush()
         for tracker in self._trackers:
             tracker.log(step, clean)
+        return clean
+
+    def write_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation's ``eval/*`` figures: a record of their own for ``step`` in the metrics file (beside
+        the step's training record), the trackers and Prometheus, and a log line."""
+        clean = self._record(step, metrics)
         self.gauges.update(clean)
         rewards = "  ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in clean.items() if "reward" in k)
         log.info("evaluation at step %d: %s (%d prompts in %.1f s)", step, rewards, clean.get("eval/prompts", 0),

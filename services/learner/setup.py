@@ -160,7 +160,7 @@ async def build_evaluator(settings: LearnerSettings, client: aioredis.Redis, key
     log.info("evaluation: %d held-out prompts from %s", len(fitting), settings.eval_data)
     return Evaluator(
         fitting,
-        eval_sampling(settings),
+        eval_sampling(sampling_spec(settings), settings.eval_temperature),
         settings.eval_group_size,
         prompts=StreamProducer(client, keys.prompts),
         consumer=consumer,

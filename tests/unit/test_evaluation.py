@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from services.learner.data_sources import DataError
 from services.learner.evaluation import EvalRound, eval_metrics, eval_sampling, load_eval_rows
 from services.learner.feeder import load_rows
+from services.learner.setup import sampling_spec
 from services.scorer.scoring import evaluated_group
 from shared.config.learner import LearnerSettings
 from shared.records import ChatMessage, Completion, PromptTask, Rollout, RolloutTimings, SamplingSpec, ScoredGroup
@@ -66,8 +67,11 @@ def test_held_out_needs_a_built_in_training_task(tmp_path):
 
 def test_evaluation_samples_greedily_by_default_with_the_training_length():
     settings = _settings(top_p=0.9, top_k=50, max_completion_length=64, repetition_penalty=1.1)
-    assert eval_sampling(settings) == SamplingSpec(temperature=0.0, max_tokens=64, repetition_penalty=1.1)
-    sampled = eval_sampling(settings.model_copy(update={"eval_temperature": 0.7}))
+    training = sampling_spec(settings)
+    assert eval_sampling(training, settings.eval_temperature) == SamplingSpec(
+        temperature=0.0, max_tokens=64, repetition_penalty=1.1
+    )
+    sampled = eval_sampling(training, 0.7)
     assert (sampled.temperature, sampled.top_p, sampled.top_k) == (0.7, 0.9, 50)
 
 
