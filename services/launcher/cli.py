@@ -53,7 +53,9 @@ def _parser() -> argparse.ArgumentParser:
         help="the run's name: its directory is runs/<name>/; a name that has checkpoints continues that run "
         "(default: learner.run_name, else a timestamp, a new run)",
     )
-    demo = commands.add_parser("demo", help="the CPU demo: SmolLM2-135M learns the answer format")
+    demo = commands.add_parser(
+        "demo", help="the CPU demo: SmolLM2-135M learns one-step word problems (exit 1: a goal missed)"
+    )
     demo.add_argument("--config", type=Path, default=Path("configs/demo-cpu.toml"))
     demo.add_argument("--cache", type=Path, default=None, help="model cache (default ~/.cache/asyncgrpo)")
     prepare = commands.add_parser("prepare-model", help="convert SmolLM2-135M-Instruct once and print its path")
