@@ -1,27 +1,43 @@
 """Learner benchmark: our training step vs a bare transformers forward+backward loop on the same batch.
 
-Model: SmolLM2-135M's architecture (30 layers, hidden 576, vocabulary 49,152) with random weights.
-Precision: both loops run the learner's policy (services/learner/hardware.py): master weights and AdamW
-state in ``--param-dtype`` (float32), forward and backward in ``--compute-dtype`` under autocast (auto: bf16
-where the CPU computes in it, AMX / AVX512-BF16, else float32), so the speed ratio compares like with like.
-Batch: ``--groups`` groups of G = ``--group-size`` completions (lengths 20-60) of a ``--prompt``-token prompt.
+Model (``--shape``, random weights): SmolLM2-135M's architecture (30 layers, hidden 576, vocabulary 49,152), or
+Qwen2.5-0.5B's (24 layers, hidden 896, MLP 4,864, 14 heads / 2 KV heads, vocabulary 151,936, tied embeddings) or
+Qwen2.5-1.5B's (28 layers, hidden 1,536, MLP 8,960, 12 heads / 2 KV heads, vocabulary 151,936, tied embeddings).
+Precision: both loops run the learner's policy (services/learner/hardware.py): master weights and AdamW state
+in ``--param-dtype`` (float32), forward and backward in ``--compute-dtype`` under autocast (auto: bf16 on CUDA
+and where the CPU computes in it, AMX / AVX512-BF16, else float32), so the speed ratio compares like with like.
+Batch (``--batch``): "cpu", ``--groups`` groups of G = ``--group-size`` completions of 20-60 tokens on a
+``--prompt``-token prompt; "gpu", the issue's GPU batch: 8 groups x G = 8, prompt 256, completions uniform in
+128-1024 tokens, micro-batch 8.
 
 * "bare": one forward over each micro-batch's prompt + completion (right-padded), log-softmax of the
   completion tokens, a policy-gradient loss, backward, one AdamW step - the plain way to do it.
-* "ours": ``Trainer.train`` - GRPO loss with clipping and importance weights, exact micro-batch
-  accumulation, the group's prompt computed once and shared by its G completions.
+* "ours": ``Trainer.train`` - GRPO loss with clipping and importance weights, exact micro-batch accumulation,
+  with the learner's defaults for the device (``share_prompts``, ``max_tokens_per_micro_batch``: packed
+  micro-batches) unless ``--share-prompts`` / ``--max-tokens-per-micro-batch`` say otherwise.
 
-Both in the same process, alternating, best of ``--repeats``; figures are completion tokens per second.
-The last line is the ratio ours/bare (goal >= 0.9).
+Both in the same process, alternating, best of ``--repeats``. Printed per loop: seconds, completion tokens/s,
+model TFLOP/s and MFU against the device's dense bf16 peak (model FLOPs: 6 x non-embedding parameters x the
+batch's prompt + completion tokens, plus causal attention, 6 x layers x hidden x L^2 per sequence of L tokens:
+the work of one unshared forward + backward), and peak memory (CUDA: torch.cuda.max_memory_allocated; CPU: the
+process's resident set, sampled every 10 ms, above its level before the loop, after glibc's malloc_trim). Then
+the recompute pass (the no-grad old-logprob pass of ``old_logprobs = "recompute"``) as a share of our training
+step, and last the ratio ours/bare (goal >= 0.9).
 
-    python bench/learner.py [--threads 1] [--repeats 3] [--compute-dtype auto] [--quick]
+    python bench/learner.py [--device cpu|cuda] [--shape smollm2|qwen2.5-0.5b|qwen2.5-1.5b] [--batch cpu|gpu]
+        [--threads 1] [--repeats 3] [--compute-dtype auto] [--max-tokens-per-micro-batch auto|0|N]
+        [--share-prompts auto|on|off] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,47 +45,84 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from services.learner.batch import TrainBatch, collate  # noqa: E402
 from services.learner.hardware import Precision, compute_context, resolve_precision  # noqa: E402
+from services.learner.packing import attention_implementation  # noqa: E402
 from services.learner.trainer import Trainer  # noqa: E402
 from shared.config.learner import LearnerSettings  # noqa: E402
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, ScoredGroup  # noqa: E402
 
-VOCAB = 49152
+
+def _config(shape: str, layers: int | None) -> PretrainedConfig:
+    """The transformers config of ``shape`` (random weights), with ``layers`` layers when given."""
+    if shape == "smollm2":
+        config: PretrainedConfig = LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        )
+    else:
+        big = shape == "qwen2.5-1.5b"
+        config = Qwen2Config(
+            vocab_size=151936,
+            hidden_size=1536 if big else 896,
+            intermediate_size=8960 if big else 4864,
+            num_hidden_layers=28 if big else 24,
+            num_attention_heads=12 if big else 14,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+        )
+    if layers:
+        config.num_hidden_layers = layers
+    config.use_cache = False
+    return config
 
 
-def smollm2_shaped(layers: int, dtype: torch.dtype) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=layers,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
+def build_model(config: PretrainedConfig, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """A random-weight model of ``config``, with the learner's attention (flash-attn on CUDA when installed)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(dtype)
-    model.config.use_cache = False
-    return model
+    implementation = attention_implementation(device) or "sdpa"
+    config._attn_implementation = implementation
+    cls = LlamaForCausalLM if isinstance(config, LlamaConfig) else Qwen2ForCausalLM
+    return cls(config).to(device=device, dtype=dtype)
 
 
-def make_groups(groups: int, group_size: int, prompt_len: int) -> list[ScoredGroup]:
+@dataclass(frozen=True)
+class BatchShape:
+    groups: int
+    group_size: int
+    prompt: int
+    completion_min: int
+    completion_max: int
+    micro_batch_size: int
+
+
+GPU_BATCH = BatchShape(groups=8, group_size=8, prompt=256, completion_min=128, completion_max=1024, micro_batch_size=8)
+
+
+def make_groups(shape: BatchShape, vocab: int) -> list[ScoredGroup]:
     rng = np.random.default_rng(0)
     out = []
-    for _ in range(groups):
-        task = PromptTask(prompt="x", group_size=group_size, policy_version=0)
+    for _ in range(shape.groups):
+        task = PromptTask(prompt="x", group_size=shape.group_size, policy_version=0)
         completions = []
-        for _ in range(group_size):
-            n = int(rng.integers(20, 61))
+        for _ in range(shape.group_size):
+            n = int(rng.integers(shape.completion_min, shape.completion_max + 1))
             completions.append(
                 Completion(
                     text="",
-                    token_ids=rng.integers(5, VOCAB, size=n).astype(np.int32),
+                    token_ids=rng.integers(5, vocab, size=n).astype(np.int32),
                     behaviour_logprobs=np.full(n, -3.0, dtype=np.float32),
                     finish_reason="stop",
                 )
@@ -77,14 +130,14 @@ def make_groups(groups: int, group_size: int, prompt_len: int) -> list[ScoredGro
         rollout = Rollout(
             group_id=task.task_id,
             task=task,
-            prompt_token_ids=rng.integers(5, VOCAB, size=prompt_len).astype(np.int32),
+            prompt_token_ids=rng.integers(5, vocab, size=shape.prompt).astype(np.int32),
             completions=tuple(completions),
             policy_version=0,
             finished_policy_version=0,
             generator_id="bench",
             timings=RolloutTimings(received_at=0, started_at=0, finished_at=0),
         )
-        rewards = rng.random(group_size).astype(np.float32)
+        rewards = rng.random(shape.group_size).astype(np.float32)
         out.append(
             ScoredGroup(
                 rollout=rollout,
@@ -97,7 +150,9 @@ def make_groups(groups: int, group_size: int, prompt_len: int) -> list[ScoredGro
     return out
 
 
-def bare_step(model, optimizer, groups: list[ScoredGroup], micro_batch_size: int, precision: Precision) -> None:
+def bare_step(
+    model, optimizer, groups: list[ScoredGroup], micro_batch_size: int, precision: Precision, device: str
+) -> None:
     """The plain loop: right-padded prompt + completion, log-softmax, policy gradient, AdamW; the forward
     under the same autocast as ours."""
     rows = [
@@ -119,7 +174,9 @@ def bare_step(model, optimizer, groups: list[ScoredGroup], micro_batch_size: int
             ids[row, : len(sequence)] = torch.from_numpy(sequence.astype(np.int64))
             attention[row, : len(sequence)] = 1
             target_mask[row, len(prompt) - 1 : len(sequence) - 1] = 1
-        with compute_context(precision, "cpu"):
+        ids, attention = ids.to(device), attention.to(device)
+        target_mask, advantages = target_mask.to(device), advantages.to(device)
+        with compute_context(precision, device):
             logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         loss = -(logprobs * target_mask * advantages[:, None]).sum() / total_tokens
@@ -128,50 +185,183 @@ def bare_step(model, optimizer, groups: list[ScoredGroup], micro_batch_size: int
     optimizer.step()
 
 
-def main(args) -> None:
-    torch.set_num_threads(args.threads)
-    groups = make_groups(args.groups, args.group_size, args.prompt)
-    tokens = sum(len(c.token_ids) for g in groups for c in g.rollout.completions)
-    settings = LearnerSettings(
+# Dense bf16 peaks (TFLOP/s) from the vendors' data sheets, matched against torch.cuda.get_device_name().
+BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
+
+
+def bf16_peak_tflops(device: str) -> tuple[str, float | None]:
+    """The device's name and its dense bf16 peak (None: unknown; for CPUs this benchmark knows none)."""
+    if device != "cuda":
+        return "CPU", None
+    name = torch.cuda.get_device_name()
+    for key, peak in BF16_PEAK_TFLOPS.items():  # "H100 PCIe" is tried before "H100"
+        if all(part in name for part in key.split()):
+            return name, peak
+    return name, None
+
+
+def model_flops(config: PretrainedConfig, model: torch.nn.Module, groups: list[ScoredGroup]) -> float:
+    """Forward + backward FLOPs of the batch's sequences, each computed once without padding or sharing."""
+    embedding = model.get_input_embeddings().weight.numel()
+    dense = sum(p.numel() for p in model.parameters()) - embedding
+    if config.tie_word_embeddings:
+        dense += embedding  # the tied LM head multiplies too
+    lengths = [len(g.rollout.prompt_token_ids) + len(c.token_ids) for g in groups for c in g.rollout.completions]
+    attention = sum(6 * config.num_hidden_layers * config.hidden_size * n * n for n in lengths)
+    return 6.0 * dense * sum(lengths) + attention
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed heap pages; malloc_trim hands them back, so one loop's leftovers do not hide the next
+    loop's growth."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class PeakMemory:
+    """Peak memory of a block: CUDA's allocator peak, or the CPU process's RSS sampled every 10 ms, above the
+    level before the block."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.peak = 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def _rss() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+    def _sample(self, base: int) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._rss() - base)
+
+    def __enter__(self) -> PeakMemory:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._base = torch.cuda.memory_allocated()
+        else:
+            _return_freed_memory()
+            self._thread = threading.Thread(target=self._sample, args=(self._rss(),), daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self._base
+        else:
+            self._stop.set()
+            self._thread.join()
+
+
+def _timed(device: str, step) -> tuple[float, int]:
+    """Seconds and peak memory of ``step()``."""
+    with PeakMemory(device) as memory:
+        started = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+    return seconds, memory.peak
+
+
+def _settings(args, shape: BatchShape, old_logprobs: str) -> LearnerSettings:
+    longest = shape.prompt + shape.completion_max
+    return LearnerSettings(
         model="(bench)",
         api_token="x",
+        device=args.device,
         param_dtype=args.param_dtype,
         compute_dtype=args.compute_dtype,
-        group_size=args.group_size,
-        groups_per_step=args.groups,
-        micro_batch_size=args.micro_batch_size,
-        old_logprobs="reuse",
+        group_size=shape.group_size,
+        groups_per_step=shape.groups,
+        micro_batch_size=shape.micro_batch_size,
+        max_prompt_length=shape.prompt,
+        max_completion_length=shape.completion_max,
+        model_context=longest,
+        max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+        share_prompts=args.share_prompts,
+        old_logprobs=old_logprobs,
         loss_type="dapo",
         max_steps=1000,
     )
+
+
+def _batch_shape(args) -> BatchShape:
+    if args.batch == "gpu":
+        return GPU_BATCH
+    return BatchShape(args.groups, args.group_size, args.prompt, 20, 60, args.micro_batch_size)
+
+
+def main(args) -> None:
+    torch.set_num_threads(args.threads)
+    shape = _batch_shape(args)
+    config = _config(args.shape, args.layers)
+    groups = make_groups(shape, config.vocab_size)
+    tokens = sum(len(c.token_ids) for g in groups for c in g.rollout.completions)
+    settings = _settings(args, shape, "reuse")
     batch: TrainBatch = collate(groups, [torch.from_numpy(g.advantages.copy()) for g in groups], pad_id=0)
-    precision = resolve_precision(args.param_dtype, args.compute_dtype, "cpu")
-    ours_model, bare_model = smollm2_shaped(args.layers, precision.param), smollm2_shaped(args.layers, precision.param)
+    precision = resolve_precision(args.param_dtype, args.compute_dtype, args.device)
+    ours_model = build_model(config, precision.param, args.device)
+    bare_model = build_model(config, precision.param, args.device)
     trainer = Trainer(ours_model, settings)
+    recompute = Trainer(ours_model, _settings(args, shape, "recompute"))  # only its no-grad pass runs
     assert trainer.precision == precision
     bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6)
-    best = {"bare": float("inf"), "ours": float("inf")}
+    best = {"bare": (float("inf"), 0), "ours": (float("inf"), 0)}
+    old_logprobs = float("inf")
+
+    def bare() -> None:
+        bare_step(bare_model, bare_optimizer, groups, shape.micro_batch_size, precision, args.device)
+
     for _ in range(args.repeats):
-        started = time.perf_counter()
-        bare_step(bare_model, bare_optimizer, groups, args.micro_batch_size, precision)
-        best["bare"] = min(best["bare"], time.perf_counter() - started)
-        started = time.perf_counter()
-        trainer.train(batch)
-        best["ours"] = min(best["ours"], time.perf_counter() - started)
+        best["bare"] = min(best["bare"], _timed(args.device, bare))
+        best["ours"] = min(best["ours"], _timed(args.device, lambda: trainer.train(batch)))
+        old_logprobs = min(old_logprobs, recompute.prepare(batch.to(trainer.device)).seconds_old_logprobs)
+    report(args, shape, config, ours_model, groups, tokens, trainer, precision, best, old_logprobs)
+
+
+def report(args, shape, config, model, groups, tokens, trainer, precision, best, old_logprobs) -> None:
+    name, peak = bf16_peak_tflops(args.device)
+    flops = model_flops(config, model, groups)
+    memory = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "process RSS sampled every 10 ms"
     print(
-        f"learner: {args.groups} groups x G={args.group_size}, prompt {args.prompt} tokens, {tokens} completion "
-        f"tokens, micro-batch {args.micro_batch_size}, {args.layers} layers, {precision.describe()}, "
+        f"learner: {args.shape} ({config.num_hidden_layers} layers), {shape.groups} groups x G={shape.group_size}, "
+        f"prompt {shape.prompt} tokens, {tokens} completion tokens ({shape.completion_min}-{shape.completion_max} "
+        f"each), micro-batch {shape.micro_batch_size}, {precision.describe()}, {args.device}, "
         f"{args.threads} thread(s), best of {args.repeats}"
     )
-    print(f"{'loop':<6} {'seconds':>8} {'tokens/s':>9}")
-    for name in ("bare", "ours"):
-        print(f"{name:<6} {best[name]:>8.2f} {tokens / best[name]:>9.1f}")
-    print(f"ratio ours/bare (tokens/s): {best['bare'] / best['ours']:.2f}  (goal >= 0.90)")
+    print(
+        f"ours: share_prompts={trainer.share_prompts}, packed={trainer.packed} "
+        f"(token budget {trainer.token_budget}); device {name}, dense bf16 peak "
+        f"{'unknown' if peak is None else f'{peak:.0f} TFLOP/s'}; model FLOPs per step {flops / 1e12:.3f} T"
+    )
+    print(f"{'loop':<6} {'seconds':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>7} {'peak MiB':>9}  ({memory})")
+    for loop in ("bare", "ours"):
+        seconds, peak_bytes = best[loop]
+        achieved = flops / seconds / 1e12
+        mfu = "n/a" if peak is None else f"{100 * achieved / peak:.1f}%"
+        print(
+            f"{loop:<6} {seconds:>8.2f} {tokens / seconds:>9.1f} {achieved:>8.4f} {mfu:>7} {peak_bytes / 2**20:>9.0f}"
+        )
+    print(
+        f"recompute pass (no-grad old logprobs): {old_logprobs:.2f} s = "
+        f"{old_logprobs / best['ours'][0]:.2f} of our training step"
+    )
+    print(f"ratio ours/bare (tokens/s): {best['bare'][0] / best['ours'][0]:.2f}  (goal >= 0.90)")
+
+
+def _token_budget(value: str) -> int | str:
+    return value if value == "auto" else int(value)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--shape", choices=["smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b"], default="smollm2")
+    parser.add_argument("--batch", choices=["cpu", "gpu"], default="cpu", help="gpu: the issue's GPU batch")
+    parser.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=110)
@@ -180,6 +370,8 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--compute-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    parser.add_argument("--max-tokens-per-micro-batch", type=_token_budget, default="auto")
+    parser.add_argument("--share-prompts", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--quick", action="store_true", help="2 layers, 2 groups, 1 repeat (smoke test)")
     arguments = parser.parse_args()
     if arguments.quick:

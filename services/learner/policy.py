@@ -27,6 +27,7 @@ from services.learner.lm_head import (
     output_embeddings,
     token_stats,
 )
+from services.learner.packing import attention_implementation, packed_logprobs
 from shared.config.learner import LearnerSettings
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ def load_policy(settings: LearnerSettings, path: str, adapter_path: str | None =
         log.warning("param_dtype = bfloat16: AdamW steps below half a bf16 unit of a weight are rounded away")
     dtype = precision.compute if settings.lora_rank else precision.param
     log.info("loading %s in %s on %s (%s)", path, dtype, settings.device, precision.describe())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attention_implementation(settings.device)
+    )
     model.to(settings.device)
     model.config.use_cache = False
     if settings.lora_rank:
@@ -186,11 +189,16 @@ def _shared_prompt_logprobs(
 
 
 def completion_logprobs(
-    model: torch.nn.Module, batch: TrainBatch, *, share_prompts: bool = True, chunk_tokens: int = 0
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    *,
+    share_prompts: bool = True,
+    chunk_tokens: int = 0,
+    packed: bool = False,
 ) -> torch.Tensor:
     """log pi(token | prefix) of each completion token, [B, T] float32 (0 where masked)."""
     logprobs, _ = completion_logprobs_and_entropy(
-        model, batch, share_prompts=share_prompts, entropy="none", chunk_tokens=chunk_tokens
+        model, batch, share_prompts=share_prompts, entropy="none", chunk_tokens=chunk_tokens, packed=packed
     )
     return logprobs
 
@@ -202,14 +210,19 @@ def completion_logprobs_and_entropy(
     share_prompts: bool = True,
     entropy: EntropyMode = "value",
     chunk_tokens: int = 0,
+    packed: bool = False,
 ) -> Stats:
     """:func:`completion_logprobs` and, from the same logits, the policy's entropy at each completion position
     ([B, T] float32, 0 where masked; None when ``entropy="none"``). ``"grad"`` lets the entropy bonus
     differentiate it; ``"value"`` keeps it out of the graph. No [tokens x vocab] tensor is added
     (:mod:`services.learner.entropy`). ``chunk_tokens`` > 0: the LM head runs on that many tokens at a time
-    and no [tokens x vocab] float32 logits exist at all (:mod:`services.learner.lm_head`); 0: full logits."""
-    forward = _shared_prompt_logprobs if share_prompts else _padded_logprobs
-    logprobs, entropies = forward(model, batch, entropy, chunk_tokens)
+    and no [tokens x vocab] float32 logits exist at all (:mod:`services.learner.lm_head`); 0: full logits.
+    ``packed``: one padding-free row of the batch's sequences (:mod:`services.learner.packing`)."""
+    if packed:
+        logprobs, entropies = packed_logprobs(model, batch, entropy, chunk_tokens, share_prompts)
+    else:
+        forward = _shared_prompt_logprobs if share_prompts else _padded_logprobs
+        logprobs, entropies = forward(model, batch, entropy, chunk_tokens)
     mask = batch.completion_mask.to(logprobs.dtype)
     return logprobs * mask, None if entropies is None else entropies * mask
 

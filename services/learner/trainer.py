@@ -21,8 +21,14 @@ step 1 (a no-grad pass of its own with ``old_logprobs = "reuse"``); all ``num_it
 adaptive entropy controller (TRL's) updates ``entropy_coef`` after each optimizer step from the batch's
 entropy over the tokens the loss acts on.
 
+Micro-batches (:mod:`services.learner.packing`): with a token budget (``max_tokens_per_micro_batch``, auto on
+every device) consecutive rows up to the budget and ``micro_batch_size`` are packed into one row without
+padding; each group's prompt once when ``share_prompts`` (auto: on for the CPU, off for CUDA). The results
+come back in the padded [b, T] layout, so the loss and its normalisers do not change.
+
 Under torchrun (:mod:`services.learner.distributed`) each rank runs these on its block of the batch's rows
-with the whole batch's normalisers, and the metrics are summed across ranks.
+with the whole batch's normalisers, and the metrics are summed across ranks; its micro-batches are padded and
+row-counted, prompts unshared (every rank must run the same number of passes).
 
 Precision (:mod:`services.learner.hardware`): the weights, their gradients and AdamW's state are in
 ``param_dtype`` (float32); forwards run in ``compute_dtype`` under autocast on one device (FSDP2 casts the
@@ -47,6 +53,7 @@ from services.learner.batch_metrics import clip_ratio_extremes, sampling_logp_di
 from services.learner.distributed import Channel, Topology
 from services.learner.hardware import Precision, compute_context, resolve_precision
 from services.learner.importance import importance_weight_metrics, importance_weights
+from services.learner.lm_head import Stats
 from services.learner.loss import (
     BatchNormalisers,
     LossConfig,
@@ -56,6 +63,13 @@ from services.learner.loss import (
     compute_loss,
     entropy_threshold,
     high_entropy_mask,
+)
+from services.learner.packing import (
+    check_attention,
+    plan_micro_batches,
+    resolve_share_prompts,
+    resolve_token_budget,
+    sequence_lengths,
 )
 from services.learner.policy import EntropyMode, completion_logprobs_and_entropy, merged_weights
 from shared.config.learner import LearnerSettings
@@ -180,9 +194,17 @@ class Trainer:
         self.reference = reference
         self.topology = topology or Topology()
         self.channel = Channel(self.topology)
-        # The shared-prompt forward runs a pass count that depends on group boundaries; FSDP's collectives
-        # need the same count on every rank, which the padded forward gives.
-        self.share_prompts = not self.topology.distributed
+        device_type = self.device.type
+        self.share_prompts = resolve_share_prompts(settings.share_prompts, device_type, self.topology.distributed)
+        # Under torchrun the ranks' pass counts must match (distributed.micro_batch_plan): padded, row-counted.
+        self.token_budget = 0
+        if not self.topology.distributed:
+            sequence = settings.max_prompt_length + settings.max_completion_length
+            self.token_budget = resolve_token_budget(
+                settings.max_tokens_per_micro_batch, device_type, settings.micro_batch_size, sequence
+            )
+        if self.packed:
+            check_attention(getattr(model.config, "_attn_implementation", None) or "sdpa", self.share_prompts)
         self.precision = resolve_precision(settings.param_dtype, settings.compute_dtype, settings.device)
         # Sharded, FSDP2's MixedPrecisionPolicy casts the gathered weights (distributed.shard_model).
         self.autocast = Precision() if self.topology.distributed else self.precision
@@ -195,6 +217,11 @@ class Trainer:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def packed(self) -> bool:
+        """Whether micro-batches are packed without padding (:mod:`services.learner.packing`)."""
+        return self.token_budget > 0
 
     def state_dict(self) -> dict:
         """Scheduler and step; the optimizer too on one rank (on several, :meth:`save_optimizer` writes it)."""
@@ -256,17 +283,41 @@ class Trainer:
         )
 
     def _plan(self, batch: TrainBatch, size: int = 0) -> tuple[TrainBatch, list[TrainBatch | None]]:
-        """This rank's rows of ``batch`` and its forward passes of ``size`` rows, micro_batch_size when 0 (None:
-        a zero-weighted padding pass)."""
+        """This rank's rows of ``batch`` and its forward passes of at most ``size`` rows, micro_batch_size when 0
+        (None: a zero-weighted padding pass). Packed, a pass also holds at most the token budget, scaled by
+        ``size`` / micro_batch_size (a no-grad pass of more rows takes proportionally more tokens)."""
         size = size or self.settings.micro_batch_size
-        if not self.topology.distributed:
+        if not self.topology.distributed and not self.packed:
             return batch, list(batch.micro_batches(size))
+        if not self.topology.distributed:
+            prompts, completions = sequence_lengths(batch)
+            plan = plan_micro_batches(
+                prompts,
+                completions,
+                batch.group_index.tolist(),
+                max_tokens=max(1, self.token_budget * size // self.settings.micro_batch_size),
+                max_rows=size,
+                share_prompts=self.share_prompts,
+            )
+            return batch, [batch.rows(rows) for rows in plan]
         local = batch.rows(distributed.split_rows(batch.size, self.topology))
         plan = distributed.micro_batch_plan(batch.size, size, self.topology)
         return local, [None if rows is None else local.rows(rows) for rows in plan]
 
     def _padding(self, batch: TrainBatch) -> TrainBatch:
         return batch.rows(slice(0, 1))
+
+    def _forward(self, model: torch.nn.Module, mb: TrainBatch, entropy: EntropyMode) -> Stats:
+        """Log-probabilities [b, T] (and entropies) of one pass, under the compute dtype's autocast."""
+        with compute_context(self.autocast, self.device):
+            return completion_logprobs_and_entropy(
+                model,
+                mb,
+                share_prompts=self.share_prompts,
+                entropy=entropy,
+                chunk_tokens=self.settings.logprob_chunk_tokens,
+                packed=self.packed,
+            )
 
     def _no_grad(self) -> AbstractContextManager:
         """``torch.inference_mode`` (no autograd bookkeeping, no version counters) on one rank; ``no_grad``
@@ -289,14 +340,7 @@ class Trainer:
             parts, entropies = [], []
             with self._no_grad():
                 for mb in passes:
-                    with compute_context(self.autocast, self.device):
-                        logprobs, h = completion_logprobs_and_entropy(
-                            model,
-                            mb or self._padding(batch),
-                            share_prompts=self.share_prompts,
-                            entropy=entropy,
-                            chunk_tokens=self.settings.logprob_chunk_tokens,
-                        )
+                    logprobs, h = self._forward(model, mb or self._padding(batch), entropy)
                     if mb is not None:
                         parts.append(logprobs)
                         entropies.append(h)
@@ -380,14 +424,7 @@ class Trainer:
         self, mb: TrainBatch, rows: slice, prepared: PreparedBatch, config: LossConfig, entropy_mode: EntropyMode
     ) -> tuple[LossOutputs, torch.Tensor | None]:
         """Forward, loss and backward of one micro-batch (``rows`` of this rank's); the importance weights used."""
-        with compute_context(self.autocast, self.device):
-            logprobs, entropies = completion_logprobs_and_entropy(
-                self.model,
-                mb,
-                share_prompts=self.share_prompts,
-                entropy=entropy_mode,
-                chunk_tokens=self.settings.logprob_chunk_tokens,
-            )
+        logprobs, entropies = self._forward(self.model, mb, entropy_mode)
         old, weights = self._old_and_weights(logprobs, mb, rows, prepared)
         inputs = LossInputs(
             logprobs=logprobs,
@@ -407,14 +444,7 @@ class Trainer:
 
     def _padding_backward(self, batch: TrainBatch, entropy_mode: EntropyMode) -> None:
         """A zero-weighted pass: keeps the ranks' collectives in step and adds no gradient."""
-        with compute_context(self.autocast, self.device):
-            logprobs, _ = completion_logprobs_and_entropy(
-                self.model,
-                self._padding(batch),
-                share_prompts=self.share_prompts,
-                entropy=entropy_mode,
-                chunk_tokens=self.settings.logprob_chunk_tokens,
-            )
+        logprobs, _ = self._forward(self.model, self._padding(batch), entropy_mode)
         (logprobs.sum() * 0.0).backward()
 
     def accumulate_gradients(self, batch: TrainBatch, prepared: PreparedBatch) -> StepResult:

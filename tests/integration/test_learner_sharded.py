@@ -91,10 +91,11 @@ def test_two_ranks_take_the_single_process_step_through_a_checkpoint(tmp_path):
               "--resume", str(tmp_path / "a" / "state"))  # fmt: skip
 
     single = build(str(tiny), None, settings, Topology())
-    # The sharded learner runs the padded forward (equal pass counts on every rank). The shared-prompt
-    # forward gives the same logprobs to ~1e-15, but AdamW's first steps amplify such rounding in
+    # The sharded learner runs the padded forward (equal pass counts on every rank). The shared-prompt and
+    # packed forwards give the same logprobs to ~1e-15, but AdamW's first steps amplify such rounding in
     # near-zero gradients to ~1e-6 in the weights, so the comparison uses the same forward.
     single.share_prompts = False
+    single.token_budget = 0
     expected_metrics = single.train(first) + single.train(second)
     got_metrics = json.loads((tmp_path / "a" / "metrics.json").read_text())
     got_metrics += json.loads((tmp_path / "b" / "metrics.json").read_text())
