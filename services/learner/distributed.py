@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -80,10 +81,24 @@ def start(topology: Topology, device: str) -> str:
 
 
 def stop() -> None:
-    """Leave the process group before the interpreter exits: a gloo group torn down at exit can abort the
-    process ("terminate called without an active exception", SIGABRT) after the work is done."""
+    """Leave the process group (the group object itself may live on: see ``exit_process``)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(status: int) -> NoReturn:
+    """End a torchrun rank whose work is done, skipping interpreter finalization. FSDP's device mesh keeps the
+    gloo group alive past ``destroy_process_group``, and its teardown during finalization can abort a finished
+    rank ("terminate called without an active exception", SIGABRT), which torchrun reports as a failed run
+    (seen once in CI after "learner rank 1 finished"). Every file the learner writes is closed by then; logs
+    and stdio are flushed here."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError) as error:  # a closed or broken pipe: nothing left to say on it
+            os.write(2, f"learner: could not flush {stream.name}: {error}\n".encode())
+    os._exit(status)
 
 
 def check_batch(completions_per_step: int, lora_rank: int, topology: Topology) -> None:

@@ -243,14 +243,16 @@ def start_process(settings: LearnerSettings) -> tuple[LearnerSettings, Topology]
 
 async def run_rank(settings: LearnerSettings, lead: Callable[[LearnerSettings, Topology], Awaitable[int]]) -> int:
     """This rank's process under torchrun (or alone): follow the leader, or ``lead``; the process group is
-    left at the end, whatever happened."""
+    left at the end, whatever happened, and a rank of a group whose work ended leaves at once (see
+    ``distributed.exit_process``)."""
     settings, topology = start_process(settings)
     try:
-        if not topology.is_leader:
-            return follow(settings, topology)
-        return await lead(settings, topology)
+        status = follow(settings, topology) if not topology.is_leader else await lead(settings, topology)
     finally:
         distributed.stop()
+    if topology.distributed:
+        distributed.exit_process(status)
+    return status
 
 
 def follow(settings: LearnerSettings, topology: Topology) -> int:
