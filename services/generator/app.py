@@ -66,10 +66,14 @@ class WeightUpdateResult(BaseModel):
     transfer_seconds: float = Field(0.0, description="receiving and loading, overlapped")
     receive_wait_seconds: float = Field(0.0, description="part of transfer spent waiting for data")
     load_seconds: float = Field(0.0, description="part of transfer spent loading into the engine")
+    close_seconds: float = Field(0.0, description="leaving the push's group")
     reset_seconds: float = 0.0
     resume_seconds: float = 0.0
     transport: str = Field("", description="gloo, nccl or ipc")
     direct_load: bool = Field(False, description="copied straight into the parameters (else layerwise reload)")
+    in_place_bytes: float = Field(
+        0.0, description="bytes received straight into parameters that are views of the receive buffers (CPU)"
+    )
 
 
 @dataclass(kw_only=True)

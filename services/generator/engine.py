@@ -251,6 +251,7 @@ class Engine:
                 results = await self._pause_and_receive(announcement, phases)
             finally:
                 await self._close_channel()
+            phases.mark("close_seconds")
             await self._take_version(announcement.policy_version, phases)
         return self._report(results, rendezvous.transport, phases)
 
@@ -291,11 +292,17 @@ class Engine:
         layout = [spec.model_dump() for spec in announcement.layout]
         with self._failing_update(announcement.policy_version):
             self.weights_ok = False
-            await self.llm.pause_generation(mode="keep", clear_cache=False)
+            await self._pause_scheduler()
             phases.mark("pause_seconds")
             results = await self.llm.collective_rpc("weight_channel_receive", args=(layout, announcement.num_buckets))
             phases.mark("transfer_seconds")
         return results
+
+    async def _pause_scheduler(self) -> None:
+        """Stop scheduling, in-flight requests kept, KV cache kept: ``pause_generation(mode="keep",
+        clear_cache=False)`` less the 20 ms sleep vLLM 0.32 adds after it (only so that outputs produced before
+        the pause reach their streams first; kept requests go on producing after the resume anyway)."""
+        await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
 
     async def _close_channel(self) -> None:
         """Leave the push's group; a failure is only logged (the next push's join starts by closing it)."""
@@ -337,16 +344,25 @@ class Engine:
         phases.seconds["receive_wait_seconds"] = max(r["receive_wait_seconds"] for r in results)
         phases.seconds["load_seconds"] = max(r["load_seconds"] for r in results)
         direct = all(r["direct"] for r in results)
+        in_place = sum(r.get("aliased_bytes", 0.0) for r in results)
         log.info(
-            "policy version %d loaded over %s (%s): %.1f MB in %.2f s (%s)",
+            "policy version %d loaded over %s (%s): %.1f MB in %.2f s, %.1f MB of it received in place (%s)",
             self.policy_version,
             transport,
             "direct copy" if direct else "layerwise reload",
             received / 1e6,
             seconds,
+            in_place / 1e6,
             ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.seconds.items()),
         )
-        return {"bytes": received, "seconds": seconds, "transport": transport, "direct_load": direct, **phases.seconds}
+        return {
+            "bytes": received,
+            "seconds": seconds,
+            "transport": transport,
+            "direct_load": direct,
+            "in_place_bytes": in_place,
+            **phases.seconds,
+        }
 
     async def pause(self) -> None:
         self.paused_by_operator = True

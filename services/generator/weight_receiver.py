@@ -15,8 +15,13 @@ generator (:mod:`services.learner.weight_transport` chooses it):
 A bucket is a flat ``uint8`` buffer holding tensors of one dtype back to back (so every view is aligned);
 the layout (names, dtypes, shapes, buckets) comes with the announcement.
 
-Loading, fastest path first (both give the engine the same weights):
+Loading, fastest path first (all give the engine the same weights):
 
+* in place (CPU, gloo, an eager engine): the worker keeps its receive buffers from push to push, and every
+  parameter whose pushed tensor(s) lie back to back in a bucket is a view of that bucket, so receiving the
+  next push *is* loading it. A CPU linear layer made of such views computes with
+  ``torch.nn.functional.linear`` on them (vLLM's own fallback for layers it does not pack) instead of a
+  oneDNN handle holding a packed copy. The first push with a layout binds the parameters; the rest go direct.
 * direct: when every pushed tensor maps onto one engine parameter or one row block of a stacked one
   (``q/k/v_proj`` -> ``qkv_proj``, ``gate/up_proj`` -> ``gate_up_proj``), the engine is not sharded
   (tensor parallel 1) and nothing is quantized, each tensor is copied into its rows of the parameter
@@ -45,6 +50,7 @@ import torch
 
 from shared.codec import decode
 from shared.records import CudaIpcBucket
+from shared.release import release_in_background
 
 log = logging.getLogger(__name__)
 
@@ -196,11 +202,15 @@ def describe_targets(model: torch.nn.Module, tensor_parallel_size: int) -> list[
         raise DirectLoadUnavailable("the engine is tensor-parallel: its parameters are shards")
     packed = getattr(type(model), "packed_modules_mapping", {}) or {}
     targets = []
+    seen: set[int] = set()  # a tied parameter (lm_head = embed_tokens) is one target, under its first name
     for module_name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is not None and type(method).__name__ not in _PLAIN_METHODS:
             raise DirectLoadUnavailable(f"{module_name} is quantized ({type(method).__name__})")
         for leaf, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
             name = f"{module_name}.{leaf}" if module_name else leaf
             sources = source_names(name, packed)
             if param.numel() == 0 and leaf == "weight":  # vLLM-CPU keeps this weight in a oneDNN handle
@@ -223,44 +233,95 @@ def describe_targets(model: torch.nn.Module, tensor_parallel_size: int) -> list[
     return targets
 
 
-class DirectLoader:
-    """Copies pushed tensors into the engine's parameters as they arrive (see the module docstring). A CPU
-    layer's kernel handle is rebuilt as soon as all its parameters are in, while later buckets still arrive."""
+def aliases(stacked: torch.Tensor, pieces: Sequence[torch.Tensor], target: TargetParam, dtype: torch.dtype) -> bool:
+    """Whether ``stacked`` can become the parameter itself: a view of the received bucket (not a copy), with
+    the parameter's dtype and no padding rows the parameter must hold beyond the pushed ones."""
+    return (
+        target.pad_rows == 0
+        and stacked.dtype == dtype
+        and stacked.untyped_storage().data_ptr() == pieces[0].untyped_storage().data_ptr()
+    )
 
-    def __init__(self, model: torch.nn.Module, plan: dict[str, tuple[str, int, int]], targets: list[TargetParam]):
+
+class DirectLoader:
+    """Puts pushed tensors into the engine's parameters as they arrive (see the module docstring).
+
+    ``alias``: a parameter whose pushed tensor(s) lie back to back in a received bucket becomes a view of
+    that bucket instead of getting a copy; when the worker receives the next push into the same buffers,
+    such a parameter takes the new weights with no loading at all. A CPU layer whose parameters are all
+    aliased computes with ``torch.nn.functional.linear`` on them (vLLM's own fallback), not a oneDNN handle
+    holding a packed copy. Otherwise a CPU layer's handle is rebuilt as soon as all its parameters are in,
+    while later buckets still arrive. ``aliased_bytes`` counts the bytes that needed no copy."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plan: dict[str, tuple[str, int, int]],
+        targets: list[TargetParam],
+        alias: bool = False,
+    ):
         self.plan = plan
+        self.alias = alias
         self.targets = {t.name: t for t in targets}
-        self.modules = dict(model.named_modules())
-        self.pending: dict[str, list[tuple[int, torch.Tensor]]] = {}  # rebuilt weights wait for every piece
+        modules = dict(model.named_modules())
+        self.params = {t.name: getattr(modules[t.name.rpartition(".")[0]], t.name.rpartition(".")[2]) for t in targets}
+        # Modules computing through a CPU kernel handle, by the parameters they hold (a tied LM head too).
+        handled: dict[int, list[torch.nn.Module]] = {}
+        for module in modules.values():
+            if hasattr(module, "cpu_linear"):
+                for param in module.parameters(recurse=False):
+                    handled.setdefault(id(param), []).append(module)
+        self.handle_modules = {name: handled.get(id(param), []) for name, param in self.params.items()}
+        self.module_left: dict[int, int] = {}  # targets still incomplete, per handle module
+        self.module_aliased: dict[int, bool] = {}  # every complete target of the module aliased so far
+        for held in self.handle_modules.values():
+            for module in held:
+                self.module_left[id(module)] = self.module_left.get(id(module), 0) + 1
+                self.module_aliased[id(module)] = True
+        self.pending: dict[str, list[tuple[int, torch.Tensor]]] = {}  # pieces waiting for the rest
         self.left = {t.name: len(t.sources) for t in targets}  # pieces still to come, per target
-        self.module_left: dict[str, int] = {}  # targets still incomplete, per module
-        for t in targets:
-            module_name = t.name.rpartition(".")[0]
-            self.module_left[module_name] = self.module_left.get(module_name, 0) + 1
+        self.aliased_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         target_name, row, rows = self.plan[name]
         target = self.targets[target_name]
-        module_name, _, leaf = target_name.rpartition(".")
-        module = self.modules[module_name]
-        param = getattr(module, leaf)
-        if param.numel() == math.prod(target.shape):
+        param = self.params[target_name]
+        in_place = param.numel() == math.prod(target.shape)
+        if self.alias or not in_place:
+            self.pending.setdefault(target_name, []).append((row, tensor))
+        else:  # copy now: over IPC the bucket goes back to the learner once loaded
             param.data[row : row + rows].copy_(tensor)
             if target.pad_rows and row + rows == sum(target.piece_rows):
                 param.data[row + rows :].zero_()
-        else:
-            self.pending.setdefault(target_name, []).append((row, tensor))
         self.left[target_name] -= 1
         if self.left[target_name]:
             return
+        aliased = False
         if target_name in self.pending:
             pieces = [t for _, t in sorted(self.pending.pop(target_name), key=lambda item: item[0])]
-            stacked = stack_rows(pieces).to(param.dtype).view(target.shape)
-            setattr(module, leaf, torch.nn.Parameter(stacked, requires_grad=False))
-        self.module_left[module_name] -= 1
-        if self.module_left[module_name] == 0 and hasattr(module, "cpu_linear"):
-            # vLLM-CPU computes with a handle that holds its own packed copy of the weight: make it anew.
-            module.quant_method.process_weights_after_loading(module)
+            stacked = stack_rows(pieces)
+            if self.alias and aliases(stacked, pieces, target, param.dtype):
+                view = stacked.view(target.shape)
+                if param.data_ptr() != view.data_ptr() or param.shape != view.shape:
+                    param.data = view  # the Parameter object stays: a tied module sees it too
+                aliased = True
+                self.aliased_bytes += view.numel() * view.element_size()
+            elif in_place:
+                pushed_rows = sum(target.piece_rows)
+                param.data[:pushed_rows].copy_(stacked)
+                if target.pad_rows:
+                    param.data[pushed_rows:].zero_()
+            else:
+                param.data = stacked.to(param.dtype).view(target.shape)
+        for module in self.handle_modules[target_name]:
+            key = id(module)
+            self.module_aliased[key] = self.module_aliased[key] and aliased
+            self.module_left[key] -= 1
+            if self.module_left[key] == 0:
+                if self.module_aliased[key]:
+                    module.cpu_linear = torch.nn.functional.linear
+                else:  # vLLM-CPU computes with a handle holding its own packed copy of the weight: make it anew
+                    module.quant_method.process_weights_after_loading(module)
 
     def add_all(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in pairs:
@@ -297,6 +358,7 @@ class WeightReceiverExtension:
     _weight_store: Any = None
     _weight_receiver_id: str = ""
     _direct_plan: Any = None  # (layout key, plan, targets) of the last push, or (layout key, reason)
+    _receive_buffers: Any = None  # (layout key, [bucket buffer, ...]): gloo receives into these, push after push
 
     def _tensor_parallel_size(self) -> int:
         from vllm.distributed import get_tensor_model_parallel_world_size
@@ -363,6 +425,20 @@ class WeightReceiverExtension:
                 self._weight_store, rank, world_size, timedelta(seconds=timeout_s)
             )
 
+    def _engine_is_eager(self) -> bool:
+        """Whether the engine runs its model eagerly (no torch.compile graphs holding on to parameters)."""
+        return bool(self.vllm_config.model_config.enforce_eager)
+
+    def _aliasing(self) -> bool:
+        """Whether parameters may become views of the receive buffers (see :class:`DirectLoader`): on the
+        CPU over gloo, with an eager engine. On a GPU, CUDA graphs keep parameter pointers and IPC buffers
+        belong to the learner, so weights are copied there (at device speed)."""
+        return self.device.type == "cpu" and self._weight_transport == "gloo" and self._engine_is_eager()
+
+    @staticmethod
+    def _layout_key(layout: list[dict[str, Any]]) -> tuple:
+        return tuple((spec["name"], spec["dtype"], tuple(spec["shape"]), spec["bucket"]) for spec in layout)
+
     def _direct_loader(self, model: torch.nn.Module, layout: list[dict[str, Any]]) -> DirectLoader | None:
         """A direct loader for this layout, or None (the reason logged once per layout)."""
         key = tuple((spec["name"], tuple(spec["shape"])) for spec in layout)
@@ -376,7 +452,20 @@ class WeightReceiverExtension:
                 self._direct_plan = (key, str(exc))
         if len(self._direct_plan) == 2:
             return None
-        return DirectLoader(model, self._direct_plan[1], self._direct_plan[2])
+        return DirectLoader(model, self._direct_plan[1], self._direct_plan[2], alias=self._aliasing())
+
+    def _buffers_for(self, layout: list[dict[str, Any]], sizes: list[int], keep: bool) -> list[torch.Tensor] | None:
+        """The buffers gloo receives this push's buckets into: the last push's when ``keep`` and the layout is
+        the same (parameters aliasing them take the new weights as they arrive), new ones when it changed;
+        None (a fresh buffer per bucket) when ``keep`` is off."""
+        if not keep:
+            self._receive_buffers = None
+            return None
+        key = self._layout_key(layout)
+        if self._receive_buffers is None or self._receive_buffers[0] != key:
+            # The old buffers live on in the parameters aliasing them until this push rebinds those.
+            self._receive_buffers = (key, [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes])
+        return self._receive_buffers[1]
 
     def weight_channel_receive(self, layout: list[dict[str, Any]], num_buckets: int) -> dict[str, float]:
         """Receive every bucket and load it into the model; returns bytes and seconds spent waiting for data
@@ -389,9 +478,10 @@ class WeightReceiverExtension:
             by_bucket[spec["bucket"]].append(spec)
         sizes = bucket_byte_sizes(layout, num_buckets)
         direct = self._direct_loader(model, layout)
+        buffers = self._buffers_for(layout, sizes, keep=direct is not None and direct.alias)
         start = time.perf_counter()
         if direct is not None:
-            waiting, loading = self._receive_buckets(by_bucket, sizes, direct.add_all)
+            waiting, loading = self._receive_buckets(by_bucket, sizes, direct.add_all, buffers)
             mark = time.perf_counter()
             direct.finish()
             loading += time.perf_counter() - mark
@@ -403,6 +493,7 @@ class WeightReceiverExtension:
             "receive_wait_seconds": waiting,
             "load_seconds": loading,
             "direct": float(direct is not None),
+            "aliased_bytes": float(direct.aliased_bytes if direct is not None else 0),
         }
 
     def _receive_layerwise(self, model, by_bucket, sizes) -> tuple[float, float]:
@@ -422,24 +513,32 @@ class WeightReceiverExtension:
             loading += time.perf_counter() - mark
         return waiting, loading
 
-    def _receive_buckets(self, by_bucket, sizes, load) -> tuple[float, float]:
-        """Receive bucket after bucket, handing each bucket's ``(name, tensor)`` pairs to ``load``."""
+    def _receive_buckets(self, by_bucket, sizes, load, buffers=None) -> tuple[float, float]:
+        """Receive bucket after bucket (into ``buffers`` when given), handing each bucket's ``(name, tensor)``
+        pairs to ``load``."""
         waiting = loading = 0.0
-        pending = self._post_receive(0, sizes[0]) if sizes else None
+
+        def post(index: int) -> _PendingBucket | None:
+            if index >= len(sizes):
+                return None
+            return self._post_receive(index, sizes[index], None if buffers is None else buffers[index])
+
+        pending = post(0)
         for index, specs in enumerate(by_bucket):
             assert pending is not None
             mark = time.perf_counter()
             buffer = pending.result()
             waiting += time.perf_counter() - mark
-            pending = self._post_receive(index + 1, sizes[index + 1]) if index + 1 < len(sizes) else None
+            pending = post(index + 1)
             mark = time.perf_counter()
             load(unpack_bucket(buffer, specs))
             self._release(index)
             loading += time.perf_counter() - mark
         return waiting, loading
 
-    def _post_receive(self, index: int, nbytes: int) -> _PendingBucket:
-        """Start receiving one bucket: gloo does it in the background, NCCL at once, IPC opens its handle."""
+    def _post_receive(self, index: int, nbytes: int, buffer: torch.Tensor | None = None) -> _PendingBucket:
+        """Start receiving one bucket (into ``buffer``, else a new one): gloo does it in the background, NCCL
+        at once, IPC opens its handle."""
         if self._weight_transport == "ipc":
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -450,7 +549,8 @@ class WeightReceiverExtension:
                     f"expects {nbytes} bytes on GPU {cuda_uuid(self.device)}"
                 )
             return _PendingBucket(rebuild_cuda_tensor(*ipc_rebuild_args(record, self.device.index)), None)
-        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if buffer is None:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self._weight_transport == "nccl":
             self._weight_group.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
             torch.cuda.current_stream().synchronize()
@@ -466,8 +566,11 @@ class WeightReceiverExtension:
             self._weight_store.set(f"ipc/{index}/done/{self._weight_receiver_id}", b"1")
 
     def weight_channel_close(self) -> None:
-        """Leave the push's process group (it is made anew for every push)."""
-        self._weight_group = None
+        """Leave the push's process group (it is made anew for every push); the group is torn down in the
+        background, after the update is done."""
+        if self._weight_group is not None:
+            retired, self._weight_group = [self._weight_group], None
+            release_in_background(retired, "weight-group-release")
         self._weight_store = None
         self._weight_transport = ""
 

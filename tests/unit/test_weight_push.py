@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from services.generator.weight_receiver import (
+    DirectLoader,
     DirectLoadUnavailable,
     TargetParam,
     bucket_byte_sizes,
+    describe_targets,
     ipc_rebuild_args,
     plan_direct_load,
     source_names,
@@ -176,3 +178,203 @@ def test_announcement_keeps_ipc_generators_out_of_the_group():
         WeightVersionAnnouncement(**base, ranks={"near": 1}, transports={"near": "ipc"})
     with pytest.raises(ValueError, match="needs an entry in transports"):
         WeightVersionAnnouncement(**base, ranks={"far": 1}, transports={"near": "ipc"})
+
+
+# The direct loader on a model built like vLLM-CPU's ---------------------------------------------------------
+
+
+def _cpu_method(class_name: str, remove_weight: bool):
+    """vLLM-CPU's unquantized method, as far as loading goes: after loading it packs the weight into a kernel
+    handle of its own (here a clone) and, for linear layers, drops the parameter's data."""
+
+    def process_weights_after_loading(self, layer):
+        self.calls += 1
+        packed = layer.weight.detach().clone()
+        layer.cpu_linear = lambda x, weight, bias, _packed=packed: torch.nn.functional.linear(x, _packed, bias)
+        if remove_weight:
+            layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    method = type(class_name, (), {"process_weights_after_loading": process_weights_after_loading})()
+    method.calls = 0
+    return method
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor, method, **attrs) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.quant_method = method
+        for key, value in attrs.items():
+            setattr(self, key, value)
+        method.process_weights_after_loading(self)
+
+
+class _CpuEngineModel(torch.nn.Module):
+    """An embedding tied to the LM head, a fused qkv projection whose weight lives only in its handle, and a
+    norm - the cases the CPU direct loader must get right."""
+
+    packed_modules_mapping = PACKED
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = _Layer(torch.zeros(10, 4), _cpu_method("UnquantizedEmbeddingMethod", False))
+        attn = torch.nn.Module()
+        attn.qkv_proj = _Layer(
+            torch.zeros(8, 4),
+            _cpu_method("UnquantizedLinearMethod", True),
+            output_partition_sizes=[4, 2, 2],
+            input_size_per_partition=4,
+        )
+        layer = torch.nn.Module()
+        layer.self_attn = attn
+        self.model.layers = torch.nn.ModuleList([layer])
+        self.model.norm = torch.nn.Module()
+        self.model.norm.weight = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.lm_head = torch.nn.Module()
+        self.lm_head.quant_method = _cpu_method("UnquantizedEmbeddingMethod", False)
+        self.lm_head.weight = self.model.embed_tokens.weight  # tied, as vLLM's tie_weights does
+        self.lm_head.quant_method.process_weights_after_loading(self.lm_head)
+
+    def outputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the engine computes with: the handles (or views) and the embedding table."""
+        qkv = self.model.layers[0].self_attn.qkv_proj
+        return {
+            "qkv": qkv.cpu_linear(x, qkv.weight, None),
+            "lm_head": self.lm_head.cpu_linear(x, self.lm_head.weight, None),
+            "embed": self.model.embed_tokens.weight[torch.tensor([1, 7])],
+            "norm": self.model.norm.weight.clone(),
+        }
+
+
+def _expected(named, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    w = {name: t.float() for name, t in named}
+    qkv = torch.cat([w[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    embed = w["model.embed_tokens.weight"]
+    return {
+        "qkv": x @ qkv.T,
+        "lm_head": x @ embed.T,
+        "embed": embed[torch.tensor([1, 7])],
+        "norm": w["model.norm.weight"],
+    }
+
+
+def _load(model, named, bucket_bytes: int, alias: bool, buffers=None):
+    """One push of ``named`` into ``model`` through the direct loader; returns the loader and the buffers the
+    buckets were received into (``buffers`` again when given, as a worker keeping them does)."""
+    specs, buckets = plan_buckets(named, bucket_bytes=bucket_bytes, dtype="float32")
+    layout, packed = _buffers(named, specs, buckets, "float32")
+    if buffers is None:
+        buffers = [torch.empty_like(b) for b in packed]
+    for buffer, sent in zip(buffers, packed, strict=True):
+        buffer.copy_(sent)  # what the receive does
+    targets = describe_targets(model, tensor_parallel_size=1)
+    plan = plan_direct_load({s["name"]: tuple(s["shape"]) for s in layout}, targets)
+    loader = DirectLoader(model, plan, targets, alias=alias)
+    for index, buffer in enumerate(buffers):
+        loader.add_all(unpack_bucket(buffer, [s for s in layout if s["bucket"] == index]))
+    loader.finish()
+    return loader, buffers
+
+
+def _changed(named, by: float):
+    return [(name, t + by) for name, t in named]
+
+
+def test_a_tied_lm_head_is_one_target_and_its_handle_is_rebuilt():
+    model = _CpuEngineModel()
+    names = [t.name for t in describe_targets(model, tensor_parallel_size=1)]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    x = torch.randn(3, 4)
+    named = _named()
+    loader, _ = _load(model, named, bucket_bytes=1 << 20, alias=False)
+    for key, value in model.outputs(x).items():
+        torch.testing.assert_close(value, _expected(named, x)[key], msg=key)
+    assert loader.aliased_bytes == 0
+    assert model.lm_head.quant_method.calls == 2 and model.model.embed_tokens.quant_method.calls == 2
+
+
+def test_aliased_parameters_take_the_next_push_with_no_loading():
+    model = _CpuEngineModel()
+    x = torch.randn(3, 4)
+    named = _named()
+    loader, buffers = _load(model, named, bucket_bytes=1 << 20, alias=True)
+    for key, value in model.outputs(x).items():
+        torch.testing.assert_close(value, _expected(named, x)[key], msg=key)
+    assert loader.aliased_bytes == sum(b.numel() for b in buffers)  # every byte: no copy at all
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.cpu_linear is torch.nn.functional.linear and qkv.quant_method.calls == 1  # no handle made
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie holds
+    storages = {b.untyped_storage().data_ptr() for b in buffers}
+    assert {p.untyped_storage().data_ptr() for p in model.parameters()} <= storages
+
+    # The next push is received into the same buffers: the engine computes with it before any loading ...
+    newer = _changed(named, 1.0)
+    specs, buckets = plan_buckets(newer, bucket_bytes=1 << 20, dtype="float32")
+    for buffer, sent in zip(buffers, _buffers(newer, specs, buckets, "float32")[1], strict=True):
+        buffer.copy_(sent)
+    for key, value in model.outputs(x).items():
+        torch.testing.assert_close(value, _expected(newer, x)[key], msg=key)
+    # ... and the loader, run as every push runs it, finds nothing to do.
+    ptrs = {name: p.data_ptr() for name, p in model.named_parameters()}
+    _load(model, newer, bucket_bytes=1 << 20, alias=True, buffers=buffers)
+    assert ptrs == {name: p.data_ptr() for name, p in model.named_parameters()}
+    for key, value in model.outputs(x).items():
+        torch.testing.assert_close(value, _expected(newer, x)[key], msg=key)
+
+
+def test_pieces_split_across_buckets_are_copied_and_the_handle_rebuilt():
+    model = _CpuEngineModel()
+    x = torch.randn(3, 4)
+    named = _named()
+    # 64-byte buckets put q (64 bytes) alone, so q, k, v of the fused projection are not back to back.
+    loader, buffers = _load(model, named, bucket_bytes=64, alias=True)
+    assert len(buffers) > 2
+    for key, value in model.outputs(x).items():
+        torch.testing.assert_close(value, _expected(named, x)[key], msg=key)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.cpu_linear is not torch.nn.functional.linear and qkv.quant_method.calls == 2
+    qkv_bytes = 8 * 4 * 4
+    assert loader.aliased_bytes == sum(b.numel() for b in buffers) - qkv_bytes
+    # Aliased once, the layout changes: the parameters are copied or rebound, never left stale.
+    newer = _changed(named, -2.0)
+    _load(model, newer, bucket_bytes=1 << 20, alias=False)
+    for key, value in model.outputs(x).items():
+        torch.testing.assert_close(value, _expected(newer, x)[key], msg=key)
+
+
+def test_pack_bucket_into_a_buffer_casts_while_copying_and_checks_the_size():
+    named = _named()
+    tensors = [t for _, t in named]
+    expected = pack_bucket(tensors, "bfloat16")
+    out = torch.full((expected.numel(),), 7, dtype=torch.uint8)
+    assert pack_bucket(tensors, "bfloat16", out) is out and torch.equal(out, expected)
+    with pytest.raises(ValueError, match=r"bucket buffer holds 3 torch\.uint8"):
+        pack_bucket(tensors, "bfloat16", torch.empty(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="a bucket carries one dtype"):
+        pack_bucket(tensors)  # float32 and a bfloat16 norm, no cast
+
+
+def test_the_pusher_packs_into_the_same_cpu_buffers_while_the_layout_holds():
+    import threading
+
+    from services.learner.weight_push import WeightPusher, _Sender
+
+    pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token="t", bucket_bytes=96)
+    named = _named()
+    specs, buckets = plan_buckets(named, bucket_bytes=96, dtype="float32")
+    first = pusher._buffers_for(specs, len(buckets))
+    assert first is not None and [b.numel() for b in first] == bucket_byte_sizes(
+        [s.model_dump() for s in specs], len(buckets)
+    )
+    assert pusher._buffers_for(specs, len(buckets)) is first
+    other_specs, other_buckets = plan_buckets(named, bucket_bytes=1 << 20, dtype="float32")
+    assert pusher._buffers_for(other_specs, len(other_buckets)) is not first
+    # A push whose sending thread still runs (it timed out, say) may still read its buffers: new ones.
+    again = pusher._buffers_for(other_specs, len(other_buckets))
+    release = threading.Event()
+    pusher._sender = _Sender(lambda: int(release.wait(30)))
+    try:
+        assert pusher._buffers_for(other_specs, len(other_buckets)) is not again
+    finally:
+        release.set()

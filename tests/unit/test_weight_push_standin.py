@@ -1,6 +1,7 @@
 """The learner's sender and the generator's receiver code end to end on the CPU (gloo), with a torch model
-standing in for vLLM's: weights bitwise equal after a push, loaded by the direct path, and a second push
-with changed weights lands too. The same driver runs over CUDA IPC in tests/gpu/test_weight_path.py."""
+standing in for vLLM's: weights bitwise equal after a push, loaded by the direct path in place (the
+parameters are views of the receive buffers), and a second push with changed weights lands too.
+The same driver runs over CUDA IPC in tests/gpu/test_weight_path.py."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def test_gloo_push_to_a_stand_in_receiver_is_bitwise_and_direct():
             assert "error" not in answer, answer
             assert answer["digests"] == standin.digests(model)
             assert answer["result"]["direct"] == 1.0
+            # Every parameter is its own tensor in a bucket: all of them become views of the receive buffers,
+            # which the second push is received into.
+            assert answer["result"]["aliased_bytes"] == answer["result"]["bytes"]
             with torch.no_grad():
                 for param in model.parameters():
                     param.add_(1.0)

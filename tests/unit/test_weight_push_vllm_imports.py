@@ -60,6 +60,9 @@ def test_the_vllm_api_the_generator_calls_exists():
         return set(inspect.signature(fn).parameters)
 
     assert {"mode", "clear_cache"} <= params(AsyncLLM.pause_generation)
+    from vllm.v1.engine.core_client import AsyncMPClient  # AsyncLLM.engine_core: the weight update pauses with it
+
+    assert {"mode", "clear_cache"} <= params(AsyncMPClient.pause_scheduler_async)
     assert "reset_running_requests" in params(AsyncLLM.reset_prefix_cache)
     assert {"method", "args"} <= params(AsyncLLM.collective_rpc) and hasattr(AsyncLLM, "resume_generation")
     assert {"logprobs_mode", "worker_extension_cls", "gpu_memory_utilization"} <= {
