@@ -11,7 +11,7 @@ with SmolLM2-135M's layer shapes (``--layers`` of them) and a small vocabulary; 
 ``--learner-dtype`` and the engines serve ``--engine-dtype`` (float32 on CPUs without native bf16). The
 last line is the ratio ours/raw per generator count (goal >= 0.7).
 
-    python bench/weight_push.py [--layers 30] [--repeats 3] [--quick]
+    python bench/weight_push.py [--layers 30] [--repeats 3] [--quick] [--in-place]
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ async def _registered(client, keys: Keys, count: int, timeout_s: float = 60.0):
     return generators
 
 
-async def our_push(named, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str) -> float:
+async def our_push(
+    named, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str, in_place: bool
+) -> float:
     prefix = f"bench-push-{os.getpid()}-{receivers}"
     services = []
     for i in range(receivers):
@@ -126,6 +128,7 @@ async def our_push(named, model_dir: Path, receivers: int, repeats: int, redis_u
                 "GENERATOR_GENERATOR_ID": f"gen-{i}",
                 "GENERATOR_PUBLIC_URL": f"http://127.0.0.1:{port}",
                 "GENERATOR_DTYPE": dtype,
+                "GENERATOR_CPU_WEIGHTS_IN_PLACE": "1" if in_place else "0",
                 "GENERATOR_MAX_MODEL_LEN": "512",
                 "GENERATOR_OMP_CPUS": str(i % 2),
                 "REDIS_URL": redis_url,
@@ -171,7 +174,9 @@ def main(args) -> None:
         try:
             for receivers in args.generators:
                 raw = raw_broadcast(named, receivers, args.repeats, args.engine_dtype)
-                ours = asyncio.run(our_push(named, model_dir, receivers, args.repeats, url, args.engine_dtype))
+                ours = asyncio.run(
+                    our_push(named, model_dir, receivers, args.repeats, url, args.engine_dtype, args.in_place)
+                )
                 rows.append((receivers, raw, ours))
         finally:
             if server:
@@ -179,7 +184,7 @@ def main(args) -> None:
     print(
         f"weight push: {total / 1e6:.0f} MB ({args.learner_dtype} on the learner, sent as {args.engine_dtype}, "
         f"{len(named)} tensors, {args.layers} layers), buckets of {BUCKET_BYTES >> 20} MB, gloo on CPU, "
-        f"cores {_cores()}, best of {args.repeats}"
+        f"cores {_cores()}, best of {args.repeats}, generator.cpu_weights_in_place {args.in_place}"
     )
     print(f"{'generators':>10} {'raw s':>8} {'raw GB/s':>9} {'ours s':>8} {'ours GB/s':>10} {'ratio':>6}")
     for receivers, raw, ours in rows:
@@ -202,6 +207,11 @@ if __name__ == "__main__":
     parser.add_argument("--learner-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quick", action="store_true", help="2 layers, 1 repeat, 1 generator (smoke test)")
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="generators with cpu_weights_in_place (pushes land in the parameters; slower linear layers)",
+    )
     arguments = parser.parse_args()
     if arguments.quick:
         arguments.layers, arguments.repeats, arguments.generators = 2, 1, [1]

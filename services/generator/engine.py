@@ -149,9 +149,12 @@ class Engine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from services.generator.weight_receiver import WEIGHTS_IN_PLACE_ENV
+
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
         if settings.omp_cpus:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.omp_cpus
+        os.environ[WEIGHTS_IN_PLACE_ENV] = "1" if settings.cpu_weights_in_place else "0"  # read by the workers
         args = AsyncEngineArgs(
             model=model_path,
             dtype=settings.dtype,

@@ -17,7 +17,8 @@ the layout (names, dtypes, shapes, buckets) comes with the announcement.
 
 Loading, fastest path first (all give the engine the same weights):
 
-* in place (CPU, gloo, an eager engine): the worker keeps its receive buffers from push to push, and every
+* in place (``generator.cpu_weights_in_place``; CPU, gloo, an eager engine): the worker keeps its receive
+  buffers from push to push (it does so on the CPU anyway: no new buffers to fault in), and every
   parameter whose pushed tensor(s) lie back to back in a bucket is a view of that bucket, so receiving the
   next push *is* loading it. A CPU linear layer made of such views computes with
   ``torch.nn.functional.linear`` on them (vLLM's own fallback for layers it does not pack) instead of a
@@ -40,6 +41,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -54,6 +56,7 @@ from shared.release import release_in_background
 
 log = logging.getLogger(__name__)
 
+WEIGHTS_IN_PLACE_ENV = "ASYNCGRPO_CPU_WEIGHTS_IN_PLACE"  # "1": generator.cpu_weights_in_place
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Quantization methods under which a parameter holds exactly the checkpoint's values (a direct copy is exact).
 _PLAIN_METHODS = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
@@ -429,11 +432,20 @@ class WeightReceiverExtension:
         """Whether the engine runs its model eagerly (no torch.compile graphs holding on to parameters)."""
         return bool(self.vllm_config.model_config.enforce_eager)
 
+    def _in_place_wanted(self) -> bool:
+        """``generator.cpu_weights_in_place``, handed to the engine's workers by the generator's process."""
+        return os.environ.get(WEIGHTS_IN_PLACE_ENV, "0") == "1"
+
+    def _kept_buffers(self) -> bool:
+        """Whether gloo receives into buffers kept from push to push (on the CPU: no new 64 MB buffers to
+        fault in every time)."""
+        return self.device.type == "cpu" and self._weight_transport == "gloo"
+
     def _aliasing(self) -> bool:
-        """Whether parameters may become views of the receive buffers (see :class:`DirectLoader`): on the
-        CPU over gloo, with an eager engine. On a GPU, CUDA graphs keep parameter pointers and IPC buffers
-        belong to the learner, so weights are copied there (at device speed)."""
-        return self.device.type == "cpu" and self._weight_transport == "gloo" and self._engine_is_eager()
+        """Whether parameters become views of the receive buffers (see :class:`DirectLoader`): when asked
+        for, on the CPU over gloo, with an eager engine. On a GPU, CUDA graphs keep parameter pointers and IPC
+        buffers belong to the learner, so weights are copied there (at device speed)."""
+        return self._kept_buffers() and self._engine_is_eager() and self._in_place_wanted()
 
     @staticmethod
     def _layout_key(layout: list[dict[str, Any]]) -> tuple:
@@ -478,7 +490,7 @@ class WeightReceiverExtension:
             by_bucket[spec["bucket"]].append(spec)
         sizes = bucket_byte_sizes(layout, num_buckets)
         direct = self._direct_loader(model, layout)
-        buffers = self._buffers_for(layout, sizes, keep=direct is not None and direct.alias)
+        buffers = self._buffers_for(layout, sizes, keep=direct is not None and self._kept_buffers())
         start = time.perf_counter()
         if direct is not None:
             waiting, loading = self._receive_buckets(by_bucket, sizes, direct.add_all, buffers)

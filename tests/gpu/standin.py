@@ -53,6 +53,9 @@ class StandInWorker(WeightReceiverExtension):
     def _engine_is_eager(self) -> bool:
         return True  # a plain torch model: no compiled graphs
 
+    def _in_place_wanted(self) -> bool:
+        return True  # generator.cpu_weights_in_place (used on the CPU only)
+
 
 def receive(conn: Any, device_name: str, seed: int, hidden: int, layers: int) -> None:
     """Process entry point: answer ``ready`` with the device's UUID, then for every push message (the

@@ -51,6 +51,9 @@ def generator(models, redis_url, prefix):
             "GENERATOR_MAX_MODEL_LEN": "512",
             "GENERATOR_DTYPE": "float32",
             "GENERATOR_OMP_CPUS": "0",
+            # Pushes land in place here (parameters are views of the receive buffers); the replica tests and
+            # the demo run the default, vLLM's prepacked kernels rebuilt after each push.
+            "GENERATOR_CPU_WEIGHTS_IN_PLACE": "1",
             "GENERATOR_GENERATE_TOKEN_BUDGET": "8192",
             "REDIS_URL": redis_url,
             "STREAM_PREFIX": prefix,
