@@ -166,7 +166,11 @@ async def test_producer_blocks_at_backlog_bound_and_resumes(redis_client, keys):
             produced.append(i)
 
     task = asyncio.create_task(produce())
-    await asyncio.sleep(0.3)
+    deadline = time.monotonic() + 30
+    while len(produced) < 5:  # the first five adds may take a while on a loaded machine
+        assert time.monotonic() < deadline, f"only {len(produced)} entries added in 30 s"
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)  # time for a sixth add, which the bound must hold back
     assert len(produced) == 5, "the producer must stop at the bound while nobody consumes"
     assert await stream_backlog(redis_client, source) == 5
     sink = StreamProducer(redis_client, sink_stream)
