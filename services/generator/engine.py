@@ -58,7 +58,7 @@ async def _reachable(host: str, port: int, timeout_s: float) -> bool:
 
 @dataclass(frozen=True)
 class _Rendezvous:
-    """Where this replica joins a push (the learner's store) and how it receives (gloo, nccl or ipc)."""
+    """Where this replica joins a push (the learner's store) and how it receives (gloo, nccl, ipc or shm)."""
 
     host: str
     port: int
@@ -348,6 +348,12 @@ class Engine:
         phases.seconds["load_seconds"] = max(r["load_seconds"] for r in results)
         direct = all(r["direct"] for r in results)
         in_place = sum(r.get("aliased_bytes", 0.0) for r in results)
+        copied = sum(r.get("copied_borrowed_bytes", 0.0) for r in results)
+        if copied:
+            log.warning(
+                "%.1f MB of layers kept pointing into the learner's shared memory and were copied (slower loads)",
+                copied / 1e6,
+            )
         log.info(
             "policy version %d loaded over %s (%s): %.1f MB in %.2f s, %.1f MB of it received in place (%s)",
             self.policy_version,
@@ -364,6 +370,7 @@ class Engine:
             "transport": transport,
             "direct_load": direct,
             "in_place_bytes": in_place,
+            "copied_shared_bytes": copied,
             **phases.seconds,
         }
 

@@ -8,6 +8,9 @@
   its policy version instead of the base model, so it does not sample from weights many versions old until
   the learner's next push. A checkpoint this replica cannot see on its disk is ignored (base model, version
   0; the next push brings it up to date).
+* Shared-memory probe: a CPU replica leaves a probe file in ``weight_shm_dir`` and names it in its
+  registration; a CPU learner that sees it pushes weights to this replica through shared memory
+  (``shared.shm``). The file goes when the replica ends (or, after a SIGKILL, at the next learner start).
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from services.generator.registry import GpuLease, NoFreeGpuError, host_gpu_count
 from shared.config.generator import GeneratorSettings
 from shared.lifecycle import NotStarting, Service
 from shared.placement import PlacementError, leasable_gpus
-from shared.records import CheckpointAnnouncement
+from shared.records import CheckpointAnnouncement, ShmProbe
 from shared.registry import latest_checkpoint
+from shared.shm import make_probe, usable_dir
 
 if TYPE_CHECKING:
     from services.generator.engine import Engine
@@ -82,3 +86,23 @@ async def load_engine(service: Service[GeneratorSettings]) -> Engine:
     engine = Engine.start(service.settings, model_path, version)
     service.on_exit(engine.shutdown)
     return engine
+
+
+def leave_shm_probe(service: Service[GeneratorSettings], lease: GpuLease) -> ShmProbe | None:
+    """This CPU replica's shared-memory probe (removed when the service ends); None on GPUs, or when
+    ``weight_shm_dir`` is empty or not a writable directory (then pushes come over gloo)."""
+    directory = usable_dir(service.settings.weight_shm_dir)
+    if lease.indices or directory is None:
+        if not lease.indices and service.settings.weight_shm_dir:
+            log.warning(
+                "weight_shm_dir %s is not a writable directory: weights come over gloo",
+                service.settings.weight_shm_dir,
+            )
+        return None
+    try:
+        probe, token = make_probe(directory)
+    except OSError as exc:
+        log.warning("could not leave a shared-memory probe in %s (%s): weights come over gloo", directory, exc)
+        return None
+    service.on_exit(probe.close)
+    return ShmProbe(path=str(probe.path), token=token)

@@ -19,7 +19,7 @@ from services.generator.rollout_loop import RolloutLoop
 from shared.config.generator import GeneratorSettings
 from shared.keys import Keys
 from shared.lifecycle import Service
-from shared.records import GeneratorRegistration, RuntimeVersions
+from shared.records import GeneratorRegistration, RuntimeVersions, ShmProbe
 from shared.registry import deregister, register
 from shared.streams import StreamConsumer, stream_backlog
 from shared.telemetry import CallbackCollector
@@ -38,6 +38,7 @@ class GeneratorTelemetry:
         consumer: StreamConsumer,
         lease: GpuLease,
         url: str,
+        shm_probe: ShmProbe | None = None,
     ) -> None:
         self.client, self.keys, self.settings = client, keys, settings
         self.engine, self.loop, self.consumer, self.lease = engine, loop, consumer, lease
@@ -50,6 +51,7 @@ class GeneratorTelemetry:
             engine_world_size=settings.tensor_parallel_size,
             policy_version=engine.policy_version,
             device=f"cuda:{','.join(map(str, lease.indices))}" if lease.indices else "cpu",
+            shm_probe=shm_probe,
         )
 
     async def _with_runtime(self) -> GeneratorRegistration:
@@ -88,8 +90,12 @@ class GeneratorTelemetry:
         lease: GpuLease,
         url: str,
     ) -> GeneratorTelemetry:
-        """Telemetry of ``service``: figures exported, beating in the background, deregistered at the end."""
-        telemetry = cls(service.client, service.keys, service.settings, engine, loop, consumer, lease, url)
+        """Telemetry of ``service``: figures exported, beating in the background, deregistered at the end; a CPU
+        replica's registration names its shared-memory probe."""
+        from services.generator.startup import leave_shm_probe
+
+        probe = leave_shm_probe(service, lease)
+        telemetry = cls(service.client, service.keys, service.settings, engine, loop, consumer, lease, url, probe)
         service.registry.register(telemetry.collector())
         service.on_exit(telemetry.leave)
         service.spawn(telemetry.run)

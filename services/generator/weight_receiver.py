@@ -11,6 +11,13 @@ generator (:mod:`services.learner.weight_transport` chooses it):
   ints, never a pickle) in the push's store namespace; the worker opens it with ``rebuild_cuda_tensor`` -
   the bucket is read where it lies in GPU memory, never copied through the host - loads it, and answers
   ``ipc/<bucket>/done/<generator>`` so the learner can free it.
+* ``shm`` (a CPU learner on this host, in the same shared-memory directory): no group either. For each
+  bucket the learner publishes a :class:`~shared.records.ShmBucket` naming the file it packed the bucket
+  into (kept from push to push, so the worker keeps its mapping too); the worker loads the weights straight
+  from the mapping and answers ``shm/<bucket>/done/<generator>``. The learner packs the next push into the
+  same files, so nothing of the engine may keep pointing into them: tensors are copied into parameters, a
+  CPU linear layer's kernel handle packs its own copy, and a layer that would keep the mapped weight itself
+  gets a private copy (see :class:`DirectLoader`'s ``borrowed``).
 
 A bucket is a flat ``uint8`` buffer holding tensors of one dtype back to back (so every view is aligned);
 the layout (names, dtypes, shapes, buckets) comes with the announcement.
@@ -43,16 +50,19 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from shared.codec import decode
-from shared.records import CudaIpcBucket
+from shared.records import PUSH_ABORT_KEY, CudaIpcBucket, ShmBucket
 from shared.release import release_in_background
+from shared.shm import SEGMENT, map_file
+from shared.weights import bucket_byte_sizes
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +70,6 @@ WEIGHTS_IN_PLACE_ENV = "ASYNCGRPO_CPU_WEIGHTS_IN_PLACE"  # "1": generator.cpu_we
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Quantization methods under which a parameter holds exactly the checkpoint's values (a direct copy is exact).
 _PLAIN_METHODS = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
-
-
-def bucket_byte_sizes(layout: list[dict[str, Any]], num_buckets: int) -> list[int]:
-    """Bytes in each bucket of a layout (entries: name, dtype, shape, bucket)."""
-    sizes = [0] * num_buckets
-    for spec in layout:
-        sizes[spec["bucket"]] += math.prod(spec["shape"]) * _DTYPES[spec["dtype"]].itemsize
-    return sizes
 
 
 def unpack_bucket(buffer: torch.Tensor, specs: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
@@ -254,7 +256,13 @@ class DirectLoader:
     such a parameter takes the new weights with no loading at all. A CPU layer whose parameters are all
     aliased computes with ``torch.nn.functional.linear`` on them (vLLM's own fallback), not a oneDNN handle
     holding a packed copy. Otherwise a CPU layer's handle is rebuilt as soon as all its parameters are in,
-    while later buckets still arrive. ``aliased_bytes`` counts the bytes that needed no copy."""
+    while later buckets still arrive. ``aliased_bytes`` counts the bytes that needed no copy.
+
+    ``borrowed``: the tensors lie in memory the sender writes the next push into (shared memory), so no
+    parameter may keep pointing into it: after a layer sets up its kernel, a parameter still viewing that
+    memory (vLLM's plain ``linear`` fallback keeps its weight) gets a copy, counted in
+    ``copied_borrowed_bytes``. (A kernel that hides such a view where parameters cannot show it - vLLM's
+    zentorch path - must be given private copies instead: the receiver does that.)"""
 
     def __init__(
         self,
@@ -262,9 +270,13 @@ class DirectLoader:
         plan: dict[str, tuple[str, int, int]],
         targets: list[TargetParam],
         alias: bool = False,
+        borrowed: bool = False,
     ):
+        if alias and borrowed:
+            raise ValueError("parameters cannot alias buffers the sender writes into (shared memory)")
         self.plan = plan
         self.alias = alias
+        self.borrowed = borrowed
         self.targets = {t.name: t for t in targets}
         modules = dict(model.named_modules())
         self.params = {t.name: getattr(modules[t.name.rpartition(".")[0]], t.name.rpartition(".")[2]) for t in targets}
@@ -284,8 +296,12 @@ class DirectLoader:
         self.pending: dict[str, list[tuple[int, torch.Tensor]]] = {}  # pieces waiting for the rest
         self.left = {t.name: len(t.sources) for t in targets}  # pieces still to come, per target
         self.aliased_bytes = 0
+        self.copied_borrowed_bytes = 0  # borrowed memory a layer kept: copied (see ``borrowed``)
+        self._borrowed: set[int] = set()  # storages of the tensors handed to add() (when ``borrowed``)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if self.borrowed:
+            self._borrowed.add(tensor.untyped_storage().data_ptr())
         target_name, row, rows = self.plan[name]
         target = self.targets[target_name]
         param = self.params[target_name]
@@ -325,6 +341,24 @@ class DirectLoader:
                     module.cpu_linear = torch.nn.functional.linear
                 else:  # vLLM-CPU computes with a handle holding its own packed copy of the weight: make it anew
                     module.quant_method.process_weights_after_loading(module)
+                    if self.borrowed:
+                        self._own_weights(module)
+        if self.borrowed and not in_place and not self.handle_modules[target_name]:
+            self._own(param)
+
+    def _own_weights(self, module: torch.nn.Module) -> None:
+        """After a layer set up its kernel from borrowed memory: copy what it kept pointing into it (vLLM's
+        plain ``linear`` fallback keeps the weight itself; oneDNN handles and packed kernels hold copies)."""
+        for param in module.parameters(recurse=False):
+            self._own(param)
+
+    def _own(self, param: torch.Tensor) -> None:
+        if param.numel() and self._borrowed_storage(param):
+            param.data = param.data.clone()
+            self.copied_borrowed_bytes += param.numel() * param.element_size()
+
+    def _borrowed_storage(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in self._borrowed
 
     def add_all(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in pairs:
@@ -348,6 +382,16 @@ class _PendingBucket:
         return self.buffer
 
 
+class _PublishedBucket:
+    """A bucket the learner publishes in the store when it is packed: ``result()`` waits for that."""
+
+    def __init__(self, fetch: Callable[[], torch.Tensor]) -> None:
+        self.fetch = fetch
+
+    def result(self) -> torch.Tensor:
+        return self.fetch()
+
+
 class WeightReceiverExtension:
     """Mixed into vLLM's worker: ``self.model_runner``, ``self.device`` and ``self.vllm_config`` exist."""
 
@@ -362,6 +406,9 @@ class WeightReceiverExtension:
     _weight_receiver_id: str = ""
     _direct_plan: Any = None  # (layout key, plan, targets) of the last push, or (layout key, reason)
     _receive_buffers: Any = None  # (layout key, [bucket buffer, ...]): gloo receives into these, push after push
+    _shm_maps: Any = None  # {path: mapped tensor} of the learner's shared-memory segments, push after push
+    _shm_used: Any = None  # the paths the push being received named
+    _weight_timeout_s: float = 300.0
 
     def _tensor_parallel_size(self) -> int:
         from vllm.distributed import get_tensor_model_parallel_world_size
@@ -412,8 +459,11 @@ class WeightReceiverExtension:
         )
         self._weight_store = torch.distributed.PrefixStore(prefix, store)
         self._weight_transport, self._weight_receiver_id = transport, receiver_id
+        self._weight_timeout_s = timeout_s
         rank = first_rank + int(getattr(self, "rank", 0))
-        if transport == "ipc":
+        if transport == "shm" and int(getattr(self, "rank", 0)) != 0:
+            raise RuntimeError("shared-memory pushes reach CPU engines, which run one worker")
+        if transport in ("ipc", "shm"):
             self._weight_store.set_timeout(timedelta(seconds=timeout_s))
         elif transport == "nccl":
             from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
@@ -464,7 +514,20 @@ class WeightReceiverExtension:
                 self._direct_plan = (key, str(exc))
         if len(self._direct_plan) == 2:
             return None
-        return DirectLoader(model, self._direct_plan[1], self._direct_plan[2], alias=self._aliasing())
+        return DirectLoader(
+            model, self._direct_plan[1], self._direct_plan[2], alias=self._aliasing(), borrowed=self._borrowing()
+        )
+
+    def _borrowing(self) -> bool:
+        """Whether buckets are read where the learner packed them, memory it writes the next push into."""
+        return self._weight_transport == "shm"
+
+    def _hides_views(self) -> bool:
+        """Whether a CPU linear layer may keep a view of its weight where the loader cannot see it: vLLM's
+        zentorch kernels (AMD Zen CPUs) capture the weight in a closure."""
+        from vllm.platforms import current_platform
+
+        return bool(getattr(current_platform, "is_zen_cpu", lambda: False)())
 
     def _buffers_for(self, layout: list[dict[str, Any]], sizes: list[int], keep: bool) -> list[torch.Tensor] | None:
         """The buffers gloo receives this push's buckets into: the last push's when ``keep`` and the layout is
@@ -488,17 +551,23 @@ class WeightReceiverExtension:
         by_bucket: list[list[dict[str, Any]]] = [[] for _ in range(num_buckets)]
         for spec in layout:
             by_bucket[spec["bucket"]].append(spec)
-        sizes = bucket_byte_sizes(layout, num_buckets)
+        sizes = bucket_byte_sizes(((d["dtype"], d["shape"], d["bucket"]) for d in layout), num_buckets)
+        self._shm_used = set()
         direct = self._direct_loader(model, layout)
         buffers = self._buffers_for(layout, sizes, keep=direct is not None and self._kept_buffers())
+        # Loading straight from shared memory needs a loader that copies whatever a layer would keep of it.
+        private = self._borrowing() and (direct is None or self._hides_views())
         start = time.perf_counter()
-        if direct is not None:
-            waiting, loading = self._receive_buckets(by_bucket, sizes, direct.add_all, buffers)
-            mark = time.perf_counter()
-            direct.finish()
-            loading += time.perf_counter() - mark
-        else:
-            waiting, loading = self._receive_layerwise(model, by_bucket, sizes)
+        try:
+            if direct is not None:
+                waiting, loading = self._receive_buckets(by_bucket, sizes, direct.add_all, buffers, private)
+                mark = time.perf_counter()
+                direct.finish()
+                loading += time.perf_counter() - mark
+            else:
+                waiting, loading = self._receive_layerwise(model, by_bucket, sizes, private)
+        finally:  # also after a failed push: the learner makes new segments after one
+            self._forget_unused_maps()
         return {
             "bytes": float(sum(sizes)),
             "seconds": time.perf_counter() - start,
@@ -506,9 +575,10 @@ class WeightReceiverExtension:
             "load_seconds": loading,
             "direct": float(direct is not None),
             "aliased_bytes": float(direct.aliased_bytes if direct is not None else 0),
+            "copied_borrowed_bytes": float(direct.copied_borrowed_bytes if direct is not None else 0),
         }
 
-    def _receive_layerwise(self, model, by_bucket, sizes) -> tuple[float, float]:
+    def _receive_layerwise(self, model, by_bucket, sizes, private: bool) -> tuple[float, float]:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
@@ -518,19 +588,19 @@ class WeightReceiverExtension:
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
             waiting, loading = self._receive_buckets(
-                by_bucket, sizes, lambda pairs: model.load_weights(weights=iter(pairs))
+                by_bucket, sizes, lambda pairs: model.load_weights(weights=iter(pairs)), private=private
             )
             mark = time.perf_counter()
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             loading += time.perf_counter() - mark
         return waiting, loading
 
-    def _receive_buckets(self, by_bucket, sizes, load, buffers=None) -> tuple[float, float]:
+    def _receive_buckets(self, by_bucket, sizes, load, buffers=None, private: bool = False) -> tuple[float, float]:
         """Receive bucket after bucket (into ``buffers`` when given), handing each bucket's ``(name, tensor)``
-        pairs to ``load``."""
+        pairs to ``load`` (from a private copy of the bucket when ``private``)."""
         waiting = loading = 0.0
 
-        def post(index: int) -> _PendingBucket | None:
+        def post(index: int) -> _PendingBucket | _PublishedBucket | None:
             if index >= len(sizes):
                 return None
             return self._post_receive(index, sizes[index], None if buffers is None else buffers[index])
@@ -543,24 +613,28 @@ class WeightReceiverExtension:
             waiting += time.perf_counter() - mark
             pending = post(index + 1)
             mark = time.perf_counter()
-            load(unpack_bucket(buffer, specs))
+            load(unpack_bucket(buffer.clone() if private else buffer, specs))
             self._release(index)
             loading += time.perf_counter() - mark
         return waiting, loading
 
-    def _post_receive(self, index: int, nbytes: int, buffer: torch.Tensor | None = None) -> _PendingBucket:
+    def _post_receive(
+        self, index: int, nbytes: int, buffer: torch.Tensor | None = None
+    ) -> _PendingBucket | _PublishedBucket:
         """Start receiving one bucket (into ``buffer``, else a new one): gloo does it in the background, NCCL
         at once, IPC opens its handle."""
         if self._weight_transport == "ipc":
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-            record = decode(self._weight_store.get(f"ipc/{index}"), CudaIpcBucket)
+            record = decode(self._published(f"ipc/{index}"), CudaIpcBucket)
             if record.device_uuid != cuda_uuid(self.device) or record.nbytes != nbytes:
                 raise RuntimeError(
                     f"IPC bucket {index} is {record.nbytes} bytes on GPU {record.device_uuid}; this worker "
                     f"expects {nbytes} bytes on GPU {cuda_uuid(self.device)}"
                 )
             return _PendingBucket(rebuild_cuda_tensor(*ipc_rebuild_args(record, self.device.index)), None)
+        if self._weight_transport == "shm":
+            return _PublishedBucket(lambda: self._shm_bucket(index, nbytes))
         if buffer is None:
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self._weight_transport == "nccl":
@@ -571,11 +645,53 @@ class WeightReceiverExtension:
         options.rootRank = 0
         return _PendingBucket(buffer, self._weight_group.broadcast([buffer], options))
 
+    def _shm_bucket(self, index: int, nbytes: int) -> torch.Tensor:
+        """Bucket ``index`` where the learner packed it: its shared-memory file, mapped once and kept while the
+        learner keeps packing into it (it says so by naming the same file)."""
+        record = decode(self._published(f"shm/{index}"), ShmBucket)
+        if not Path(record.path).name.startswith(SEGMENT):
+            raise RuntimeError(f"shared-memory bucket {index} names {record.path}, not a weight segment")
+        if record.nbytes != nbytes:
+            raise RuntimeError(f"shared-memory bucket {index} is {record.nbytes} bytes; the layout says {nbytes}")
+        if self._shm_maps is None:
+            self._shm_maps = {}
+        mapped = self._shm_maps.get(record.path)
+        if mapped is None:
+            mapped = self._shm_maps[record.path] = map_file(record.path, nbytes)
+        self._shm_used.add(record.path)
+        return mapped
+
+    def _published(self, key: str) -> bytes:
+        """The record the learner publishes under ``key`` once the bucket is ready (IPC, shared memory). Waits
+        in short slices, so that a push the learner gave up on (it sets ``abort``, with the reason) ends here
+        at once instead of after ``weight_timeout_s``."""
+        store = self._weight_store
+        deadline = time.monotonic() + self._weight_timeout_s
+        while True:
+            try:
+                store.wait([key], timedelta(seconds=1))
+                return store.get(key)
+            except torch.distributed.DistStoreError:
+                if store.check([PUSH_ABORT_KEY]):
+                    reason = store.get(PUSH_ABORT_KEY).decode(errors="replace")
+                    raise RuntimeError(f"the learner gave up on this push: {reason}") from None
+                if time.monotonic() > deadline:
+                    raise
+
+    def _forget_unused_maps(self) -> None:
+        """Unmap the segments this push did not name (the learner made new ones)."""
+        if self._shm_maps:
+            self._shm_maps = {path: t for path, t in self._shm_maps.items() if path in self._shm_used}
+        self._shm_used = set()
+
     def _release(self, index: int) -> None:
-        """Over IPC, tell the learner this worker is done with bucket ``index`` (after the copies ran)."""
+        """Over IPC or shared memory, tell the learner this worker is done with bucket ``index`` (after the
+        copies ran)."""
         if self._weight_transport == "ipc":
             torch.cuda.current_stream(self.device).synchronize()
             self._weight_store.set(f"ipc/{index}/done/{self._weight_receiver_id}", b"1")
+        elif self._weight_transport == "shm":
+            self._weight_store.set(f"shm/{index}/done/{self._weight_receiver_id}", b"1")
 
     def weight_channel_close(self) -> None:
         """Leave the push's process group (it is made anew for every push); the group is torn down in the

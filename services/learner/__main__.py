@@ -18,6 +18,7 @@ async def lead(service: Service[LearnerSettings], topology) -> None:
     http = await service.enter(httpx.AsyncClient())
     loop, resumed = await setup.build_learner(service.settings, service.client, http, service.registry, topology)
     service.on_exit(loop.sink.close)
+    service.on_exit(loop.pusher.close)
     state.loop = loop
     service.spawn(loop.consumer.run_keepalive)
     service.announce(f"learner ready: step {loop.trainer.step}, weight store on port {loop.pusher.port}")

@@ -179,6 +179,7 @@ async def start_pusher(settings: LearnerSettings, client: aioredis.Redis, keys: 
         timeout_s=settings.weight_push_timeout_s,
         join_timeout_s=settings.weight_join_timeout_s,
         device=torch.device(settings.device),
+        shm_dir=settings.weight_shm_dir,
     )
     await client.hset(keys.learner_state, "runtime", encode(pusher.runtime()))
     return pusher

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 import uuid
@@ -37,7 +36,9 @@ import httpx
 import torch
 
 from services.learner.weight_transport import LearnerDevice, PushPlan, PushRefused, plan_push
+from services.learner.weight_transport_shm import ShmPublisher, ShmSegments
 from shared.records import (
+    PUSH_ABORT_KEY,
     DType,
     GeneratorRegistration,
     LearnerRuntime,
@@ -46,6 +47,8 @@ from shared.records import (
     WeightVersionAnnouncement,
 )
 from shared.release import release_in_background
+from shared.shm import probe_matches, sweep_stale, usable_dir
+from shared.weights import bucket_byte_sizes
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +200,7 @@ class WeightPusher:
         timeout_s: float = 300.0,
         join_timeout_s: float = 30.0,
         device: torch.device | None = None,
+        shm_dir: str = "",
     ) -> None:
         self.timeout = timedelta(seconds=timeout_s)
         self.join_timeout = timedelta(seconds=join_timeout_s)
@@ -211,14 +215,23 @@ class WeightPusher:
         self.device = device or torch.device("cpu")
         self.learner = learner_device(self.device)
         self.refused = 0  # generators refused by push plans (duplicate GPU, versions, devices), in all
+        # CPU generators that see this directory get pushes through shared memory (shared.shm).
+        self.shm_dir = usable_dir(shm_dir) if self.device.type == "cpu" else None
+        if self.shm_dir is not None:
+            sweep_stale(self.shm_dir)
         # On the CPU, buckets are packed into the same buffers push after push (new 64 MB buffers would cost
-        # page faults every time; on a GPU the caching allocator reuses memory by itself).
-        self._send_buffers: tuple[tuple, list[torch.Tensor]] | None = None
+        # page faults every time; on a GPU the caching allocator reuses memory by itself): plain memory, or
+        # shared-memory segments when a generator receives through them.
+        self._send_buffers: tuple[tuple, list[torch.Tensor], ShmSegments | None] | None = None
         self._sender: _Sender | None = None
         log.info(
             "weight pushes from %s%s (torch %s, NCCL %s, vLLM %s)",
             self.device,
-            f" (GPU {self.learner.uuid})" if self.learner.uuid else "",
+            f" (GPU {self.learner.uuid})"
+            if self.learner.uuid
+            else f" (through shared memory in {self.shm_dir} to generators that see it, else gloo)"
+            if self.shm_dir
+            else " (gloo)",
             self.learner.versions.torch,
             self.learner.versions.nccl,
             self.learner.versions.vllm,
@@ -247,20 +260,56 @@ class WeightPusher:
             return PyNcclCommunicator(StatelessProcessGroup(rank=0, world_size=world_size, store=store), self.device)
         return torch.distributed.ProcessGroupGloo(store, 0, world_size, self.timeout)
 
-    def _buffers_for(self, specs: Sequence[TensorSpec], num_buckets: int) -> list[torch.Tensor] | None:
-        """The CPU buffers this push packs its buckets into: the last push's when the layout is the same and
-        its sending thread is over (one that timed out may still read them), else new ones; None on a GPU."""
+    def close(self) -> None:
+        """Remove this learner's shared-memory segments (also done at interpreter exit)."""
+        if self._send_buffers is not None and self._send_buffers[2] is not None:
+            self._send_buffers[2].close()
+        self._send_buffers = None
+
+    def _buffers_for(
+        self, specs: Sequence[TensorSpec], num_buckets: int, shared: bool
+    ) -> tuple[list[torch.Tensor] | None, ShmSegments | None]:
+        """The CPU buffers this push packs its buckets into (shared-memory segments when ``shared``): the last
+        push's when the layout is the same and that push succeeded (after one that failed or timed out, a
+        receiver or the sending thread may still use them), else new ones; None on a GPU."""
         if self.device.type != "cpu":
-            return None
-        key = tuple((s.name, s.dtype, s.shape, s.bucket) for s in specs)
-        sender_done = self._sender is None or not self._sender.alive
-        if self._send_buffers is not None and self._send_buffers[0] == key and sender_done:
-            return self._send_buffers[1]
-        sizes = [0] * num_buckets
-        for spec in specs:
-            sizes[spec.bucket] += math.prod(spec.shape) * _DTYPES[spec.dtype].itemsize
-        self._send_buffers = (key, [torch.empty(n, dtype=torch.uint8) for n in sizes])
-        return self._send_buffers[1]
+            return None, None
+        key = (tuple((s.name, s.dtype, s.shape, s.bucket) for s in specs), shared)
+        last_ok = self._sender is None or self._sender.succeeded
+        if self._send_buffers is not None and self._send_buffers[0] == key and last_ok:
+            return self._send_buffers[1], self._send_buffers[2]
+        self.close()
+        sizes = bucket_byte_sizes(((s.dtype, s.shape, s.bucket) for s in specs), num_buckets)
+        if shared:
+            assert self.shm_dir is not None
+            segments = ShmSegments(self.shm_dir, sizes)
+            self._send_buffers = (key, segments.tensors, segments)
+        else:
+            self._send_buffers = (key, [torch.empty(n, dtype=torch.uint8) for n in sizes], None)
+        return self._send_buffers[1], self._send_buffers[2]
+
+    def _send_buffers_or_gloo(
+        self, plan: PushPlan, generators: Sequence[GeneratorRegistration], specs: Sequence[TensorSpec], num_buckets: int
+    ) -> tuple[PushPlan, list[torch.Tensor] | None, ShmSegments | None]:
+        """The plan and the buffers to pack into. When the shared-memory segments cannot be made (no room in
+        the directory), the error is logged with its fix and this learner pushes over gloo from then on."""
+        try:
+            return plan, *self._buffers_for(specs, num_buckets, shared=bool(plan.shm))
+        except OSError as exc:
+            log.error("shared-memory weight pushes are off for this learner (%s); pushing over gloo", exc)
+            self.shm_dir = None
+            plan = self._plan(generators)
+            return plan, *self._buffers_for(specs, num_buckets, shared=False)
+
+    def _shares_memory(self, generators: Sequence[GeneratorRegistration]) -> set[str]:
+        """Generators whose shared-memory probe this learner sees (same host, directory and user)."""
+        if self.shm_dir is None:
+            return set()
+        return {
+            g.generator_id
+            for g in generators
+            if g.shm_probe is not None and probe_matches(g.shm_probe.path, g.shm_probe.token, self.shm_dir)
+        }
 
     def send_buckets(
         self,
@@ -269,17 +318,33 @@ class WeightPusher:
         named,
         buckets: Sequence[Sequence[int]],
         buffers: Sequence[torch.Tensor] | None = None,
+        segments: ShmSegments | None = None,
     ) -> int:
-        """Form the push's group (when a generator needs one) and send every bucket to it and to the IPC
-        receivers; returns the bytes sent. On gloo, bucket k+1 is packed (into ``buffers[k+1]`` when given)
-        while k is sent."""
+        """Form the push's group (when a generator needs one) and send every bucket to it, to the IPC receivers
+        and to the shared-memory receivers (``buffers`` are then ``segments``' tensors); returns the bytes
+        sent. On gloo, bucket k+1 is packed (into ``buffers[k+1]`` when given) while k is sent."""
         store = torch.distributed.PrefixStore(namespace, self.store)
+        try:
+            return self._send(store, plan, named, buckets, buffers, segments)
+        except BaseException as exc:
+            if plan.ipc or plan.shm:  # receivers waiting for a bucket's record stop now, not at their timeout
+                try:
+                    store.set(PUSH_ABORT_KEY, f"{type(exc).__name__}: {exc}"[:500])
+                except Exception:
+                    log.exception("could not tell the IPC/shared-memory receivers that the push is off")
+            raise
+
+    def _send(self, store, plan: PushPlan, named, buckets, buffers, segments) -> int:
         group = self._group(store, plan.world_size) if plan.ranks else None
-        ipc = None
+        ipc = shm = None
         if plan.ipc:
             from services.learner.weight_transport_ipc import IpcPublisher
 
             ipc = IpcPublisher(store, plan.ipc, self.learner.uuid or "", self.timeout)
+        if plan.shm:
+            if segments is None:
+                raise ValueError("a push with shared-memory receivers packs into shared-memory segments")
+            shm = ShmPublisher(store, plan.shm, segments, self.timeout)
         in_flight = None
         sent = 0
         for index, indices in enumerate(buckets):
@@ -287,6 +352,8 @@ class WeightPusher:
             buffer = pack_bucket([named[i][1] for i in indices], plan.dtype, out).to(self.device)
             if ipc is not None:
                 ipc.publish(index, buffer)
+            if shm is not None:
+                shm.publish(index)
             if group is not None:
                 in_flight = self._broadcast(group, buffer, in_flight)
             sent += buffer.numel()
@@ -294,6 +361,8 @@ class WeightPusher:
             in_flight.wait()
         if ipc is not None:
             ipc.finish()
+        if shm is not None:
+            shm.finish()
         if group is not None:  # torn down in the background: the push is over
             retired = [group]
             del group
@@ -316,7 +385,7 @@ class WeightPusher:
 
     def _plan(self, generators: Sequence[GeneratorRegistration]) -> PushPlan:
         try:
-            return plan_push(self.learner, generators)
+            return plan_push(self.learner, generators, self._shares_memory(generators))
         except PushRefused as exc:
             self.refused += len(exc.generator_ids)
             log.error("weight push refused: %s", exc)
@@ -343,10 +412,10 @@ class WeightPusher:
             return PushReport(policy_version, (), 0, 0.0)
         plan = self._plan(generators)
         specs, buckets = plan_buckets(named, self.bucket_bytes, plan.dtype)
+        plan, buffers, segments = self._send_buffers_or_gloo(plan, generators, specs, len(buckets))
         announcement = self._announcement(policy_version, plan, specs, len(buckets), reset)
-        buffers = self._buffers_for(specs, len(buckets))
         started = time.perf_counter()
-        sender = _Sender(lambda: self.send_buckets(announcement.namespace, plan, named, buckets, buffers))
+        sender = _Sender(lambda: self.send_buckets(announcement.namespace, plan, named, buckets, buffers, segments))
         self._sender = sender
         replies = await self._announce(announcement, generators, http)
         sent = await self._sent(sender, announcement)
@@ -418,6 +487,11 @@ class _Sender:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def succeeded(self) -> bool:
+        """Sending is over and raised nothing."""
+        return not self._thread.is_alive() and self.error is None
 
     async def wait(self, timeout_s: float) -> int:
         """The bytes sent; raises what sending raised, or TimeoutError after ``timeout_s``."""

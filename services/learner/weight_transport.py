@@ -1,10 +1,11 @@
 """Decisions of a weight push, as pure functions: which transport reaches each generator, who may form an
 NCCL group, whether versions agree, and which dtype the buckets carry.
 
-* Transport: a learner on the CPU reaches CPU generators over gloo; on a GPU it reaches a generator on its
-  own physical GPU over CUDA IPC (NCCL refuses two ranks on one GPU: "Duplicate GPU detected") and the
-  others over NCCL. Devices are compared by their physical UUID, never by index (``CUDA_VISIBLE_DEVICES``
-  renumbers GPUs in every container).
+* Transport: a learner on the CPU reaches CPU generators through shared memory when they share its
+  shared-memory directory (same host: it sees their probe file, ``shared.shm``), else over gloo; on a GPU it
+  reaches a generator on its own physical GPU over CUDA IPC (NCCL refuses two ranks on one GPU: "Duplicate
+  GPU detected") and the others over NCCL. Devices are compared by their physical UUID, never by index
+  (``CUDA_VISIBLE_DEVICES`` renumbers GPUs in every container).
 * An NCCL group whose members share a GPU is refused before anyone joins it, instead of hanging.
 * Members of a group run the same torch, NCCL and vLLM; a mismatch is refused with both sides named.
 * Buckets carry the generators' engine dtype (the learner may hold float32 master weights while generators
@@ -15,10 +16,10 @@ NCCL group, whether versions agree, and which dtype the buckets carry.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from shared.records import DType, GeneratorRegistration, RuntimeVersions, Transport
+from shared.records import STORE_TRANSPORTS, DType, GeneratorRegistration, RuntimeVersions, Transport
 
 
 class PushRefused(ValueError):
@@ -38,8 +39,11 @@ class LearnerDevice:
     versions: RuntimeVersions = field(default_factory=RuntimeVersions)
 
 
-def choose_transport(learner: LearnerDevice, generator: GeneratorRegistration) -> Transport:
-    """The transport for one generator: gloo (both on CPU), ipc (the learner's own GPU), nccl (other GPUs).
+def choose_transport(
+    learner: LearnerDevice, generator: GeneratorRegistration, shares_memory: bool = False
+) -> Transport:
+    """The transport for one generator: shm (both on CPU, ``shares_memory``: the learner sees the generator's
+    shared-memory probe), gloo (both on CPU otherwise), ipc (the learner's own GPU), nccl (other GPUs).
 
     Raises PushRefused when the two cannot be joined: CPU and GPU mixed, a GPU generator without device
     UUIDs, or a tensor-parallel generator with some workers on the learner's GPU and some elsewhere.
@@ -53,7 +57,7 @@ def choose_transport(learner: LearnerDevice, generator: GeneratorRegistration) -
                 "run the learner on a GPU (learner.device = 'cuda') or the generator on the CPU",
                 [gid],
             )
-        return "gloo"
+        return "shm" if shares_memory else "gloo"
     if not on_gpu:
         raise PushRefused(
             f"generator {gid} serves on the CPU but the learner pushes from a GPU; both must be on GPUs or both on CPU",
@@ -158,13 +162,20 @@ class PushPlan:
     def ipc(self) -> list[str]:
         return [gid for gid, t in self.transports.items() if t == "ipc"]
 
+    @property
+    def shm(self) -> list[str]:
+        return [gid for gid, t in self.transports.items() if t == "shm"]
 
-def plan_push(learner: LearnerDevice, generators: Sequence[GeneratorRegistration]) -> PushPlan:
-    """Transport, ranks and dtype of one push; raises PushRefused naming every generator that cannot join."""
-    transports = {g.generator_id: choose_transport(learner, g) for g in generators}
+
+def plan_push(
+    learner: LearnerDevice, generators: Sequence[GeneratorRegistration], shares_memory: Collection[str] = ()
+) -> PushPlan:
+    """Transport, ranks and dtype of one push; raises PushRefused naming every generator that cannot join.
+    ``shares_memory``: ids of the generators whose shared-memory probe the learner sees."""
+    transports = {g.generator_id: choose_transport(learner, g, g.generator_id in shares_memory) for g in generators}
     for g in generators:
         check_versions(learner.versions, g, transports[g.generator_id])
-    grouped = [g for g in generators if transports[g.generator_id] != "ipc"]
+    grouped = [g for g in generators if transports[g.generator_id] not in STORE_TRANSPORTS]
     if learner.kind == "cuda":
         check_nccl_group(learner, grouped)
     ranks, next_rank = {}, 1  # the learner is rank 0

@@ -78,11 +78,17 @@ class GeneratorSettings(ServiceSettings):
         "",
         description="CPU cores for the CPU engine's threads, e.g. '0' or '0-3' (VLLM_CPU_OMP_THREADS_BIND).",
     )
+    weight_shm_dir: str = Field(
+        "/dev/shm",
+        description="CPU engine: shared-memory directory for weight pushes; a CPU learner that sees it (same "
+        "host and user) sends weights through it instead of gloo. Empty: gloo only.",
+    )
     cpu_weights_in_place: bool = Field(
         False,
-        description="CPU engine: parameters become views of the weight-push buffers, so a push needs no loading "
-        "(bench/weight_push.py), but linear layers compute with torch's linear instead of vLLM's prepacked "
-        "oneDNN kernels, 12-44% slower per layer at 8-24 rows on an AVX2 CPU. For push-bound runs.",
+        description="CPU engine, pushes over gloo (not shared memory): parameters become views of the "
+        "weight-push buffers, so a push needs no loading (bench/weight_push.py), but linear layers compute with "
+        "torch's linear instead of vLLM's prepacked oneDNN kernels, 12-44% slower per layer at 8-24 rows on an "
+        "AVX2 CPU. For push-bound runs.",
     )
 
     @model_validator(mode="after")

@@ -373,6 +373,11 @@ class LearnerSettings(ServiceSettings):
     weight_join_timeout_s: float = Field(
         30.0, gt=0, description="Longest to wait for every generator to join a push's group."
     )
+    weight_shm_dir: str = Field(
+        "/dev/shm",
+        description="CPU learner: shared-memory directory to push weights through to CPU generators that share "
+        "it (same host and user; the others get gloo). Empty: gloo only.",
+    )
     min_generators: int = Field(1, ge=0, description="Wait for this many live generators before training.")
     log_dir: str = Field(
         "",

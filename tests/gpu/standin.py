@@ -56,18 +56,33 @@ class StandInWorker(WeightReceiverExtension):
     def _in_place_wanted(self) -> bool:
         return True  # generator.cpu_weights_in_place (used on the CPU only)
 
+    def _hides_views(self) -> bool:
+        return False  # plain torch layers: whatever they keep is a parameter the loader sees
 
-def receive(conn: Any, device_name: str, seed: int, hidden: int, layers: int) -> None:
-    """Process entry point: answer ``ready`` with the device's UUID, then for every push message (the
-    ``weight_channel_open`` arguments, layout, bucket count) receive it and answer with the result and the
-    digests; ``None`` ends it."""
+
+def receive(conn: Any, device_name: str, seed: int, hidden: int, layers: int, shm_dir: str = "") -> None:
+    """Process entry point: answer ``ready`` with the device's UUID (and a shared-memory probe in ``shm_dir``
+    when given), then for every push message (the ``weight_channel_open`` arguments, layout, bucket count)
+    receive it and answer with the result and the digests; ``"digests"`` asks for the digests alone;
+    ``None`` ends it."""
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     worker = StandInWorker(build_model(seed, hidden, layers, device_name), device)
     uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
-    conn.send({"ready": True, "uuid": uuid})
+    probe = None
+    if shm_dir:
+        from pathlib import Path
+
+        from shared.shm import make_probe
+
+        probe_file, token = make_probe(Path(shm_dir))
+        probe = {"path": str(probe_file.path), "token": token}
+    conn.send({"ready": True, "uuid": uuid, "shm_probe": probe})
     while (push := conn.recv()) is not None:
+        if push == "digests":
+            conn.send({"digests": digests(worker.model_runner.get_model())})
+            continue
         started = time.perf_counter()
         try:
             worker.weight_channel_open(*push["open"])

@@ -21,17 +21,20 @@ class Receiver:
     process: Any
     conn: Any
     uuid: str | None
+    shm_probe: dict[str, str] | None = None
 
 
-def start_receiver(device: str, seed: int, hidden: int, layers: int) -> Receiver:
+def start_receiver(device: str, seed: int, hidden: int, layers: int, shm_dir: str = "") -> Receiver:
+    """A stand-in receiver process; with ``shm_dir`` it leaves a shared-memory probe there (a CPU learner
+    using that directory then pushes to it through shared memory)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=standin.receive, args=(child, device, seed, hidden, layers), daemon=True)
+    process = ctx.Process(target=standin.receive, args=(child, device, seed, hidden, layers, shm_dir), daemon=True)
     process.start()
     if not parent.poll(120):
         raise TimeoutError("the stand-in receiver did not start")
     hello = parent.recv()
-    return Receiver(process, parent, hello["uuid"])
+    return Receiver(process, parent, hello["uuid"], hello["shm_probe"])
 
 
 def stop_receiver(receiver: Receiver) -> None:
@@ -50,6 +53,7 @@ def registration(receiver: Receiver, pusher: WeightPusher, dtype: str) -> Genera
         device_uuids=(receiver.uuid,) if receiver.uuid else (),
         engine_dtype=dtype,
         versions=pusher.learner.versions,
+        shm_probe=receiver.shm_probe,
     )
 
 
@@ -57,9 +61,11 @@ def push(
     pusher: WeightPusher, receiver: Receiver, model: torch.nn.Module, version: int, dtype: str
 ) -> tuple[PushPlan, dict[str, Any], float]:
     """One push to the stand-in: returns the plan, the receiver's answer and the sender's seconds."""
-    plan = plan_push(pusher.learner, [registration(receiver, pusher, dtype)])
+    generator = registration(receiver, pusher, dtype)
+    plan = plan_push(pusher.learner, [generator], pusher._shares_memory([generator]))
     named = [(name, param.detach()) for name, param in model.named_parameters()]
     specs, buckets = plan_buckets(named, pusher.bucket_bytes, plan.dtype)
+    buffers, segments = pusher._buffers_for(specs, len(buckets), shared=bool(plan.shm))
     namespace = f"push/{version}/test"
     receiver.conn.send(
         {
@@ -79,8 +85,16 @@ def push(
         }
     )
     started = time.perf_counter()
-    pusher.send_buckets(namespace, plan, named, buckets)
+    pusher.send_buckets(namespace, plan, named, buckets, buffers, segments)
     seconds = time.perf_counter() - started
     if not receiver.conn.poll(120):
         raise TimeoutError("the stand-in receiver did not answer")
     return plan, receiver.conn.recv(), seconds
+
+
+def digests(receiver: Receiver) -> dict[str, str]:
+    """The receiver's parameter digests now."""
+    receiver.conn.send("digests")
+    if not receiver.conn.poll(60):
+        raise TimeoutError("the stand-in receiver did not answer")
+    return receiver.conn.recv()["digests"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -243,6 +244,44 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
     print(
         f"second push: {in_place.group(2)} of {in_place.group(1)} MB received in place; greedy tokens equal: {len(got)}"
     )
+
+    # Pushes 3 and 4 through shared memory: a learner that sees the generator's probe packs the buckets into
+    # /dev/shm segments the engine loads from (the second time into the same segments), and greedy decoding
+    # follows each new model. Then the segments are overwritten, as the next push's packing does while the
+    # engine still samples: the engine must not notice (nothing of it points into them).
+    assert registration.shm_probe is not None
+    shm_pusher = WeightPusher(
+        bind_port=0,
+        advertise_host="127.0.0.1",
+        api_token=TOKEN,
+        bucket_bytes=256 << 10,
+        shm_dir=str(Path(registration.shm_probe.path).parent),
+    )
+    assert shm_pusher._shares_memory([registration]) == {"g1"}
+    segment_names = []
+    try:
+        for version, (model_dir, model) in ((3, (models[1], model_b)), (4, (models[0], model_a)), (4, (None, None))):
+            async with httpx.AsyncClient(timeout=300) as http:
+                if model is None:  # garbage where the engine loaded push 4 from
+                    model_dir, model = models[0], model_a
+                    for segment in shm_pusher._send_buffers[1]:
+                        segment.fill_(0x7F)
+                else:
+                    report = await shm_pusher.push(list(model.named_parameters()), version, [registration], http)
+                    segment_names.append([s.path.name for s in shm_pusher._send_buffers[2].segments])
+                await redis_client.set(keys.weights, encode(WeightVersionAnnouncement(policy_version=version)))
+                reply = (await http.post(f"{generator.url}/generate", json=greedy, headers=_auth())).json()
+            assert reply["policy_version"] == version
+            expected = model.generate(torch.tensor([prompt_ids]), max_new_tokens=40, do_sample=False)
+            got = reply["results"][0]["completions"][0]["token_ids"]
+            assert got == expected[0, len(prompt_ids) :].tolist()[: len(got)] and len(got) >= 1, model_dir
+            assert f"policy version {version} loaded over shm (direct copy)" in generator.output()
+            print(
+                f"shm push {version}: {report.bytes / 1e6:.2f} MB in {report.seconds:.2f} s; greedy equal: {len(got)}"
+            )
+        assert segment_names[0] == segment_names[1] and len(segment_names[0]) > 1
+    finally:
+        shm_pusher.close()
 
 
 async def test_a_generator_with_other_versions_is_refused_before_any_group(generator, models, redis_client, prefix):

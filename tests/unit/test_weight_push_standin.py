@@ -9,7 +9,7 @@ import torch
 
 from services.learner.weight_push import WeightPusher
 from tests.gpu import standin
-from tests.gpu.weight_path import push, start_receiver, stop_receiver
+from tests.gpu.weight_path import digests, push, start_receiver, stop_receiver
 
 
 def test_gloo_push_to_a_stand_in_receiver_is_bitwise_and_direct():
@@ -31,3 +31,38 @@ def test_gloo_push_to_a_stand_in_receiver_is_bitwise_and_direct():
                     param.add_(1.0)
     finally:
         stop_receiver(receiver)
+
+
+def test_shm_push_to_a_stand_in_receiver_is_bitwise_and_keeps_nothing_of_the_segments(tmp_path):
+    """A CPU learner that sees the receiver's probe pushes through shared memory: no group, no rank; the
+    weights are bitwise equal after each push, the second push packs into the same segments, and packing
+    anything into them afterwards (as the next push does, while the receiver still samples) changes nothing
+    on the receiver."""
+    pusher = WeightPusher(
+        bind_port=0, advertise_host="127.0.0.1", api_token="t", bucket_bytes=1 << 16, shm_dir=str(tmp_path)
+    )
+    receiver = start_receiver("cpu", seed=2, hidden=64, layers=3, shm_dir=str(tmp_path))
+    try:
+        model = standin.build_model(seed=1, hidden=64, layers=3, device="cpu")
+        segment_paths = []
+        for version in (1, 2):
+            plan, answer, _ = push(pusher, receiver, model, version, "float32")
+            assert plan.transports == {"standin": "shm"} and plan.ranks == {} and plan.world_size == 1
+            assert "error" not in answer, answer
+            assert answer["digests"] == standin.digests(model)
+            assert answer["result"]["direct"] == 1.0 and answer["result"]["aliased_bytes"] == 0
+            assert answer["result"]["copied_borrowed_bytes"] == 0
+            segment_paths.append(sorted(p.name for p in tmp_path.glob("asyncgrpo-weights-*")))
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.add_(1.0)
+        assert segment_paths[0] == segment_paths[1] and len(segment_paths[0]) > 1  # kept from push to push
+        loaded = digests(receiver)
+        assert pusher._send_buffers is not None
+        for tensor in pusher._send_buffers[1]:
+            tensor.fill_(7)
+        assert digests(receiver) == loaded
+    finally:
+        stop_receiver(receiver)
+        pusher.close()
+    assert list(tmp_path.glob("asyncgrpo-*")) == []  # the segments and the receiver's probe are gone

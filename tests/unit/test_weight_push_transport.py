@@ -40,6 +40,20 @@ def test_transport_follows_the_physical_device():
     assert choose_transport(GPU_A, gen("g", "uuid-b", "uuid-c")) == "nccl"
 
 
+def test_cpu_generators_that_share_the_learners_memory_get_shm_and_no_rank():
+    near, far = gen("near", versions=CPU.versions), gen("far", versions=CPU.versions)
+    assert choose_transport(CPU, near, shares_memory=True) == "shm"
+    assert choose_transport(CPU, far, shares_memory=False) == "gloo"
+    plan = plan_push(CPU, [near, far], shares_memory={"near"})
+    assert plan.transports == {"near": "shm", "far": "gloo"} and plan.shm == ["near"] and plan.ipc == []
+    assert plan.ranks == {"far": 1} and plan.world_size == 2
+    only_shm = plan_push(CPU, [near], shares_memory={"near"})
+    assert only_shm.ranks == {} and only_shm.world_size == 1  # no process group at all
+    # Sharing memory does not matter on GPUs: a CPU learner still refuses a GPU generator.
+    with pytest.raises(PushRefused, match="learner pushes from the CPU"):
+        choose_transport(CPU, gen("g", "uuid-a"), shares_memory=True)
+
+
 @pytest.mark.parametrize(
     ("learner", "generator", "needle"),
     [

@@ -1,0 +1,96 @@
+"""Shared-memory files of CPU weight pushes (``shared.shm``): probes, segments, their removal, and the sweep
+of files whose owner is gone - on a real tmpfs (/dev/shm) where the test needs its limits, else tmp_path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.shm import PROBE, SEGMENT, LockedFile, Segment, make_probe, map_file, probe_matches, sweep_stale, usable_dir
+
+
+def test_usable_dir_is_a_writable_directory_or_none(tmp_path):
+    assert usable_dir(str(tmp_path)) == tmp_path
+    assert usable_dir("") is None
+    assert usable_dir(str(tmp_path / "missing")) is None
+    (tmp_path / "file").write_text("x")
+    assert usable_dir(str(tmp_path / "file")) is None
+
+
+def test_a_segment_is_a_shared_mapping_of_its_file(tmp_path):
+    segment = Segment(tmp_path, 1 << 16)
+    assert segment.path.name.startswith(SEGMENT) and segment.path.stat().st_size == 1 << 16
+    assert segment.path.stat().st_mode & 0o777 == 0o600
+    segment.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    other = map_file(segment.path, 1 << 16)  # what a generator maps: the same memory
+    assert other[:4].tolist() == [1, 2, 3, 4]
+    other[4] = 9
+    assert int(segment.tensor[4]) == 9
+    with pytest.raises(ValueError, match="holds 65536 bytes, not the 100 expected"):
+        map_file(segment.path, 100)
+    segment.close()
+    assert not segment.path.exists()
+    assert other[:5].tolist() == [1, 2, 3, 4, 9]  # a mapping outlives the file's name
+    segment.close()  # twice is fine
+
+
+def test_a_full_directory_is_a_clear_error_not_a_sigbus():
+    shm = Path("/dev/shm")
+    if usable_dir(str(shm)) is None:
+        pytest.skip("no writable /dev/shm")
+    free = os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize
+    before = set(shm.glob(f"{SEGMENT}*"))
+    with pytest.raises(OSError, match=r"no room for .* MB in /dev/shm .*shm_size.*weight_shm_dir = ''"):
+        Segment(shm, free + (1 << 30))
+    assert set(shm.glob(f"{SEGMENT}*")) == before  # the half-made file is gone
+
+
+def test_probes_match_only_their_token_directory_and_name(tmp_path):
+    probe, token = make_probe(tmp_path)
+    assert probe.path.name.startswith(PROBE) and len(token) == 32
+    assert probe_matches(str(probe.path), token, tmp_path)
+    assert not probe_matches(str(probe.path), "0" * 32, tmp_path)
+    assert not probe_matches(str(probe.path), token, tmp_path / "elsewhere")
+    impostor = tmp_path / "not-a-probe"
+    impostor.write_text(token)
+    assert not probe_matches(str(impostor), token, tmp_path)
+    probe.close()
+    assert not probe_matches(str(probe.path), token, tmp_path)
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from shared.shm import Segment, make_probe
+segment = Segment(Path(sys.argv[1]), 4096)
+probe, _ = make_probe(Path(sys.argv[1]))
+print(segment.path, probe.path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_sweep_removes_exactly_the_files_of_processes_that_are_gone(tmp_path):
+    held = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    dead = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        held_files = [Path(p) for p in held.stdout.readline().split()]
+        dead_files = [Path(p) for p in dead.stdout.readline().split()]
+        dead.kill()  # SIGKILL: no clean-up ran
+        dead.wait()
+        mine = LockedFile(tmp_path, SEGMENT, 16)
+        unrelated = tmp_path / "someone-elses-file"
+        unrelated.write_text("x")
+        assert all(p.exists() for p in dead_files)
+        assert sweep_stale(tmp_path) == 2
+        assert not any(p.exists() for p in dead_files)
+        assert all(p.exists() for p in [*held_files, mine.path, unrelated])
+        mine.close()
+    finally:
+        held.kill()
+        held.wait()
+    assert sweep_stale(tmp_path) == 2 and [p.name for p in tmp_path.iterdir()] == ["someone-elses-file"]
