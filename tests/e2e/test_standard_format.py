@@ -10,6 +10,7 @@ this dataset was refused for lacking an ``answer`` column.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -98,10 +99,9 @@ def test_a_standard_format_dataset_with_trls_documented_rewards(tmp_path):
     for name in ("reward_std", "rewards/reward_len/std", "rewards/reward_len/mean", "rewards/has_number/mean"):
         print(f"{name}: {[round(r[name], 3) for r in records]}")
     # Rewards vary within groups: reward_len sees strings of different lengths (as a message list, every
-    # completion would have length 1 and get -19).
+    # completion would have length 1 and get -19, the same for all: zero spread).
     assert all(r["reward_std"] > 0 for r in records)
     assert all(r["rewards/reward_len/std"] > 0 for r in records)
-    assert all(r["rewards/reward_len/mean"] > -19 for r in records)
     assert all(r["rewards/boxed/mean"] == 0 for r in records)  # ground_truth reached it; no \boxed{} here
     # Held-out prompts were completed greedily by the weights of step 0 and of the last step, and scored by the
     # same functions; none of them was trained.
@@ -109,6 +109,12 @@ def test_a_standard_format_dataset_with_trls_documented_rewards(tmp_path):
     for record in evaluations:
         assert (record["eval/prompts"], record["eval/missing"]) == (EVAL_SAMPLES, 0)
         assert record["eval/policy_version/min"] == record["eval/policy_version/max"] == record["step"]
-        assert record["eval/rewards/reward_len/mean"] > -19
+        assert record["eval/completions/mean_length"] > 0
+        assert math.isfinite(record["eval/rewards/reward_len/mean"])
+    # Step 0's weights are the same in every run, so its greedy completions are too: strings of different
+    # lengths (-3.92 here; as message lists, -19). The last step's weights depend on which samples the
+    # asynchronous run trained on (from -0.3 to -11.2 in six runs here, -20.0 in one CI run), so its value is not
+    # a test of the format.
+    assert evaluations[0]["eval/rewards/reward_len/mean"] > -19
     batches = [json.loads(line) for line in (tmp_path / "logs" / "batches.jsonl").read_text().splitlines()]
     assert sum(len(b["group_ids"]) for b in batches) == STEPS * 2
