@@ -140,12 +140,26 @@ def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype | None = None
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no .model.layers to shard; FSDP2 needs decoder layers")
+    from torch.distributed.device_mesh import init_device_mesh
+
     param = next(model.parameters()).dtype
     policy = mixed_precision_policy(param, compute_dtype or param) or MixedPrecisionPolicy()
+    # FSDP's default mesh is on CUDA whenever CUDA is present, so gloo ranks on a GPU machine would each take
+    # ``cuda:<local rank>``: the mesh follows the process group's backend instead.
+    mesh = init_device_mesh(mesh_device_type(dist.get_backend()), (dist.get_world_size(),))
     for layer in layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def mesh_device_type(backend: str) -> str:
+    """The device FSDP shards on for the learner's process group: NCCL ranks on their GPU, gloo on the CPU."""
+    if backend == "nccl":
+        return "cuda"
+    if backend == "gloo":
+        return "cpu"
+    raise ValueError(f"the learner's process group uses {backend!r}; it is started with nccl or gloo")
 
 
 def split_rows(batch_size: int, topology: Topology) -> slice:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.learner.batch import collate
-from services.learner.distributed import Topology, micro_batch_plan, split_rows
+from services.learner.distributed import Topology, mesh_device_type, micro_batch_plan, split_rows
 from shared.config.learner import LearnerSettings
 from tests.support.factories import make_task
 from tests.support.fake_pipeline import scored_group_for
@@ -56,6 +56,14 @@ def _torchrun(*args: str, timeout: float = 300) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT)]
     result = subprocess.run([*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+
+
+def test_the_mesh_follows_the_process_group_not_the_machine():
+    # gloo ranks on a machine with a GPU shard on the CPU (FSDP's default mesh would put them on cuda:<rank>).
+    assert mesh_device_type("gloo") == "cpu"
+    assert mesh_device_type("nccl") == "cuda"
+    with pytest.raises(ValueError, match="'mpi'"):
+        mesh_device_type("mpi")
 
 
 @pytest.mark.slow
