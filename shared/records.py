@@ -249,6 +249,7 @@ class ScoredGroup(WireModel):
 
 
 DType = Literal["float32", "float16", "bfloat16"]
+_ITEM_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class RuntimeVersions(BaseModel):
@@ -324,14 +325,18 @@ Transport = Literal["gloo", "nccl", "ipc", "shm"]
 STORE_TRANSPORTS: frozenset[str] = frozenset({"ipc", "shm"})
 
 
-# Learner -> generators on the learner's own GPU, through the push's store (key ``ipc/<bucket>``): one bucket
-# as a CUDA IPC handle, the fields of ``torch.multiprocessing.reductions.reduce_tensor``'s answer for a flat
-# uint8 tensor, sent as bytes and ints (never pickled). The receiver rebuilds it with ``rebuild_cuda_tensor``.
-class CudaIpcBucket(WireModel):
-    kind: ClassVar[str] = "cuda_ipc_bucket"
+# Learner -> generators on the learner's own GPU, through the push's store (key ``ipc/weights``): every pushed
+# tensor where it lies in the learner's GPU memory, nothing packed or copied on the learner's side. Each is a
+# CUDA IPC handle to the tensor's bytes (the fields of ``torch.multiprocessing.reductions.reduce_tensor``'s
+# answer for the tensor viewed as flat uint8, as bytes and ints, never pickled) with its name, dtype and shape.
+# The receiver rebuilds them with ``rebuild_cuda_tensor``, copies them into its parameters (casting to the
+# engine's dtype) and answers ``ipc/done/<generator>``; until then the learner leaves its weights alone.
+class CudaIpcTensor(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    bucket: int = Field(ge=0)
-    device_uuid: str = Field(min_length=1)
+    name: str
+    dtype: DType
+    shape: tuple[Annotated[int, Field(ge=0)], ...]
     nbytes: int = Field(ge=0)
     tensor_offset: int = Field(ge=0)
     storage_handle: bytes
@@ -341,6 +346,28 @@ class CudaIpcBucket(WireModel):
     ref_counter_offset: int = Field(ge=0)
     event_handle: bytes
     event_sync_required: bool
+
+    @model_validator(mode="after")
+    def _bytes_match_shape(self) -> CudaIpcTensor:
+        expected = math.prod(self.shape) * _ITEM_BYTES[self.dtype]
+        if self.nbytes != expected:
+            raise ValueError(f"{self.name}: {self.nbytes} bytes for {self.dtype} of shape {self.shape} ({expected})")
+        return self
+
+
+IPC_WEIGHTS_KEY: Final = "ipc/weights"
+IPC_DONE_OK: Final = b"ok"  # a receiver's answer under ipc_done_key once it copied the weights, else its error
+
+
+def ipc_done_key(generator_id: str) -> str:
+    return f"ipc/done/{generator_id}"
+
+
+class CudaIpcWeights(WireModel):
+    kind: ClassVar[str] = "cuda_ipc_weights"
+
+    device_uuid: str = Field(min_length=1)
+    tensors: tuple[CudaIpcTensor, ...]
 
 
 # Learner -> CPU generators that share its shared-memory directory, through the push's store (key
@@ -419,7 +446,7 @@ RECORD_TYPES: tuple[type[WireModel], ...] = (
     GeneratorRegistration,
     LearnerRuntime,
     WeightVersionAnnouncement,
-    CudaIpcBucket,
+    CudaIpcWeights,
     ShmBucket,
     CheckpointAnnouncement,
 )

@@ -6,11 +6,14 @@ generator (:mod:`services.learner.weight_transport` chooses it):
 * ``gloo`` (CPU): a process group of its own for that push - never the global one, which vLLM's engine may
   use - over a ``TCPStore`` (the learner listens) + ``PrefixStore`` (one namespace per push).
 * ``nccl`` (another GPU): vLLM's ``StatelessProcessGroup`` + ``PyNcclCommunicator``.
-* ``ipc`` (the learner's own GPU; NCCL refuses two ranks on one GPU): no group. For each bucket the learner
-  publishes a :class:`~shared.records.CudaIpcBucket` (the fields of torch's ``reduce_tensor``, as bytes and
-  ints, never a pickle) in the push's store namespace; the worker opens it with ``rebuild_cuda_tensor`` -
-  the bucket is read where it lies in GPU memory, never copied through the host - loads it, and answers
-  ``ipc/<bucket>/done/<generator>`` so the learner can free it.
+* ``ipc`` (the learner's own GPU; NCCL refuses two ranks on one GPU): no group and no buckets. The learner
+  publishes one :class:`~shared.records.CudaIpcWeights` record (each tensor's CUDA IPC handle - the fields
+  of torch's ``reduce_tensor``, as bytes and ints, never a pickle - with its name, dtype and shape) in the
+  push's store namespace; the worker opens the handles with ``rebuild_cuda_tensor`` and copies the
+  learner's tensors straight into its parameters, casting to the engine's dtype (one device-to-device copy
+  in all, nothing through the host), then answers ``ipc/done/<generator>`` (``ok`` or its error). While the
+  learner keeps publishing the same record (its parameters are updated in place), the worker keeps the
+  opened tensors and the copy list: a push is then one batched copy (``torch._foreach_copy_``).
 * ``shm`` (a CPU learner on this host, in the same shared-memory directory): no group either. For each
   bucket the learner publishes a :class:`~shared.records.ShmBucket` naming the file it packed the bucket
   into (kept from push to push, so the worker keeps its mapping too); the worker loads the weights straight
@@ -59,7 +62,15 @@ from typing import Any
 import torch
 
 from shared.codec import decode
-from shared.records import PUSH_ABORT_KEY, CudaIpcBucket, ShmBucket
+from shared.records import (
+    IPC_DONE_OK,
+    IPC_WEIGHTS_KEY,
+    PUSH_ABORT_KEY,
+    CudaIpcTensor,
+    CudaIpcWeights,
+    ShmBucket,
+    ipc_done_key,
+)
 from shared.release import release_in_background
 from shared.shm import SEGMENT, map_file
 from shared.weights import bucket_byte_sizes
@@ -168,9 +179,10 @@ def stack_rows(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
 # CUDA IPC: the typed record back to rebuild_cuda_tensor's arguments ----------------------------------------
 
 
-def ipc_rebuild_args(record: CudaIpcBucket, device_index: int) -> tuple:
-    """Arguments of ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` for a bucket's flat uint8
-    tensor on this worker's device (the sender's device index means nothing here; its UUID was checked)."""
+def ipc_rebuild_args(record: CudaIpcTensor, device_index: int) -> tuple:
+    """Arguments of ``torch.multiprocessing.reductions.rebuild_cuda_tensor`` for a pushed tensor's bytes as a
+    flat uint8 tensor on this worker's device (the sender's device index means nothing here; its UUID was
+    checked)."""
     return (
         torch.Tensor,
         torch.Size([record.nbytes]),
@@ -188,6 +200,12 @@ def ipc_rebuild_args(record: CudaIpcBucket, device_index: int) -> tuple:
         record.event_handle,
         record.event_sync_required,
     )
+
+
+def _timed(step: Callable[[], Any]) -> float:
+    mark = time.perf_counter()
+    step()
+    return time.perf_counter() - mark
 
 
 def cuda_uuid(device: torch.device) -> str | None:
@@ -364,6 +382,28 @@ class DirectLoader:
         for name, tensor in pairs:
             self.add(name, tensor)
 
+    def in_place_copies(
+        self, pairs: Sequence[tuple[str, torch.Tensor]]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None:
+        """``(destinations, sources, padding)``: the parameter rows each pushed tensor is copied into and the
+        padding rows to zero, when every parameter takes its pieces in place and no layer computes through a
+        kernel handle of its own (a GPU engine); else None (use :meth:`add_all`). ``pairs`` must be the
+        whole push."""
+        if self.alias or any(self.handle_modules.values()):
+            return None
+        if {name for name, _ in pairs} != set(self.plan):
+            raise RuntimeError(f"the push carries {len(pairs)} tensors; the direct-load plan expects {len(self.plan)}")
+        destinations, sources = [], []
+        for name, tensor in pairs:
+            target_name, row, rows = self.plan[name]
+            param = self.params[target_name]
+            if param.numel() != math.prod(self.targets[target_name].shape):
+                return None
+            destinations.append(param.data[row : row + rows])
+            sources.append(tensor)
+        padding = [self.params[t.name].data[sum(t.piece_rows) :] for t in self.targets.values() if t.pad_rows]
+        return destinations, sources, padding
+
     def finish(self) -> None:
         missing = [name for name, left in self.left.items() if left]
         if missing:
@@ -408,6 +448,8 @@ class WeightReceiverExtension:
     _receive_buffers: Any = None  # (layout key, [bucket buffer, ...]): gloo receives into these, push after push
     _shm_maps: Any = None  # {path: mapped tensor} of the learner's shared-memory segments, push after push
     _shm_used: Any = None  # the paths the push being received named
+    _ipc_opened: Any = None  # (record bytes, [(name, tensor opened from it)]): kept while the learner resends it
+    _ipc_copies: Any = None  # (record bytes, layout key, params, their data pointers, in_place_copies' answer)
     _weight_timeout_s: float = 300.0
 
     def _tensor_parallel_size(self) -> int:
@@ -454,6 +496,8 @@ class WeightReceiverExtension:
         connects to the store the learner publishes bucket handles in."""
         self.weight_channel_close()
         transport = transport or ("nccl" if self.device.type == "cuda" else "gloo")
+        if transport != "ipc":  # the learner's memory this worker kept open for IPC pushes is let go
+            self._ipc_opened = self._ipc_copies = None
         store = torch.distributed.TCPStore(
             host, port, is_master=False, timeout=timedelta(seconds=join_timeout_s), wait_for_workers=False
         )
@@ -548,6 +592,8 @@ class WeightReceiverExtension:
         if self._weight_store is None:
             raise RuntimeError("weight_channel_open must be called before weight_channel_receive")
         model = self.model_runner.get_model()
+        if self._weight_transport == "ipc":
+            return self._receive_ipc(model, layout)
         by_bucket: list[list[dict[str, Any]]] = [[] for _ in range(num_buckets)]
         for spec in layout:
             by_bucket[spec["bucket"]].append(spec)
@@ -578,7 +624,94 @@ class WeightReceiverExtension:
             "copied_borrowed_bytes": float(direct.copied_borrowed_bytes if direct is not None else 0),
         }
 
+    def _receive_ipc(self, model: torch.nn.Module, layout: list[dict[str, Any]]) -> dict[str, float]:
+        """Copy the learner's tensors (``ipc/weights``) into the model; answer ``ipc/done/<generator>`` with
+        ``ok``, or with the error (which is raised here too), so the learner stops waiting either way."""
+        start = time.perf_counter()
+        done = ipc_done_key(self._weight_receiver_id)
+        direct = None
+        try:
+            wire = self._published(IPC_WEIGHTS_KEY)
+            waiting = time.perf_counter() - start
+            pairs = self._ipc_tensors(wire, layout)
+            copies = self._ipc_copy_plan(model, layout, wire, pairs)
+            if copies is not None:
+                destinations, sources, padding = copies
+                torch._foreach_copy_(destinations, sources)
+                if padding:
+                    torch._foreach_zero_(padding)
+            else:
+                direct = self._direct_loader(model, layout)
+                if direct is not None:
+                    direct.add_all(pairs)
+                    direct.finish()
+                else:
+                    self._layerwise(model, lambda load: (0.0, _timed(lambda: load(pairs))))
+            torch.cuda.current_stream(self.device).synchronize()
+        except BaseException as exc:
+            try:
+                self._weight_store.set(done, f"{type(exc).__name__}: {exc}"[:500].encode())
+            except Exception:
+                log.exception("could not tell the learner that this IPC push failed")
+            raise
+        self._weight_store.set(done, IPC_DONE_OK)
+        return {
+            "bytes": float(sum(t.numel() * t.element_size() for _, t in pairs)),
+            "seconds": time.perf_counter() - start,
+            "receive_wait_seconds": waiting,
+            "load_seconds": time.perf_counter() - start - waiting,
+            "direct": float(copies is not None or direct is not None),
+            "aliased_bytes": 0.0,
+            "copied_borrowed_bytes": 0.0,
+        }
+
+    def _ipc_tensors(self, wire: bytes, layout: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+        """The learner's tensors named in ``wire`` (a CudaIpcWeights record), opened on this worker's GPU; the
+        ones opened for the last push when the learner sent the same record."""
+        if self._ipc_opened is not None and self._ipc_opened[0] == wire:
+            return self._ipc_opened[1]
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        self._ipc_opened = self._ipc_copies = None  # let go of the last record's memory first
+        record = decode(wire, CudaIpcWeights)
+        if record.device_uuid != cuda_uuid(self.device):
+            raise RuntimeError(
+                f"the learner's tensors are on GPU {record.device_uuid}; this worker is on {cuda_uuid(self.device)}"
+            )
+        expected = {spec["name"]: tuple(spec["shape"]) for spec in layout}
+        pushed = {t.name: tuple(t.shape) for t in record.tensors}
+        if pushed != expected:
+            wrong = sorted(set(pushed.items()) ^ set(expected.items()))
+            raise RuntimeError(f"the IPC record and the announced layout disagree, first on {wrong[0]}")
+        pairs = []
+        for tensor in record.tensors:
+            flat = rebuild_cuda_tensor(*ipc_rebuild_args(tensor, self.device.index))
+            pairs.append((tensor.name, flat.view(_DTYPES[tensor.dtype]).view(tensor.shape)))
+        self._ipc_opened = (wire, pairs)
+        return pairs
+
+    def _ipc_copy_plan(self, model, layout, wire: bytes, pairs) -> tuple | None:
+        """:meth:`DirectLoader.in_place_copies` for this push, kept while the record, the layout and the
+        parameters' memory stay the same."""
+        key = self._layout_key(layout)
+        kept = self._ipc_copies
+        if kept is not None and kept[0] == wire and kept[1] == key and [p.data_ptr() for p in kept[2]] == kept[3]:
+            return kept[4]
+        self._ipc_copies = None
+        direct = self._direct_loader(model, layout)
+        copies = direct.in_place_copies(pairs) if direct is not None else None
+        if copies is not None:
+            assert direct is not None
+            params = list(direct.params.values())
+            self._ipc_copies = (wire, key, params, [p.data_ptr() for p in params], copies)
+        return copies
+
     def _receive_layerwise(self, model, by_bucket, sizes, private: bool) -> tuple[float, float]:
+        return self._layerwise(model, lambda load: self._receive_buckets(by_bucket, sizes, load, private=private))
+
+    def _layerwise(self, model, feed: Callable[[Callable], tuple[float, float]]) -> tuple[float, float]:
+        """vLLM's layerwise reload around ``feed``, which hands the pushed ``(name, tensor)`` pairs to the load
+        function it is given and returns the seconds it spent waiting and loading."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
@@ -587,9 +720,7 @@ class WeightReceiverExtension:
 
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-            waiting, loading = self._receive_buckets(
-                by_bucket, sizes, lambda pairs: model.load_weights(weights=iter(pairs)), private=private
-            )
+            waiting, loading = feed(lambda pairs: model.load_weights(weights=iter(pairs)))
             mark = time.perf_counter()
             finalize_layerwise_reload(model, self.vllm_config.model_config)
             loading += time.perf_counter() - mark
@@ -622,17 +753,7 @@ class WeightReceiverExtension:
         self, index: int, nbytes: int, buffer: torch.Tensor | None = None
     ) -> _PendingBucket | _PublishedBucket:
         """Start receiving one bucket (into ``buffer``, else a new one): gloo does it in the background, NCCL
-        at once, IPC opens its handle."""
-        if self._weight_transport == "ipc":
-            from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-            record = decode(self._published(f"ipc/{index}"), CudaIpcBucket)
-            if record.device_uuid != cuda_uuid(self.device) or record.nbytes != nbytes:
-                raise RuntimeError(
-                    f"IPC bucket {index} is {record.nbytes} bytes on GPU {record.device_uuid}; this worker "
-                    f"expects {nbytes} bytes on GPU {cuda_uuid(self.device)}"
-                )
-            return _PendingBucket(rebuild_cuda_tensor(*ipc_rebuild_args(record, self.device.index)), None)
+        at once, shared memory when the learner has packed it."""
         if self._weight_transport == "shm":
             return _PublishedBucket(lambda: self._shm_bucket(index, nbytes))
         if buffer is None:
@@ -685,12 +806,8 @@ class WeightReceiverExtension:
         self._shm_used = set()
 
     def _release(self, index: int) -> None:
-        """Over IPC or shared memory, tell the learner this worker is done with bucket ``index`` (after the
-        copies ran)."""
-        if self._weight_transport == "ipc":
-            torch.cuda.current_stream(self.device).synchronize()
-            self._weight_store.set(f"ipc/{index}/done/{self._weight_receiver_id}", b"1")
-        elif self._weight_transport == "shm":
+        """Over shared memory, tell the learner this worker is done with bucket ``index``."""
+        if self._weight_transport == "shm":
             self._weight_store.set(f"shm/{index}/done/{self._weight_receiver_id}", b"1")
 
     def weight_channel_close(self) -> None:

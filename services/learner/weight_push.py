@@ -10,8 +10,10 @@ Protocol (the generator side is :mod:`services.generator.weight_receiver`):
    parallelism takes one rank per engine worker); the generators' engine dtype; a fresh store namespace.
 3. It POSTs the ``WeightVersionAnnouncement`` (layout, ranks, transports, namespace) to every generator's
    ``/weights/update`` and, at the same time, forms the process group (gloo or NCCL, when any member needs
-   one) and sends the buckets: broadcast to the group, and for IPC receivers a ``CudaIpcBucket`` record per
-   bucket in the store (each bucket is held until every IPC receiver answered that it is done with it).
+   one) and sends the buckets: broadcast to the group, or through shared-memory segments to CPU generators
+   on this host. Generators on the learner's own GPU get no buckets: one ``CudaIpcWeights`` record in the
+   store hands them the learner's tensors where they lie, and they copy them into their parameters
+   (:mod:`services.learner.weight_transport_ipc`); the push waits until they are done.
    Each generator pauses, receives, loads, resets its prefix cache and resumes, then answers the POST.
 4. When every POST answered 200 the push succeeded; a generator that failed or was refused is reported (the
    caller retries with the replicas that are live then - replicas that joined or left are handled that way).
@@ -36,6 +38,7 @@ import httpx
 import torch
 
 from services.learner.weight_transport import LearnerDevice, PushPlan, PushRefused, plan_push
+from services.learner.weight_transport_ipc import IpcExports, publish_ipc, wait_ipc
 from services.learner.weight_transport_shm import ShmPublisher, ShmSegments
 from shared.records import (
     PUSH_ABORT_KEY,
@@ -224,6 +227,8 @@ class WeightPusher:
         # shared-memory segments when a generator receives through them.
         self._send_buffers: tuple[tuple, list[torch.Tensor], ShmSegments | None] | None = None
         self._sender: _Sender | None = None
+        # Generators on this GPU read the weights where they lie (CUDA IPC); the handles are kept push to push.
+        self._ipc_exports = IpcExports(self.device, self.learner.uuid or "") if self.device.type == "cuda" else None
         log.info(
             "weight pushes from %s%s (torch %s, NCCL %s, vLLM %s)",
             self.device,
@@ -320,14 +325,15 @@ class WeightPusher:
         buffers: Sequence[torch.Tensor] | None = None,
         segments: ShmSegments | None = None,
     ) -> int:
-        """Form the push's group (when a generator needs one) and send every bucket to it, to the IPC receivers
-        and to the shared-memory receivers (``buffers`` are then ``segments``' tensors); returns the bytes
-        sent. On gloo, bucket k+1 is packed (into ``buffers[k+1]`` when given) while k is sent."""
+        """Hand the tensors to the IPC receivers, form the push's group (when a generator needs one) and send
+        every bucket to it and to the shared-memory receivers (``buffers`` are then ``segments``' tensors);
+        returns the bytes sent. On gloo, bucket k+1 is packed (into ``buffers[k+1]`` when given) while k is
+        sent."""
         store = torch.distributed.PrefixStore(namespace, self.store)
         try:
             return self._send(store, plan, named, buckets, buffers, segments)
         except BaseException as exc:
-            if plan.ipc or plan.shm:  # receivers waiting for a bucket's record stop now, not at their timeout
+            if plan.ipc or plan.shm:  # receivers waiting for a record stop now, not at their timeout
                 try:
                     store.set(PUSH_ABORT_KEY, f"{type(exc).__name__}: {exc}"[:500])
                 except Exception:
@@ -335,12 +341,20 @@ class WeightPusher:
             raise
 
     def _send(self, store, plan: PushPlan, named, buckets, buffers, segments) -> int:
-        group = self._group(store, plan.world_size) if plan.ranks else None
-        ipc = shm = None
+        sent = 0
+        if plan.ipc:  # receivers copy from the learner's tensors themselves while the buckets go to the rest
+            if self._ipc_exports is None:
+                raise ValueError("IPC pushes are sent from a CUDA learner")
+            sent += publish_ipc(store, self._ipc_exports, named)
+        if plan.ranks or plan.shm:
+            sent += self._send_buckets(store, plan, named, buckets, buffers, segments)
         if plan.ipc:
-            from services.learner.weight_transport_ipc import IpcPublisher
+            wait_ipc(store, plan.ipc, self.timeout)
+        return sent
 
-            ipc = IpcPublisher(store, plan.ipc, self.learner.uuid or "", self.timeout)
+    def _send_buckets(self, store, plan: PushPlan, named, buckets, buffers, segments) -> int:
+        group = self._group(store, plan.world_size) if plan.ranks else None
+        shm = None
         if plan.shm:
             if segments is None:
                 raise ValueError("a push with shared-memory receivers packs into shared-memory segments")
@@ -350,8 +364,6 @@ class WeightPusher:
         for index, indices in enumerate(buckets):
             out = buffers[index] if buffers is not None else None
             buffer = pack_bucket([named[i][1] for i in indices], plan.dtype, out).to(self.device)
-            if ipc is not None:
-                ipc.publish(index, buffer)
             if shm is not None:
                 shm.publish(index)
             if group is not None:
@@ -359,8 +371,6 @@ class WeightPusher:
             sent += buffer.numel()
         if in_flight is not None:
             in_flight.wait()
-        if ipc is not None:
-            ipc.finish()
         if shm is not None:
             shm.finish()
         if group is not None:  # torn down in the background: the push is over

@@ -15,11 +15,13 @@ import torch
 from services.generator.weight_receiver import WeightReceiverExtension
 
 
-def build_model(seed: int, hidden: int, layers: int, device: str) -> torch.nn.Module:
-    """The same architecture on both sides; ``seed`` makes the weights differ."""
+def build_model(
+    seed: int, hidden: int, layers: int, device: str, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """The same architecture on both sides; ``seed`` makes the weights differ; ``dtype`` is the engine's."""
     torch.manual_seed(seed)
     blocks = [torch.nn.Linear(hidden, hidden) for _ in range(layers)]
-    return torch.nn.Sequential(torch.nn.Embedding(64, hidden), *blocks).to(device)
+    return torch.nn.Sequential(torch.nn.Embedding(64, hidden), *blocks).to(device=device, dtype=dtype)
 
 
 def digests(model: torch.nn.Module) -> dict[str, str]:
@@ -60,15 +62,17 @@ class StandInWorker(WeightReceiverExtension):
         return False  # plain torch layers: whatever they keep is a parameter the loader sees
 
 
-def receive(conn: Any, device_name: str, seed: int, hidden: int, layers: int, shm_dir: str = "") -> None:
+def receive(
+    conn: Any, device_name: str, seed: int, hidden: int, layers: int, shm_dir: str = "", dtype: str = "float32"
+) -> None:
     """Process entry point: answer ``ready`` with the device's UUID (and a shared-memory probe in ``shm_dir``
     when given), then for every push message (the ``weight_channel_open`` arguments, layout, bucket count)
-    receive it and answer with the result and the digests; ``"digests"`` asks for the digests alone;
-    ``None`` ends it."""
+    join the push, answer ``opened`` with the seconds that took, receive it and answer with the result and
+    the digests; ``"digests"`` asks for the digests alone; ``None`` ends it. ``dtype``: the engine's."""
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    worker = StandInWorker(build_model(seed, hidden, layers, device_name), device)
+    worker = StandInWorker(build_model(seed, hidden, layers, device_name, getattr(torch, dtype)), device)
     uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
     probe = None
     if shm_dir:
@@ -86,6 +90,7 @@ def receive(conn: Any, device_name: str, seed: int, hidden: int, layers: int, sh
         started = time.perf_counter()
         try:
             worker.weight_channel_open(*push["open"])
+            conn.send({"opened": time.perf_counter() - started})
             result = worker.weight_channel_receive(push["layout"], push["num_buckets"])
             worker.weight_channel_close()
         except Exception as exc:

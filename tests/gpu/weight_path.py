@@ -12,7 +12,7 @@ import torch
 
 from services.learner.weight_push import WeightPusher, plan_buckets
 from services.learner.weight_transport import PushPlan, plan_push
-from shared.records import GeneratorRegistration
+from shared.records import STORE_TRANSPORTS, GeneratorRegistration
 from tests.gpu import standin
 
 
@@ -24,12 +24,16 @@ class Receiver:
     shm_probe: dict[str, str] | None = None
 
 
-def start_receiver(device: str, seed: int, hidden: int, layers: int, shm_dir: str = "") -> Receiver:
-    """A stand-in receiver process; with ``shm_dir`` it leaves a shared-memory probe there (a CPU learner
-    using that directory then pushes to it through shared memory)."""
+def start_receiver(
+    device: str, seed: int, hidden: int, layers: int, shm_dir: str = "", dtype: str = "float32"
+) -> Receiver:
+    """A stand-in receiver process whose engine computes in ``dtype``; with ``shm_dir`` it leaves a
+    shared-memory probe there (a CPU learner using that directory then pushes to it through shared memory)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    process = ctx.Process(target=standin.receive, args=(child, device, seed, hidden, layers, shm_dir), daemon=True)
+    process = ctx.Process(
+        target=standin.receive, args=(child, device, seed, hidden, layers, shm_dir, dtype), daemon=True
+    )
     process.start()
     if not parent.poll(120):
         raise TimeoutError("the stand-in receiver did not start")
@@ -60,7 +64,9 @@ def registration(receiver: Receiver, pusher: WeightPusher, dtype: str) -> Genera
 def push(
     pusher: WeightPusher, receiver: Receiver, model: torch.nn.Module, version: int, dtype: str
 ) -> tuple[PushPlan, dict[str, Any], float]:
-    """One push to the stand-in: returns the plan, the receiver's answer and the sender's seconds."""
+    """One push to the stand-in: returns the plan, the receiver's answer (with ``opened``: the seconds it took
+    to join the push) and the sender's seconds, from when the receiver has joined until every byte is
+    loaded (the sender waits for that over IPC and shared memory; over gloo, until the last bucket is sent)."""
     generator = registration(receiver, pusher, dtype)
     plan = plan_push(pusher.learner, [generator], pusher._shares_memory([generator]))
     named = [(name, param.detach()) for name, param in model.named_parameters()]
@@ -84,12 +90,26 @@ def push(
             "num_buckets": len(buckets),
         }
     )
+    joined: dict[str, Any] = {}
+    if plan.transports["standin"] in STORE_TRANSPORTS:  # joining a group would wait for the sender instead
+        joined = _answer(receiver, "did not join the push")
+        if "error" in joined:  # nothing to send to
+            return plan, joined, 0.0
     started = time.perf_counter()
-    pusher.send_buckets(namespace, plan, named, buckets, buffers, segments)
-    seconds = time.perf_counter() - started
+    try:
+        pusher.send_buckets(namespace, plan, named, buckets, buffers, segments)
+    finally:
+        seconds = time.perf_counter() - started
+        if not joined:
+            joined = _answer(receiver, "did not join the push")
+        answer = joined if "error" in joined else _answer(receiver, "did not answer")
+    return plan, {**answer, **joined}, seconds
+
+
+def _answer(receiver: Receiver, what: str) -> dict[str, Any]:
     if not receiver.conn.poll(120):
-        raise TimeoutError("the stand-in receiver did not answer")
-    return plan, receiver.conn.recv(), seconds
+        raise TimeoutError(f"the stand-in receiver {what}")
+    return receiver.conn.recv()
 
 
 def digests(receiver: Receiver) -> dict[str, str]:

@@ -1,5 +1,6 @@
-"""Bucket layout, packing with the cast to the engine dtype, unpacking, the direct-load plan, and the CUDA
-IPC record's round trip - everything of the weight path that needs no engine and no GPU."""
+"""Bucket layout, packing with the cast to the engine dtype, unpacking, the direct-load plan and its in-place
+copy list (what an IPC receiver copies), and the CUDA IPC record's round trip - everything of the weight path
+that needs no engine and no GPU."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from services.generator.weight_receiver import (
 from services.learner.weight_push import pack_bucket, plan_buckets
 from services.learner.weight_transport_ipc import ipc_record_from_args
 from shared.codec import decode, encode
-from shared.records import CudaIpcBucket, WeightVersionAnnouncement
+from shared.records import CudaIpcWeights, WeightVersionAnnouncement
 from shared.weights import bucket_byte_sizes
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -147,6 +148,7 @@ def test_stack_rows_is_a_view_when_the_pieces_lie_back_to_back():
 
 
 def test_ipc_record_travels_as_bytes_and_rebuilds_the_same_arguments():
+    tensor = torch.zeros(32, 32)  # 4096 bytes
     args = (
         torch.Tensor,
         torch.Size([4096]),
@@ -164,13 +166,19 @@ def test_ipc_record_travels_as_bytes_and_rebuilds_the_same_arguments():
         b"\x02event",
         True,
     )
-    record = ipc_record_from_args(5, "GPU-uuid", args)
+    record = CudaIpcWeights(device_uuid="GPU-uuid", tensors=(ipc_record_from_args("w", tensor, args),))
     wire = encode(record)
-    assert b"pickle" not in wire and decode(wire, CudaIpcBucket) == record
-    rebuilt = ipc_rebuild_args(decode(wire, CudaIpcBucket), device_index=0)
+    assert b"pickle" not in wire and decode(wire, CudaIpcWeights) == record
+    sent = decode(wire, CudaIpcWeights).tensors[0]
+    assert (sent.name, sent.dtype, sent.shape, sent.nbytes) == ("w", "float32", (32, 32), 4096)
+    rebuilt = ipc_rebuild_args(sent, device_index=0)
     assert rebuilt[:6] == args[:6] and rebuilt[6] == 0 and rebuilt[7:] == args[7:]
     with pytest.raises(ValueError, match="flat uint8"):
-        ipc_record_from_args(0, "GPU-uuid", (*args[:5], torch.float32, *args[6:]))
+        ipc_record_from_args("w", tensor, (*args[:5], torch.float32, *args[6:]))
+    with pytest.raises(ValueError, match="4096 bytes for float32 of shape"):  # the bytes must fit the shape
+        ipc_record_from_args("w", torch.zeros(16, 16), args)
+    with pytest.raises(ValueError, match="float64"):
+        ipc_record_from_args("w", torch.zeros(16, 32, dtype=torch.float64), args)
 
 
 def test_announcement_keeps_ipc_generators_out_of_the_group():
@@ -353,6 +361,59 @@ def test_pieces_split_across_buckets_are_copied_and_the_handle_rebuilt():
     _load(model, newer, bucket_bytes=1 << 20, alias=False)
     for key, value in model.outputs(x).items():
         torch.testing.assert_close(value, _expected(newer, x)[key], msg=key)
+
+
+class _GpuEngineModel(torch.nn.Module):
+    """vLLM's layout on a GPU: plain bf16 parameters (no kernel handles), a fused qkv projection and an
+    embedding padded to 12 rows beyond its 10-token vocabulary."""
+
+    packed_modules_mapping = PACKED
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Module()
+        self.model.embed_tokens.weight = torch.nn.Parameter(torch.full((12, 4), 9.0, dtype=torch.bfloat16))
+        self.model.embed_tokens.org_vocab_size = 10
+        attn = torch.nn.Module()
+        attn.qkv_proj = torch.nn.Module()
+        attn.qkv_proj.weight = torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.bfloat16))
+        attn.qkv_proj.output_partition_sizes = [4, 2, 2]
+        layer = torch.nn.Module()
+        layer.self_attn = attn
+        self.model.layers = torch.nn.ModuleList([layer])
+        self.model.norm = torch.nn.Module()
+        self.model.norm.weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+
+
+def test_in_place_copies_cast_into_the_rows_of_each_parameter_and_zero_the_padding():
+    model = _GpuEngineModel()
+    named = _named()  # float32 (and one bf16) tensors, as an IPC push hands them over: the receiver casts
+    targets = describe_targets(model, tensor_parallel_size=1)
+    plan = plan_direct_load({name: tuple(t.shape) for name, t in named}, targets)
+    loader = DirectLoader(model, plan, targets)
+    destinations, sources, padding = loader.in_place_copies(named)
+    assert [s.data_ptr() for s in sources] == [t.data_ptr() for _, t in named]
+    ptrs = {name: p.data_ptr() for name, p in model.named_parameters()}
+    torch._foreach_copy_(destinations, sources)
+    torch._foreach_zero_(padding)
+    assert ptrs == {name: p.data_ptr() for name, p in model.named_parameters()}  # in place: graphs stay valid
+    w = {name: t.to(torch.bfloat16) for name, t in named}
+    embed = model.model.embed_tokens.weight
+    assert torch.equal(embed[:10], w["model.embed_tokens.weight"]) and not embed[10:].any()
+    qkv = torch.cat([w[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight, qkv)
+    assert torch.equal(model.model.norm.weight, w["model.norm.weight"])
+    with pytest.raises(RuntimeError, match="the push carries 4 tensors"):
+        loader.in_place_copies(named[:4])
+
+
+def test_in_place_copies_leave_cpu_layers_with_kernel_handles_to_the_loader():
+    model = _CpuEngineModel()
+    named = _named()
+    targets = describe_targets(model, tensor_parallel_size=1)
+    plan = plan_direct_load({name: tuple(t.shape) for name, t in named}, targets)
+    assert DirectLoader(model, plan, targets).in_place_copies(named) is None
 
 
 def test_pack_bucket_into_a_buffer_casts_while_copying_and_checks_the_size():
