@@ -11,10 +11,13 @@ beforehand, over a group formed beforehand - what the network path could do at b
 best of ``--repeats``, with the same CPU pinning: generator/receiver i on core i mod N, the learner/sender on
 the last core. The model is a random Llama with SmolLM2-135M's layer shapes (``--layers`` of them) and a
 small vocabulary; the learner holds it in ``--learner-dtype`` and the engines serve ``--engine-dtype``
-(float32 on CPUs without native bf16). The last line is ours/raw in speed (raw seconds over ours) per
-generator count (goal >= 0.7).
+(float32 on CPUs without native bf16). As in the learner's loop, after each push the learner's parameters
+move into the buffers the pusher keeps (when they travel uncast), so later pushes pack by no copy
+(``--no-place``: they stay in their own memory and every push copies them). The last line is ours/raw in
+speed (raw seconds over ours) per generator count (goal >= 0.7).
 
-    python bench/weight_push.py [--layers 30] [--repeats 5] [--transport auto|gloo] [--in-place] [--quick]
+    python bench/weight_push.py [--layers 30] [--repeats 5] [--transport auto|gloo] [--in-place] [--no-place]
+                                [--quick]
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from services.learner.weight_push import WeightPusher, pack_bucket, plan_buckets  # noqa: E402
+from services.learner.weight_push import WeightPusher, pack_bucket, place_parameters, plan_buckets  # noqa: E402
 from shared.keys import Keys  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
 from shared.registry import live_generators  # noqa: E402
@@ -116,8 +119,11 @@ async def _registered(client, keys: Keys, count: int, timeout_s: float = 60.0):
 
 
 async def our_push(
-    named, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str, in_place: bool, shm_dir: str
-) -> float:
+    model, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str, in_place: bool, shm_dir: str,
+    place: bool,
+) -> float:  # fmt: skip
+    """Best seconds of ``repeats`` pushes of ``model``, done as the learner's loop does them: after each push the
+    parameters move into the pusher's kept buffers (``place``), and an update changes them in place."""
     prefix = f"bench-push-{os.getpid()}-{receivers}"
     services = []
     for i in range(receivers):
@@ -152,7 +158,13 @@ async def our_push(
         best = float("inf")
         async with httpx.AsyncClient() as http:
             for version in range(1, repeats + 1):
+                named = [(n, p.detach()) for n, p in model.named_parameters()]
                 report = await pusher.push(named, version, generators, http)
+                if place:
+                    place_parameters(model, pusher.weight_homes())
+                with torch.no_grad():  # the next optimizer step
+                    for param in model.parameters():
+                        param.mul_(0.999)
                 best = min(best, report.seconds)
                 phases = ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in report.phases.items())
                 print(f"push {version} to {receivers}: {report.seconds:.3f} s ({phases})", flush=True)
@@ -183,7 +195,17 @@ def main(args) -> None:
             for receivers in args.generators:
                 raw = raw_broadcast(named, receivers, args.repeats, args.engine_dtype)
                 ours = asyncio.run(
-                    our_push(named, model_dir, receivers, args.repeats, url, args.engine_dtype, args.in_place, shm_dir)
+                    our_push(
+                        model,
+                        model_dir,
+                        receivers,
+                        args.repeats,
+                        url,
+                        args.engine_dtype,
+                        args.in_place,
+                        shm_dir,
+                        not args.no_place,
+                    )
                 )
                 rows.append((receivers, raw, ours))
         finally:
@@ -193,7 +215,7 @@ def main(args) -> None:
         f"weight push: {total / 1e6:.0f} MB ({args.learner_dtype} on the learner, sent as {args.engine_dtype}, "
         f"{len(named)} tensors, {args.layers} layers), buckets of {BUCKET_BYTES >> 20} MB, gloo on CPU, "
         f"cores {_cores()}, best of {args.repeats}, generator.cpu_weights_in_place {args.in_place}, "
-        f"transport {args.transport}"
+        f"transport {args.transport}, parameters placed in the send buffers {not args.no_place}"
     )
     print(f"{'generators':>10} {'raw s':>8} {'raw GB/s':>9} {'ours s':>8} {'ours GB/s':>10} {'ratio':>6}")
     for receivers, raw, ours in rows:
@@ -226,6 +248,11 @@ if __name__ == "__main__":
         choices=["auto", "gloo"],
         default="auto",
         help="auto: the learner's default (shared memory with generators on this host); gloo: weight_shm_dir = ''",
+    )
+    parser.add_argument(
+        "--no-place",
+        action="store_true",
+        help="the learner's parameters stay in their own memory, so every push packs a copy of them",
     )
     arguments = parser.parse_args()
     if arguments.quick:

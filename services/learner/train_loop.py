@@ -29,6 +29,7 @@ from typing import Literal
 
 import httpx
 import redis.asyncio as aioredis
+import torch
 
 from services.learner.batch import collate
 from services.learner.batch_metrics import batch_metrics, finalize_advantages
@@ -39,7 +40,7 @@ from services.learner.feeder import PromptFeeder, admission_budget, replacement_
 from services.learner.importance import is_stale
 from services.learner.observability import MetricsSink
 from services.learner.trainer import Trainer
-from services.learner.weight_push import WeightPusher, WeightPushError
+from services.learner.weight_push import WeightPusher, WeightPushError, own_parameters, place_parameters
 from shared.codec import encode
 from shared.config.learner import LearnerSettings
 from shared.intake import decode_or_reject
@@ -146,6 +147,7 @@ class LearnerLoop:
         self.dynamic_sampling: dict[str, float] = {}  # the last collected batch's figures
         self.evaluator = evaluator
         self.pushed_version: int | None = None  # the version the generators were last given
+        self.placed: list[torch.nn.Parameter] = []  # parameters living in the pusher's kept buffers
         self.evaluated_step: int | None = None  # the step of the last evaluation
 
     @property
@@ -268,8 +270,21 @@ class LearnerLoop:
             generators = await self.redis.run(lambda: live_generators(self.client, self.keys), "listing generators")
             generators = [g for g in generators if g.generator_id not in failed]  # the retry skips them
             try:
-                with self.trainer.full_weights() as named:
-                    await self.pusher.push(named, self.policy_version, generators, self.http, reset=reset)
+                try:
+                    with self.trainer.full_weights() as named:
+                        await self.pusher.push(named, self.policy_version, generators, self.http, reset=reset)
+                except BaseException:
+                    if self.placed:  # a straggler may still read them where they lie
+                        own_parameters(self.placed)
+                        log.warning("the parameters left the weight push's buffers after a failed push")
+                        self.placed = []
+                    raise
+                if self.trainer.pushes_parameters:  # the next push packs them by no copy
+                    placed = place_parameters(self.trainer.model, self.pusher.weight_homes())
+                    if placed and not self.placed:
+                        mb = sum(p.numel() * p.element_size() for p in placed) / 1e6
+                        log.info("%d parameters (%.0f MB) live in the weight push's buffers now", len(placed), mb)
+                    self.placed = placed
                 self.counters.pushed(ok=True)
                 announcement = encode(WeightVersionAnnouncement(policy_version=self.policy_version))
                 await self.redis.run(

@@ -256,6 +256,12 @@ class Trainer:
             self.channel.send(Channel.SAVE_OPTIMIZER, str(path))
             distributed.save_optimizer(self.model, self.optimizer, path)
 
+    @property
+    def pushes_parameters(self) -> bool:
+        """Whether :meth:`full_weights` hands out the parameters themselves (one process, no LoRA), which a
+        push may then move into its kept buffers (``weight_push.place_parameters``)."""
+        return not self.topology.distributed and not hasattr(self.model, "get_base_model")
+
     @contextmanager
     def full_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """(name, tensor) of the whole model as vLLM names them (LoRA merged); on the leader."""

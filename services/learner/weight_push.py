@@ -159,9 +159,68 @@ def pack_bucket(
     offset = 0
     for tensor, dtype_ in zip(tensors, travels, strict=True):
         size = tensor.numel() * dtype_.itemsize
-        out[offset : offset + size].view(dtype_).view(tensor.shape).copy_(tensor.detach())
+        slot = out[offset : offset + size].view(dtype_).view(tensor.shape)
+        if not lies_in(tensor, slot):  # a parameter kept in its slot (place_parameters) is packed already
+            slot.copy_(tensor.detach())
         offset += size
     return out
+
+
+def lies_in(tensor: torch.Tensor, slot: torch.Tensor) -> bool:
+    """Whether ``tensor`` is ``slot``'s memory, seen the same way (same address, dtype, shape and strides)."""
+    return (
+        tensor.data_ptr() == slot.data_ptr()
+        and tensor.dtype == slot.dtype
+        and tensor.shape == slot.shape
+        and tensor.stride() == slot.stride()
+    )
+
+
+def slot_views(
+    named: Sequence[tuple[str, torch.Tensor]],
+    buckets: Sequence[Sequence[int]],
+    dtype: DType | None,
+    buffers: Sequence[torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Where :func:`pack_bucket` puts each of ``named`` in ``buffers`` (one per bucket), as a tensor of its
+    dtype and shape; only the tensors that travel in their own dtype (a cast copy is not the tensor)."""
+    target = _DTYPES[dtype] if dtype is not None else None
+    views: dict[str, torch.Tensor] = {}
+    for indices, buffer in zip(buckets, buffers, strict=True):
+        offset = 0
+        for index in indices:
+            name, tensor = named[index]
+            travels = target or tensor.dtype
+            size = tensor.numel() * travels.itemsize
+            if travels == tensor.dtype:
+                views[name] = buffer[offset : offset + size].view(travels).view(tensor.shape)
+            offset += size
+    return views
+
+
+def place_parameters(model: torch.nn.Module, homes: dict[str, torch.Tensor]) -> list[torch.nn.Parameter]:
+    """Move each parameter of ``model`` named in ``homes`` into that memory (its values copied there first)
+    and return the parameters that live there now. The next push then packs them by no copy at all. Their
+    values must not change while a push reads them: the learner pushes between optimizer steps."""
+    placed = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            home = homes.get(name)
+            if home is None or home.dtype != param.dtype or home.shape != param.shape or home.device != param.device:
+                continue
+            if not lies_in(param, home):
+                home.copy_(param)
+                param.data = home
+            placed.append(param)
+    return placed
+
+
+def own_parameters(params: Sequence[torch.nn.Parameter]) -> None:
+    """Give ``params`` private memory again (after a push that failed, a receiver or a sending thread may
+    still read the buffers they lie in, which the next optimizer step would change under it)."""
+    with torch.no_grad():
+        for param in params:
+            param.data = param.data.clone()
 
 
 def installed_version(*distributions: str) -> str | None:
@@ -227,6 +286,7 @@ class WeightPusher:
         # shared-memory segments when a generator receives through them.
         self._send_buffers: tuple[tuple, list[torch.Tensor], ShmSegments | None] | None = None
         self._sender: _Sender | None = None
+        self._homes: dict[str, torch.Tensor] = {}  # slot_views of the last push, when its sending succeeded
         # Generators on this GPU read the weights where they lie (CUDA IPC); the handles are kept push to push.
         self._ipc_exports = IpcExports(self.device, self.learner.uuid or "") if self.device.type == "cuda" else None
         log.info(
@@ -270,6 +330,13 @@ class WeightPusher:
         if self._send_buffers is not None and self._send_buffers[2] is not None:
             self._send_buffers[2].close()
         self._send_buffers = None
+        self._homes = {}  # parameters placed in those buffers keep their memory alive until they move
+
+    def weight_homes(self) -> dict[str, torch.Tensor]:
+        """After a push whose sending succeeded on the CPU: where each pushed tensor that travelled uncast
+        lies in the buffers kept for the next push (:func:`slot_views`), for :func:`place_parameters`. A
+        later push with the same layout packs parameters living there by no copy. Empty otherwise."""
+        return dict(self._homes)
 
     def _buffers_for(
         self, specs: Sequence[TensorSpec], num_buckets: int, shared: bool
@@ -330,8 +397,12 @@ class WeightPusher:
         returns the bytes sent. On gloo, bucket k+1 is packed (into ``buffers[k+1]`` when given) while k is
         sent."""
         store = torch.distributed.PrefixStore(namespace, self.store)
+        self._homes = {}
         try:
-            return self._send(store, plan, named, buckets, buffers, segments)
+            sent = self._send(store, plan, named, buckets, buffers, segments)
+            if buffers is not None:  # every receiver is done with them until the next push
+                self._homes = slot_views(named, buckets, plan.dtype, buffers)
+            return sent
         except BaseException as exc:
             if plan.ipc or plan.shm:  # receivers waiting for a record stop now, not at their timeout
                 try:

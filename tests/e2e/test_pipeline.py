@@ -93,3 +93,7 @@ def test_reward_goes_up_across_separate_processes(tmp_path):
     assert len(set(ports.values())) == 2 and "8101" not in ports.values(), output[-3000:]
     for name, port in ports.items():
         assert f"ready on port {port}" in (run / "logs" / f"{name}.log").read_text()
+    # Both generators share the learner's host: pushes go through shared memory, and after the first one the
+    # learner's parameters live in the segments (later pushes pack by no copy).
+    assert "to 2 generator(s) over shm" in output, output[-3000:]
+    assert "live in the weight push's buffers now" in output, output[-3000:]

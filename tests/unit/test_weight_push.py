@@ -18,7 +18,7 @@ from services.generator.weight_receiver import (
     stack_rows,
     unpack_bucket,
 )
-from services.learner.weight_push import pack_bucket, plan_buckets
+from services.learner.weight_push import pack_bucket, plan_buckets, slot_views
 from services.learner.weight_transport_ipc import ipc_record_from_args
 from shared.codec import decode, encode
 from shared.records import CudaIpcWeights, WeightVersionAnnouncement
@@ -428,6 +428,58 @@ def test_pack_bucket_into_a_buffer_casts_while_copying_and_checks_the_size():
         pack_bucket(tensors)  # float32 and a bfloat16 norm, no cast
 
 
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_slot_views_are_where_pack_bucket_puts_each_tensor_that_travels_uncast(dtype):
+    named = [(n, t.float()) for n, t in _named()] if dtype else _named()
+    named.append(("model.layers.0.mlp.gate_proj.weight", torch.randn(3, 4, dtype=torch.bfloat16)))
+    _, buckets = plan_buckets(named, bucket_bytes=96, dtype=dtype)
+    buffers = [pack_bucket([named[i][1] for i in indices], dtype) for indices in buckets]
+    views = slot_views(named, buckets, dtype, buffers)
+    uncast = {name for name, t in named if dtype is None or t.dtype == torch.float32}
+    assert set(views) == uncast
+    for name, tensor in named:
+        if name in views:
+            assert views[name].dtype == tensor.dtype and torch.equal(views[name], tensor)
+            assert views[name].untyped_storage().data_ptr() in {b.data_ptr() for b in buffers}
+
+
+def test_placed_parameters_are_packed_by_no_copy_and_stay_exact_and_can_be_owned_again():
+    from services.learner.weight_push import own_parameters, place_parameters
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    _, buckets = plan_buckets(named, bucket_bytes=64, dtype="float32")
+    assert len(buckets) > 1
+    buffers = [pack_bucket([named[i][1] for i in indices], "float32") for indices in buckets]
+    before = {n: t.clone() for n, t in named}
+    placed = place_parameters(model, slot_views(named, buckets, "float32", buffers))
+    assert len(placed) == 4
+    starts = {b.data_ptr() for b in buffers}
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name])
+        assert param.untyped_storage().data_ptr() in starts  # the parameter lives in its slot
+    # An optimizer step changes the parameters where they lie; packing them again copies nothing and the
+    # buckets hold exactly what packing a private copy of them gives.
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    for indices, buffer in zip(buckets, buffers, strict=True):
+        tensors = [named[i][1] for i in indices]
+        expected = pack_bucket([t.clone() for t in tensors], "float32")
+        assert pack_bucket(tensors, "float32", buffer) is buffer and torch.equal(buffer, expected)
+    assert place_parameters(model, slot_views(named, buckets, "float32", buffers)) == placed  # nothing moves
+    # A cast push's slots are not the parameters: nothing is placed there.
+    assert place_parameters(model, slot_views(named, buckets, "bfloat16", buffers)) == []
+    own_parameters(placed)
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for buffer in buffers:
+        buffer.fill_(7)
+    for name, param in model.named_parameters():
+        assert param.untyped_storage().data_ptr() not in starts and torch.equal(param, values[name])
+
+
 def test_the_pusher_packs_into_the_same_cpu_buffers_while_the_layout_holds():
     import threading
 
@@ -633,4 +685,5 @@ def test_a_push_the_learner_gives_up_on_stops_shared_memory_receivers_at_once(tm
     store = torch.distributed.PrefixStore("push/1/t", pusher.store)
     store.set_timeout(timedelta(seconds=1))
     assert store.get("abort").startswith(b"ValueError")
+    assert pusher.weight_homes() == {}  # no parameter moves into buffers a failed push may still have readers of
     worker.weight_channel_close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from services.learner.weight_push import WeightPusher
+from services.learner.weight_push import WeightPusher, own_parameters, place_parameters
 from tests.gpu import standin
 from tests.gpu.weight_path import digests, push, start_receiver, stop_receiver
 
@@ -35,7 +35,8 @@ def test_gloo_push_to_a_stand_in_receiver_is_bitwise_and_direct():
 
 def test_shm_push_to_a_stand_in_receiver_is_bitwise_and_keeps_nothing_of_the_segments(tmp_path):
     """A CPU learner that sees the receiver's probe pushes through shared memory: no group, no rank; the
-    weights are bitwise equal after each push, the second push packs into the same segments, and packing
+    weights are bitwise equal after each push, the second push packs into the same segments (the parameters
+    live in them by then: nothing is copied), and packing
     anything into them afterwards (as the next push does, while the receiver still samples) changes nothing
     on the receiver."""
     pusher = WeightPusher(
@@ -53,10 +54,13 @@ def test_shm_push_to_a_stand_in_receiver_is_bitwise_and_keeps_nothing_of_the_seg
             assert answer["result"]["direct"] == 1.0 and answer["result"]["aliased_bytes"] == 0
             assert answer["result"]["copied_borrowed_bytes"] == 0
             segment_paths.append(sorted(p.name for p in tmp_path.glob("asyncgrpo-weights-*")))
+            # As the learner's loop does: the parameters move into the segments, so push 2 packs by no copy.
+            assert len(place_parameters(model, pusher.weight_homes())) == len(list(model.parameters()))
             with torch.no_grad():
                 for param in model.parameters():
                     param.add_(1.0)
         assert segment_paths[0] == segment_paths[1] and len(segment_paths[0]) > 1  # kept from push to push
+        own_parameters(list(model.parameters()))  # the segments are written below
         loaded = digests(receiver)
         assert pusher._send_buffers is not None
         for tensor in pusher._send_buffers[1]:
