@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -156,14 +156,20 @@ def pack_bucket(
         out = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
     elif out.numel() != nbytes or out.dtype != torch.uint8:
         raise ValueError(f"bucket buffer holds {out.numel()} {out.dtype}; the tensors need {nbytes} uint8")
-    offset = 0
-    for tensor, dtype_ in zip(tensors, travels, strict=True):
-        size = tensor.numel() * dtype_.itemsize
-        slot = out[offset : offset + size].view(dtype_).view(tensor.shape)
+    for tensor, slot in zip(tensors, _slots(tensors, target, out), strict=True):
         if not lies_in(tensor, slot):  # a parameter kept in its slot (place_parameters) is packed already
             slot.copy_(tensor.detach())
-        offset += size
     return out
+
+
+def _slots(tensors: Sequence[torch.Tensor], target: torch.dtype | None, out: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Each tensor's place in the bucket ``out``: back to back, in ``target`` (None: its own dtype) and its shape."""
+    offset = 0
+    for tensor in tensors:
+        travels = target or tensor.dtype
+        size = tensor.numel() * travels.itemsize
+        yield out[offset : offset + size].view(travels).view(tensor.shape)
+        offset += size
 
 
 def lies_in(tensor: torch.Tensor, slot: torch.Tensor) -> bool:
@@ -187,14 +193,11 @@ def slot_views(
     target = _DTYPES[dtype] if dtype is not None else None
     views: dict[str, torch.Tensor] = {}
     for indices, buffer in zip(buckets, buffers, strict=True):
-        offset = 0
-        for index in indices:
+        tensors = [named[i][1] for i in indices]
+        for index, slot in zip(indices, _slots(tensors, target, buffer), strict=True):
             name, tensor = named[index]
-            travels = target or tensor.dtype
-            size = tensor.numel() * travels.itemsize
-            if travels == tensor.dtype:
-                views[name] = buffer[offset : offset + size].view(travels).view(tensor.shape)
-            offset += size
+            if slot.dtype == tensor.dtype:
+                views[name] = slot
     return views
 
 
