@@ -443,7 +443,7 @@ def test_slot_views_are_where_pack_bucket_puts_each_tensor_that_travels_uncast(d
             assert views[name].untyped_storage().data_ptr() in {b.data_ptr() for b in buffers}
 
 
-def test_placed_parameters_are_packed_by_no_copy_and_stay_exact_and_can_be_owned_again():
+def test_placed_parameters_are_packed_by_no_copy_and_stay_exact_and_can_be_owned_again(monkeypatch):
     from services.learner.weight_push import own_parameters, place_parameters
 
     torch.manual_seed(0)
@@ -465,10 +465,17 @@ def test_placed_parameters_are_packed_by_no_copy_and_stay_exact_and_can_be_owned
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
     named = [(n, p.detach()) for n, p in model.named_parameters()]
+    copies = []
+    copy = torch.Tensor.copy_
     for indices, buffer in zip(buckets, buffers, strict=True):
         tensors = [named[i][1] for i in indices]
         expected = pack_bucket([t.clone() for t in tensors], "float32")
+        monkeypatch.setattr(
+            torch.Tensor, "copy_", lambda self, src, *a, **k: copies.append(1) or copy(self, src, *a, **k)
+        )
         assert pack_bucket(tensors, "float32", buffer) is buffer and torch.equal(buffer, expected)
+        monkeypatch.undo()
+    assert copies == []  # nothing was copied: the parameters are their slots
     assert place_parameters(model, slot_views(named, buckets, "float32", buffers)) == placed  # nothing moves
     # A cast push's slots are not the parameters: nothing is placed there.
     assert place_parameters(model, slot_views(named, buckets, "bfloat16", buffers)) == []
