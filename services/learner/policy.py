@@ -251,6 +251,24 @@ def logprobs_no_grad(
     return logprobs.clone()
 
 
+def linear_weight_names(model: torch.nn.Module) -> frozenset[str]:
+    """Names, as :func:`merged_weights` gives them, of the weights that only linear layers hold (a weight
+    tied to an embedding is left out: engines look rows up in it). These may travel transposed to engines
+    that repack linear weights (``GeneratorRegistration.transposed_linear``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    holders: dict[int, list[torch.nn.Module]] = {}
+    names: dict[int, str] = {}
+    for module_name, module in base.named_modules():
+        for leaf, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append(module)
+            names.setdefault(id(param), f"{module_name}.{leaf}" if module_name else leaf)
+    return frozenset(
+        names[key].replace(".base_layer", "")
+        for key, held in holders.items()
+        if names[key].endswith("weight") and all(isinstance(m, torch.nn.Linear) for m in held)
+    )
+
+
 @contextmanager
 def merged_weights(model: torch.nn.Module) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """(name, tensor) of the full model as vLLM and transformers name them. Tied weights appear once.

@@ -272,7 +272,10 @@ class LearnerLoop:
             try:
                 try:
                     with self.trainer.full_weights() as named:
-                        await self.pusher.push(named, self.policy_version, generators, self.http, reset=reset)
+                        await self.pusher.push(
+                            named, self.policy_version, generators, self.http, reset=reset,
+                            linear=self.trainer.linear_weights,
+                        )  # fmt: skip
                 except BaseException:
                     if self.placed:  # a straggler may still read them where they lie
                         own_parameters(self.placed)

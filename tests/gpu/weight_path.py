@@ -62,15 +62,21 @@ def registration(receiver: Receiver, pusher: WeightPusher, dtype: str) -> Genera
 
 
 def push(
-    pusher: WeightPusher, receiver: Receiver, model: torch.nn.Module, version: int, dtype: str
+    pusher: WeightPusher,
+    receiver: Receiver,
+    model: torch.nn.Module,
+    version: int,
+    dtype: str,
+    transposed: frozenset[str] = frozenset(),
 ) -> tuple[PushPlan, dict[str, Any], float]:
     """One push to the stand-in: returns the plan, the receiver's answer (with ``opened``: the seconds it took
     to join the push) and the sender's seconds, from when the receiver has joined until every byte is
-    loaded (the sender waits for that over IPC and shared memory; over gloo, until the last bucket is sent)."""
+    loaded (the sender waits for that over IPC and shared memory; over gloo, until the last bucket is sent).
+    ``transposed``: names of the 2-D tensors that travel transposed."""
     generator = registration(receiver, pusher, dtype)
     plan = plan_push(pusher.learner, [generator], pusher._shares_memory([generator]))
     named = [(name, param.detach()) for name, param in model.named_parameters()]
-    specs, buckets = plan_buckets(named, pusher.bucket_bytes, plan.dtype)
+    specs, buckets = plan_buckets(named, pusher.bucket_bytes, plan.dtype, transposed)
     buffers, segments = pusher._buffers_for(specs, len(buckets), shared=bool(plan.shm))
     namespace = f"push/{version}/test"
     receiver.conn.send(
@@ -97,7 +103,7 @@ def push(
             return plan, joined, 0.0
     started = time.perf_counter()
     try:
-        pusher.send_buckets(namespace, plan, named, buckets, buffers, segments)
+        pusher.send_buckets(namespace, plan, named, buckets, buffers, segments, transposed)
     finally:
         seconds = time.perf_counter() - started
         if not joined:

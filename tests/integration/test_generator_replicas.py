@@ -1,5 +1,7 @@
-"""Two generator replicas on one prompts stream: a push reaches both; no prompt is done twice; a SIGKILLed
-replica's prompts are finished by the other, and the next push goes to the survivor alone."""
+"""Two generator replicas on one prompts stream: a push reaches both (its linear weights stored transposed, as
+vLLM-CPU's prepacking reads them fastest) and greedy decoding then matches transformers on the pushed weights;
+no prompt is done twice; a SIGKILLed replica's prompts are finished by the other, and the next push goes to
+the survivor alone."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from services.learner.policy import linear_weight_names
 from services.learner.weight_push import WeightPusher
 from shared.codec import decode, encode
 from shared.keys import Keys
@@ -72,15 +75,17 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
             await asyncio.sleep(0.2)
         assert sorted(g.generator_id for g in generators) == ["gen-a", "gen-b"]
 
-        # One push reaches both processes over gloo, and both then hold model B's weights.
+        # One push reaches both processes over gloo, and both then hold model B's weights. Both engines repack
+        # their linear layers (oneDNN), so those weights travel transposed.
+        assert all(g.transposed_linear for g in generators)
         pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN)
-        reference = {
-            n: float(p.detach().double().sum())
-            for n, p in AutoModelForCausalLM.from_pretrained(model_b, dtype=torch.float32).named_parameters()
-        }
+        learner_b = AutoModelForCausalLM.from_pretrained(model_b, dtype=torch.float32)
+        reference = {n: float(p.detach().double().sum()) for n, p in learner_b.named_parameters()}
         named = list(AutoModelForCausalLM.from_pretrained(model_b, dtype=torch.float32).named_parameters())
+        linear = linear_weight_names(learner_b)
+        assert "model.layers.0.self_attn.q_proj.weight" in linear and "model.embed_tokens.weight" not in linear
         async with httpx.AsyncClient(timeout=300) as http:
-            report = await pusher.push(named, 1, generators, http)
+            report = await pusher.push(named, 1, generators, http, linear=linear)
             assert set(report.generators) == {"gen-a", "gen-b"}
             for service in (survivor, victim):
                 fingerprint = await _fingerprint(http, service.url)
@@ -88,6 +93,16 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
                 for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
                     assert fingerprint[name] == pytest.approx(reference[name], rel=1e-6), (service.name, name)
                 assert "loaded over gloo (direct copy)" in service.output(), service.output()[-3000:]
+                greedy = {"prompts": ["item 7: the"], "sampling": {"temperature": 0, "max_tokens": 24}}
+                reply = await http.post(
+                    f"{service.url}/generate", json=greedy, headers={"Authorization": f"Bearer {TOKEN}"}
+                )
+                assert reply.status_code == 200, reply.text
+                result = reply.json()["results"][0]
+                prompt = result["prompt_token_ids"]
+                expected = learner_b.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
+                got = result["completions"][0]["token_ids"]
+                assert len(got) >= 1 and got == expected[0, len(prompt) :].tolist()[: len(got)], service.name
 
             # 40 prompts through both replicas; kill one while it holds prompts.
             tasks = [

@@ -13,6 +13,7 @@ from services.generator.weight_receiver import (
     TargetParam,
     describe_targets,
     ipc_rebuild_args,
+    is_transposed,
     plan_direct_load,
     source_names,
     stack_rows,
@@ -694,3 +695,155 @@ def test_a_push_the_learner_gives_up_on_stops_shared_memory_receivers_at_once(tm
     assert store.get("abort").startswith(b"ValueError")
     assert pusher.weight_homes() == {}  # no parameter moves into buffers a failed push may still have readers of
     worker.weight_channel_close()
+
+
+# Linear weights stored transposed, for CPU engines that repack them (vLLM-CPU's oneDNN handles) -----------------
+
+
+def _linear_named():
+    named = _named()
+    return [(n, t.float()) for n, t in named]
+
+
+LINEAR = frozenset(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
+
+
+def test_transposed_tensors_are_packed_as_their_transpose_and_unpack_to_the_same_values():
+    named = _linear_named()
+    specs, buckets = plan_buckets(named, bucket_bytes=1 << 20, dtype="float32", transposed=LINEAR | {"not.pushed"})
+    assert {s.name for s in specs if s.transposed} == LINEAR
+    [indices] = buckets
+    flags = [named[i][0] in LINEAR for i in indices]
+    packed = pack_bucket([named[i][1] for i in indices], "float32", transposed=flags)
+    # The bytes are those of each transpose, contiguous: what the engine's prepacking reads.
+    expected = torch.cat([(t.t().contiguous() if f else t).reshape(-1) for (_, t), f in zip(named, flags, strict=True)])
+    assert torch.equal(packed.view(torch.float32), expected)
+    unpacked = dict(unpack_bucket(packed, [s.model_dump() for s in specs]))
+    for name, tensor in named:
+        assert torch.equal(unpacked[name], tensor), name
+        assert is_transposed(unpacked[name]) == (name in LINEAR), name
+    with pytest.raises(ValueError, match="only a 2-D tensor travels transposed"):
+        pack_bucket([torch.zeros(4)], "float32", transposed=[True])
+    with pytest.raises(ValueError, match="2 transposed flags for 1 tensors"):
+        pack_bucket([torch.zeros(4)], "float32", transposed=[True, False])
+
+
+def test_a_spec_refuses_to_transpose_what_is_not_2d():
+    from shared.records import TensorSpec
+
+    assert TensorSpec(name="w", dtype="float32", shape=(2, 3), bucket=0, transposed=True).transposed
+    with pytest.raises(ValueError, match="only a 2-D tensor travels transposed"):
+        TensorSpec(name="norm", dtype="float32", shape=(3,), bucket=0, transposed=True)
+
+
+def test_stack_rows_joins_transposed_pieces_into_the_layout_the_prepacking_reads():
+    pieces = [torch.randn(4, 3).t().contiguous().t() for _ in range(2)]  # [4, 3] each, strides (1, 4)
+    pieces.append(torch.randn(2, 3).t().contiguous().t())
+    stacked = stack_rows(pieces)
+    assert torch.equal(stacked, torch.cat([p.contiguous() for p in pieces]))
+    assert stacked.shape == (10, 3) and stacked.t().is_contiguous()  # [in, out] contiguous under the .t()
+    assert stack_rows(pieces[:1]) is pieces[0]
+    assert not is_transposed(torch.randn(3, 3)) and not is_transposed(torch.randn(1, 3).t())
+
+
+def _recording_method():
+    """vLLM-CPU's unquantized linear method, recording the layout of the weight it packs from."""
+    method = _cpu_method("UnquantizedLinearMethod", True)
+    process = type(method).process_weights_after_loading
+    method.layouts = []
+
+    def record(self, layer):
+        self.layouts.append(layer.weight.t().is_contiguous())
+        process(self, layer)
+
+    type(method).process_weights_after_loading = record
+    return method
+
+
+@pytest.mark.parametrize("borrowed", [False, True])
+def test_transposed_pieces_reach_the_handle_transposed_and_the_engine_computes_the_same(borrowed):
+    model = _CpuEngineModel()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    qkv.quant_method = _recording_method()
+    x = torch.randn(3, 4)
+    named = _linear_named()
+    specs, buckets = plan_buckets(named, bucket_bytes=1 << 20, dtype="float32", transposed=LINEAR)
+    layout = [s.model_dump() for s in specs]
+    buffers = [
+        pack_bucket([named[i][1] for i in indices], "float32", transposed=[named[i][0] in LINEAR for i in indices])
+        for indices in buckets
+    ]
+    targets = describe_targets(model, tensor_parallel_size=1)
+    plan = plan_direct_load({s["name"]: tuple(s["shape"]) for s in layout}, targets)
+    loader = DirectLoader(model, plan, targets, borrowed=borrowed)
+    for index, buffer in enumerate(buffers):
+        loader.add_all(unpack_bucket(buffer, [s for s in layout if s["bucket"] == index]))
+    loader.finish()
+    assert qkv.quant_method.layouts == [True]  # packed from [in, out] contiguous
+    for key, value in model.outputs(x).items():
+        torch.testing.assert_close(value, _expected(named, x)[key], msg=key)
+    for buffer in buffers:  # the next push's packing changes nothing the engine computes with
+        buffer.fill_(3)
+    for key, value in model.outputs(x).items():
+        torch.testing.assert_close(value, _expected(named, x)[key], msg=key)
+
+
+def test_placed_transposed_parameters_train_and_pack_by_no_copy(monkeypatch):
+    from services.learner.policy import linear_weight_names
+    from services.learner.weight_push import place_parameters
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    twin.load_state_dict(model.state_dict())
+    linear = linear_weight_names(model)
+    assert linear == {"0.weight", "1.weight"}
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    _, buckets = plan_buckets(named, bucket_bytes=64, dtype="float32", transposed=linear)
+    buffers = [
+        pack_bucket([named[i][1] for i in idx], "float32", transposed=[named[i][0] in linear for i in idx])
+        for idx in buckets
+    ]
+    placed = place_parameters(model, slot_views(named, buckets, "float32", buffers, linear))
+    assert len(placed) == 4
+    assert model[0].weight.stride() == (1, 6) and model[0].bias.is_contiguous()
+    # Training on transposed parameters gives what training on ordinary ones gives.
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, twin)]
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        for m, optimizer in zip((model, twin), optimizers, strict=True):
+            optimizer.zero_grad()
+            m(x).square().sum().backward()
+            optimizer.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    assert model[0].weight.stride() == (1, 6)  # still in its slot
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    copies = []
+    copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, *a, **k: copies.append(1) or copy(self, src, *a, **k))
+    for idx, buffer in zip(buckets, buffers, strict=True):
+        pack_bucket([named[i][1] for i in idx], "float32", buffer, [named[i][0] in linear for i in idx])
+    monkeypatch.undo()
+    assert copies == []
+    unpacked = {}
+    specs, _ = plan_buckets(named, bucket_bytes=64, dtype="float32", transposed=linear)
+    for index, buffer in enumerate(buffers):
+        unpacked.update(unpack_bucket(buffer, [s.model_dump() for s in specs if s.bucket == index]))
+    for name, param in model.named_parameters():
+        assert torch.equal(unpacked[name], param), name
+
+
+def test_linear_weight_names_leave_out_weights_tied_to_an_embedding():
+    from services.learner.policy import linear_weight_names
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.proj = torch.nn.Linear(4, 4, bias=True)
+            self.norm = torch.nn.LayerNorm(4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+    assert linear_weight_names(Tied()) == {"proj.weight"}

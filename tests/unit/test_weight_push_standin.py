@@ -5,8 +5,10 @@ The same driver runs over CUDA IPC in tests/gpu/test_weight_path.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from services.learner.policy import linear_weight_names
 from services.learner.weight_push import WeightPusher, own_parameters, place_parameters
 from tests.gpu import standin
 from tests.gpu.weight_path import digests, push, start_receiver, stop_receiver
@@ -33,21 +35,25 @@ def test_gloo_push_to_a_stand_in_receiver_is_bitwise_and_direct():
         stop_receiver(receiver)
 
 
-def test_shm_push_to_a_stand_in_receiver_is_bitwise_and_keeps_nothing_of_the_segments(tmp_path):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_shm_push_to_a_stand_in_receiver_is_bitwise_and_keeps_nothing_of_the_segments(tmp_path, transposed):
     """A CPU learner that sees the receiver's probe pushes through shared memory: no group, no rank; the
     weights are bitwise equal after each push, the second push packs into the same segments (the parameters
     live in them by then: nothing is copied), and packing
     anything into them afterwards (as the next push does, while the receiver still samples) changes nothing
-    on the receiver."""
+    on the receiver. ``transposed``: the linear weights travel transposed (as to engines that repack them),
+    and the parameters placed in the segments are transposed views of them: still bitwise."""
     pusher = WeightPusher(
         bind_port=0, advertise_host="127.0.0.1", api_token="t", bucket_bytes=1 << 16, shm_dir=str(tmp_path)
     )
     receiver = start_receiver("cpu", seed=2, hidden=64, layers=3, shm_dir=str(tmp_path))
     try:
         model = standin.build_model(seed=1, hidden=64, layers=3, device="cpu")
+        linear = linear_weight_names(model) if transposed else frozenset()
+        assert len(linear) == (3 if transposed else 0)
         segment_paths = []
         for version in (1, 2):
-            plan, answer, _ = push(pusher, receiver, model, version, "float32")
+            plan, answer, _ = push(pusher, receiver, model, version, "float32", linear)
             assert plan.transports == {"standin": "shm"} and plan.ranks == {} and plan.world_size == 1
             assert "error" not in answer, answer
             assert answer["digests"] == standin.digests(model)
@@ -56,6 +62,7 @@ def test_shm_push_to_a_stand_in_receiver_is_bitwise_and_keeps_nothing_of_the_seg
             segment_paths.append(sorted(p.name for p in tmp_path.glob("asyncgrpo-weights-*")))
             # As the learner's loop does: the parameters move into the segments, so push 2 packs by no copy.
             assert len(place_parameters(model, pusher.weight_homes())) == len(list(model.parameters()))
+            assert (model[1].weight.stride() == (1, 64)) == transposed
             with torch.no_grad():
                 for param in model.parameters():
                     param.add_(1.0)

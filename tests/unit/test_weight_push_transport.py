@@ -33,6 +33,17 @@ def gen(gid: str, *uuids: str, dtype=None, versions=V, device=None) -> Generator
     )
 
 
+def test_linear_weights_travel_transposed_only_when_every_generator_repacks_them():
+    repacks = gen("a", versions=CPU.versions).model_copy(update={"transposed_linear": True})
+    also = gen("b", versions=CPU.versions).model_copy(update={"transposed_linear": True})
+    plain = gen("c", versions=CPU.versions)
+    assert plan_push(CPU, [repacks, also]).transposed_linear
+    assert plan_push(CPU, [repacks], shares_memory={"a"}).transposed_linear
+    assert not plan_push(CPU, [repacks, plain]).transposed_linear  # one set of buckets serves them all
+    assert not plan_push(CPU, []).transposed_linear
+    assert not GeneratorRegistration.model_validate(plain.model_dump()).transposed_linear  # the default
+
+
 def test_transport_follows_the_physical_device():
     assert choose_transport(CPU, gen("g", versions=CPU.versions)) == "gloo"
     assert choose_transport(GPU_A, gen("g", "uuid-a")) == "ipc"
