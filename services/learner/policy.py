@@ -265,7 +265,9 @@ def linear_weight_names(model: torch.nn.Module) -> frozenset[str]:
     return frozenset(
         names[key].replace(".base_layer", "")
         for key, held in holders.items()
-        if names[key].endswith("weight") and all(isinstance(m, torch.nn.Linear) for m in held)
+        if names[key].endswith("weight")
+        and "lora_" not in names[key]  # adapters are merged into the base weights, never pushed themselves
+        and all(isinstance(m, torch.nn.Linear) for m in held)
     )
 
 

@@ -51,6 +51,10 @@ def test_lora_trains_adapters_only_and_pushes_merged_weights(tmp_path):
     with trainer.full_weights() as named:
         weights = {name: tensor.clone() for name, tensor in named}
     assert set(weights) == {n.replace(".base_layer", "") for n in before}
+    # The linear weights as the push names them (to travel transposed to CPU engines): the merged ones.
+    linear = trainer.linear_weights
+    assert q_name in linear and "model.layers.0.mlp.down_proj.weight" in linear
+    assert linear <= set(weights) and "model.embed_tokens.weight" not in linear
     q_base = before["model.layers.0.self_attn.q_proj.base_layer.weight"]
     torch.testing.assert_close(weights[q_name], q_base + delta)
     torch.testing.assert_close(weights["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
