@@ -393,7 +393,7 @@ class Engine:
             self.runtime = {
                 "device_uuids": tuple(w["device_uuid"] for w in workers if w["device_uuid"]),
                 "dtype": first["dtype"],
-                "transposed_linear": all(w.get("transposed_linear", False) for w in workers),
+                "transposed_linear": all(w["transposed_linear"] for w in workers),
                 "versions": {"torch": first["torch"], "nccl": first["nccl"], "vllm": first["vllm"]},
             }
             log.info("engine runtime: %s", self.runtime)

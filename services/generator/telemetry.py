@@ -63,7 +63,7 @@ class GeneratorTelemetry:
                     **self._registration.model_dump(),
                     "device_uuids": runtime["device_uuids"],
                     "engine_dtype": runtime["dtype"],
-                    "transposed_linear": runtime.get("transposed_linear", False),
+                    "transposed_linear": runtime["transposed_linear"],
                     "versions": RuntimeVersions(**runtime["versions"]),
                 }
             )

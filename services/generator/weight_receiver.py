@@ -403,7 +403,7 @@ class DirectLoader:
             )
             stacked = stack_rows(pieces, self.scratch if prepacks_now else None)
             if self.alias and aliases(stacked, pieces, target, param.dtype):
-                view = stacked if stacked.shape == target.shape else stacked.view(target.shape)
+                view = stacked.view(target.shape)
                 if param.data_ptr() != view.data_ptr() or param.shape != view.shape or param.stride() != view.stride():
                     param.data = view  # the Parameter object stays: a tied module sees it too
                 aliased = True
@@ -414,8 +414,7 @@ class DirectLoader:
                 if target.pad_rows:
                     param.data[pushed_rows:].zero_()
             else:
-                weight = stacked.to(param.dtype)  # keeps a transposed layout
-                param.data = weight if weight.shape == target.shape else weight.view(target.shape)
+                param.data = stacked.to(param.dtype).view(target.shape)  # a transposed layout stays transposed
         for module in self.handle_modules[target_name]:
             key = id(module)
             self.module_aliased[key] = self.module_aliased[key] and aliased
@@ -438,12 +437,14 @@ class DirectLoader:
             self._own(param)
 
     def _own(self, param: torch.Tensor) -> None:
-        if param.numel() and (self._borrowed_storage(param) or (self.scratch and self.scratch.holds(param))):
+        if param.numel() and self._not_ours(param):
             param.data = param.data.clone()
             self.copied_borrowed_bytes += param.numel() * param.element_size()
 
-    def _borrowed_storage(self, tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage().data_ptr() in self._borrowed
+    def _not_ours(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lies in memory no parameter may keep: the sender's, or the join scratch."""
+        borrowed = tensor.untyped_storage().data_ptr() in self._borrowed
+        return borrowed or (self.scratch is not None and self.scratch.holds(tensor))
 
     def add_all(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in pairs:

@@ -38,6 +38,7 @@ gathered weights itself under torchrun); logprobs and the loss are float32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -194,7 +195,6 @@ class Trainer:
         self.reference = reference
         self.topology = topology or Topology()
         self.channel = Channel(self.topology)
-        self._linear_weights: frozenset[str] | None = None  # linear_weight_names(model), on first use
         device_type = self.device.type
         self.share_prompts = resolve_share_prompts(settings.share_prompts, device_type, self.topology.distributed)
         # Under torchrun the ranks' pass counts must match (distributed.micro_batch_plan): padded, row-counted.
@@ -263,13 +263,11 @@ class Trainer:
         push may then move into its kept buffers (``weight_push.place_parameters``)."""
         return not self.topology.distributed and not hasattr(self.model, "get_base_model")
 
-    @property
+    @functools.cached_property
     def linear_weights(self) -> frozenset[str]:
         """Names of the weights in :meth:`full_weights` that only linear layers hold (they may travel
         transposed to CPU engines: ``WeightPusher.push``'s ``linear``)."""
-        if self._linear_weights is None:
-            self._linear_weights = linear_weight_names(self.model)
-        return self._linear_weights
+        return linear_weight_names(self.model)
 
     @contextmanager
     def full_weights(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
