@@ -18,7 +18,7 @@ PYTHON_GPU ?= python3.12
 GPU_VENV ?= .venv-gpu
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-gpu lock lock-check check-fresh-setup test test-fast lint demo bench bench-env bench-trl clean-venv
+.PHONY: setup setup-gpu compose-env lock lock-check check-fresh-setup test test-fast lint demo bench bench-env bench-trl clean-venv
 
 setup: $(STAMP)
 
@@ -54,10 +54,21 @@ lock-check:
 check-fresh-setup:
 	PYTHON=$(PYTHON) TORCH_INDEX=$(TORCH_INDEX) tools/check_fresh_setup.sh
 
-test: $(STAMP)
+# The Compose client the deployment tests resolve docker-compose.yml with (`docker-compose config`), kept
+# apart from .venv (see requirements/compose.txt); `make test` builds it, a few seconds, once.
+COMPOSE_VENV ?= .venv-compose
+
+compose-env: $(COMPOSE_VENV)/.installed
+
+$(COMPOSE_VENV)/.installed: requirements/compose.txt
+	$(PYTHON) -m venv --clear $(COMPOSE_VENV)
+	$(COMPOSE_VENV)/bin/python -m pip install -q --no-deps --require-hashes -r requirements/compose.txt
+	@touch $@
+
+test: $(STAMP) compose-env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) compose-env
 	$(BIN)/python -m pytest -m "not vllm and not e2e and not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -89,4 +100,4 @@ bench-trl: $(STAMP) bench-env
 	$(BIN)/python bench/vs_trl.py
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(COMPOSE_VENV)

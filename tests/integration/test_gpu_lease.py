@@ -22,9 +22,7 @@ from tests.support.processes import start_service
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(
-        compose.compose_command() is None, reason="no Docker Compose client (apt-get install docker-compose)"
-    ),
+    pytest.mark.skipif(compose.compose_command() is None, reason=compose.SKIP_REASON),
 ]
 
 DEFAULT = ["docker-compose.yml"]

@@ -15,8 +15,16 @@ ROOT = Path(__file__).resolve().parents[2]
 REQUIRED_ENV = {"API_TOKEN": "test-token", "REDIS_PASSWORD": "test-password"}
 
 
+# The client `make compose-env` installs from requirements/compose.txt (`make test` builds it first).
+LOCKED_CLIENT = ROOT / ".venv-compose" / "bin" / "docker-compose"
+SKIP_REASON = "no Docker Compose client: `make compose-env` installs one (make test does)"
+
+
 def compose_command() -> list[str] | None:
-    """``docker-compose`` (v1, apt) or ``docker compose`` (v2 plugin); None when neither is installed."""
+    """The locked ``docker-compose`` of ``make compose-env``, else ``docker-compose`` (v1) or ``docker compose``
+    (v2 plugin) from PATH; None when there is none."""
+    if LOCKED_CLIENT.exists():
+        return [str(LOCKED_CLIENT)]
     if shutil.which("docker-compose"):
         return ["docker-compose"]
     if shutil.which("docker"):

@@ -27,9 +27,7 @@ BIN = Path(sys.executable).parent
 DEFAULT = ["docker-compose.yml"]
 ONE_GPU = ["docker-compose.yml", "deploy/one-gpu.yml"]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-needs_compose = pytest.mark.skipif(
-    compose.compose_command() is None, reason="no Docker Compose client (apt-get install docker-compose)"
-)
+needs_compose = pytest.mark.skipif(compose.compose_command() is None, reason=compose.SKIP_REASON)
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
