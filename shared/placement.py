@@ -69,17 +69,29 @@ def first_free(candidates: Sequence[int], held: Mapping[int, str], needed: int) 
 
 
 def no_free_gpu_message(
-    namespace: str, candidates: Sequence[int], held: Mapping[int, str], needed: int, learner_gpus: Sequence[int]
+    namespace: str,
+    candidates: Sequence[int],
+    held: Mapping[int, str],
+    needed: int,
+    learner_gpus: Sequence[int],
+    colocated: bool = False,
 ) -> str:
-    """Why a replica cannot start, and what to change."""
+    """Why a replica cannot start, and what to change (in colocated mode the replicas share the learner's GPU,
+    and the command carries the one-GPU override)."""
     holders = ", ".join(f"GPU {i}: {held[i]}" for i in candidates if i in held) or "none"
     most = len(candidates) // needed
+    if colocated:
+        whose = f"(shared with the learner: colocated mode), held by {holders}"
+        command = f"docker compose -f docker-compose.yml -f deploy/one-gpu.yml up --scale generator={most}"
+        other = "share more GPUs with the learner (LEARNER_GPUS)"
+    else:
+        whose = f"(the learner's {list(learner_gpus)} are never leased), held by {holders}"
+        command = f"docker compose up --scale generator={most}"
+        other = "give the learner fewer GPUs (LEARNER_GPUS)"
     return (
-        f"no free GPU in lease namespace {namespace!r}: {needed} needed of GPUs {list(candidates)} "
-        f"(the learner's {list(learner_gpus)} are never leased), held by {holders}. "
-        f"At most {most} generator replica(s) fit: scale down (docker compose up --scale generator={most}), "
-        "give the learner fewer GPUs (LEARNER_GPUS), or wait for a dead replica's lease to expire "
-        "(generator.heartbeat_ttl_s)"
+        f"no free GPU in lease namespace {namespace!r}: {needed} needed of GPUs {list(candidates)} {whose}. "
+        f"At most {most} generator replica(s) fit: scale down ({command}), {other}, or wait for a dead "
+        "replica's lease to expire (generator.heartbeat_ttl_s)"
     )
 
 
@@ -93,7 +105,7 @@ def plan(gpu_count: int, learner_gpus: Sequence[int], replicas: int, colocated: 
     for replica in range(1, replicas + 1):
         taken = first_free(candidates, held, 1)
         if taken is None:
-            raise PlacementError(no_free_gpu_message("plan", candidates, held, 1, learner_gpus))
+            raise PlacementError(no_free_gpu_message("plan", candidates, held, 1, learner_gpus, colocated))
         held[taken[0]] = f"generator-{replica}"
     roles = {}
     for index in range(gpu_count):

@@ -1,10 +1,13 @@
 """A replica's GPU lease and heartbeat (its registration itself is in :mod:`shared.registry`).
 
 * GPU lease: ``docker compose --scale generator=N`` gives every replica the same devices, so each replica
-  takes free GPU indices with ``SET NX PX`` before CUDA starts, renews them with its heartbeat and releases
-  them on exit. The keys live in one lease namespace per host (``generator.gpu_host_key``), which every
-  replica that sees those GPUs must share; which indices a replica may take is
-  :func:`shared.placement.leasable_gpus`. No free GPU: no start, with a message naming the fix.
+  takes free GPU indices with ``SET NX PX`` before CUDA starts, renews them every ``ttl / 3`` from a thread
+  of its own (:class:`LeaseKeeper`: vLLM's engine start blocks the event loop for minutes, longer than the
+  TTL, and a lease renewed on the loop would lapse meanwhile and let the next replica take the same GPU) and
+  releases them on exit. A replica that finds its GPU held by another stops with an error. The keys live in
+  one lease namespace per host (``generator.gpu_host_key``), which every replica that sees those GPUs must
+  share; which indices a replica may take is :func:`shared.placement.leasable_gpus`. No free GPU: no start,
+  with a message naming the fix.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 
+import redis
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
@@ -24,6 +29,26 @@ log = logging.getLogger(__name__)
 
 class NoFreeGpuError(RuntimeError):
     pass
+
+
+class LeaseLost(RuntimeError):
+    """Another replica holds a GPU this replica leased (its lease lapsed: Redis was out of reach for a TTL)."""
+
+
+# Renew one lease key atomically: set it again unless another replica holds it; returns that holder, else nil.
+_RENEW = """
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return holder end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return false
+"""
+
+
+def _lost(index: int, holder: bytes | None) -> LeaseLost | None:
+    """The error for a renewal of GPU ``index`` that found ``holder`` there, or None when it was renewed."""
+    if holder is None:
+        return None
+    return LeaseLost(f"GPU {index} lease was taken by {holder.decode()} (this replica's lease lapsed)")
 
 
 def host_gpu_count() -> int:
@@ -51,8 +76,11 @@ class GpuLease:
         self.client, self.keys, self.host, self.owner = client, keys, host, owner
         self.ttl_ms = int(ttl_s * 1000)
         self.indices: list[int] = []
+        self.keeper: LeaseKeeper | None = None
 
-    async def acquire(self, candidates: Sequence[int], needed: int, learner_gpus: Sequence[int] = ()) -> list[int]:
+    async def acquire(
+        self, candidates: Sequence[int], needed: int, learner_gpus: Sequence[int] = (), colocated: bool = False
+    ) -> list[int]:
         """Take the first ``needed`` free indices of ``candidates``; raises NoFreeGpuError, naming the
         holders and the fix, if too few are free."""
         for index in candidates:
@@ -64,7 +92,7 @@ class GpuLease:
         if len(self.indices) < needed:
             await self.release()
             held = await self.holders(candidates)
-            raise NoFreeGpuError(no_free_gpu_message(self.host, candidates, held, needed, learner_gpus))
+            raise NoFreeGpuError(no_free_gpu_message(self.host, candidates, held, needed, learner_gpus, colocated))
         return self.indices
 
     async def _reclaim(self, key: str) -> bool:
@@ -78,20 +106,63 @@ class GpuLease:
         values = await self.client.mget([self.keys.gpu_lease(self.host, i) for i in candidates])
         return {i: v.decode() for i, v in zip(candidates, values, strict=True) if v is not None}
 
-    async def renew(self) -> None:
-        for index in self.indices:
-            key = self.keys.gpu_lease(self.host, index)
-            holder = await self.client.get(key)
-            if holder is not None and holder.decode() != self.owner:
-                raise RuntimeError(f"GPU {index} lease was taken by {holder.decode()} (heartbeat too slow?)")
-            await self.client.set(key, self.owner, px=self.ttl_ms)
+    def keep_alive(self, redis_url: str, on_lost: Callable[[LeaseLost], None]) -> None:
+        """Renew the held keys from a :class:`LeaseKeeper` thread until :meth:`release`."""
+        self.keeper = LeaseKeeper(self, redis_url, on_lost)
+        self.keeper.start()
 
     async def release(self) -> None:
+        if self.keeper is not None:
+            await asyncio.to_thread(self.keeper.stop)
+            self.keeper = None
         for index in self.indices:
             key = self.keys.gpu_lease(self.host, index)
             if (await self.client.get(key) or b"").decode() == self.owner:
                 await self.client.delete(key)
         self.indices = []
+
+
+class LeaseKeeper:
+    """Renews a lease's keys every ``ttl / 3`` from a daemon thread with its own Redis connection, so the lease
+    lives while the event loop is blocked (vLLM's engine start blocks it for minutes). Redis errors are logged
+    and counted (``errors``) and the renewal is tried again; a key another replica holds ends the keeping and
+    goes to ``on_lost`` (called on this thread)."""
+
+    def __init__(self, lease: GpuLease, redis_url: str, on_lost: Callable[[LeaseLost], None]) -> None:
+        self.lease, self.on_lost = lease, on_lost
+        self.interval_s = lease.ttl_ms / 3000
+        self.errors = 0
+        self._client = redis.Redis.from_url(redis_url, socket_timeout=self.interval_s, socket_connect_timeout=5)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpu-lease-keeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+        self._client.close()
+
+    def renew(self) -> None:
+        """One renewal of every held key; raises LeaseLost, or Redis's error."""
+        lease = self.lease
+        for index in list(lease.indices):
+            key = lease.keys.gpu_lease(lease.host, index)
+            if (lost := _lost(index, self._client.eval(_RENEW, 1, key, lease.owner, lease.ttl_ms))) is not None:
+                raise lost
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.interval_s):
+            try:
+                self.renew()
+            except LeaseLost as exc:
+                log.error("%s", exc)
+                self.on_lost(exc)
+                return
+            except Exception as exc:  # Redis out of reach: try again; the key lives for two more intervals
+                self.errors += 1
+                log.error("could not renew the GPU lease (%d errors so far): %s", self.errors, exc)
 
 
 async def heartbeat_forever(beat, interval_s: float, stop: asyncio.Event, on_error) -> None:

@@ -15,12 +15,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.generator.registry import GpuLease, NoFreeGpuError, host_gpu_count
+from services.generator.registry import GpuLease, LeaseLost, NoFreeGpuError, host_gpu_count
 from shared.config.generator import GeneratorSettings
 from shared.lifecycle import NotStarting, Service
 from shared.placement import PlacementError, leasable_gpus
@@ -40,7 +42,7 @@ async def lease_gpus(settings: GeneratorSettings, lease: GpuLease) -> None:
     total = host_gpu_count() if settings.gpu_count == "auto" else settings.gpu_count
     learner = settings.learner_gpu_indices
     candidates = leasable_gpus(total, learner, settings.colocated)
-    indices = await lease.acquire(candidates, settings.tensor_parallel_size, learner)
+    indices = await lease.acquire(candidates, settings.tensor_parallel_size, learner, settings.colocated)
     os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the order NVML counted and nvidia-smi shows
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, indices))
     log.info(
@@ -54,7 +56,9 @@ async def lease_gpus(settings: GeneratorSettings, lease: GpuLease) -> None:
 
 
 async def take_gpus(service: Service[GeneratorSettings]) -> GpuLease:
-    """The replica's lease (released when the service ends), holding its GPU(s) when it uses any."""
+    """The replica's lease (released when the service ends), holding its GPU(s) when it uses any. The lease
+    is renewed from its own thread from now on; if another replica takes one of its GPUs anyway, the replica
+    stops with an error (exit status 1) rather than share the GPU."""
     settings = service.settings
     lease = GpuLease(
         service.client, service.keys, settings.gpu_host_key, settings.generator_id, settings.heartbeat_ttl_s
@@ -65,7 +69,29 @@ async def take_gpus(service: Service[GeneratorSettings]) -> GpuLease:
             await lease_gpus(settings, lease)
         except (PlacementError, NoFreeGpuError) as exc:
             raise NotStarting(str(exc)) from exc
+        loop = asyncio.get_running_loop()
+        lost: asyncio.Future[LeaseLost] = loop.create_future()
+        lease.keep_alive(settings.redis_url, lambda exc: loop.call_soon_threadsafe(_settle, lost, exc))
+        service.spawn(partial(fail_when_lost, lost))
     return lease
+
+
+def _settle(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+async def fail_when_lost(lost: asyncio.Future[LeaseLost], stop: asyncio.Event) -> None:
+    """Until ``stop``: if ``lost`` resolves (another replica holds this replica's GPU), stop the service and
+    raise, so it ends with an error instead of running a second engine on that GPU."""
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({lost, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if lost.done():
+        stop.set()
+        raise RuntimeError(f"stopping this replica: {lost.result()}")
 
 
 def initial_weights(checkpoint: CheckpointAnnouncement | None, base_model: str) -> tuple[str, int]:

@@ -1,4 +1,4 @@
-"""The generator's heartbeat (registration, GPU lease, prompt-stream lag) and its Prometheus figures.
+"""The generator's heartbeat (registration, prompt-stream lag) and its Prometheus figures.
 
 The registration carries what the learner needs to push weights here: the engine workers' GPU UUIDs (the
 transport: CUDA IPC on the learner's own GPU, NCCL elsewhere), the engine dtype (the learner casts to it
@@ -74,7 +74,6 @@ class GeneratorTelemetry:
             update={"policy_version": self.engine.policy_version, "heartbeat_at": time.time()}
         )
         await register(self.client, self.keys, registration, self.settings.heartbeat_ttl_s)
-        await self.lease.renew()
         self.prompt_backlog = await stream_backlog(self.client, self.keys.prompts)
 
     def _error(self, exc: Exception) -> None:
@@ -121,6 +120,7 @@ class GeneratorTelemetry:
                 "generator/failures": stats.failures,
                 "generator/rejected": stats.rejected,
                 "generator/heartbeat_errors": self.heartbeat_errors,
+                "generator/gpu_lease_errors": self.lease.keeper.errors if self.lease.keeper else 0,
                 "stream/prompts/claimed": stream.claimed,
                 "stream/prompts/dead_lettered": stream.dead_lettered,
                 "stream/prompts/duplicates": stream.duplicates,

@@ -40,7 +40,13 @@ class GeneratorSettings(ServiceSettings):
     public_url: str = Field(
         "", description="URL the learner reaches this replica at; default http://<this host's IP>:<port>."
     )
-    heartbeat_ttl_s: float = Field(15.0, gt=0, description="A replica silent this long is considered gone.")
+    heartbeat_ttl_s: float = Field(
+        15.0,
+        gt=0,
+        description=(
+            "A replica silent this long is considered gone; also the TTL of its GPU lease (renewed every third of it)."
+        ),
+    )
     claim_idle_ms: int = Field(60_000, ge=100, description="Prompts pending this long on a dead replica move.")
     max_deliveries: int = Field(3, ge=1, description="Deliveries of a prompt before it is dead-lettered.")
     max_rollout_backlog: int = Field(

@@ -47,7 +47,8 @@ class Replicas:
         monkeypatch.setenv(
             "ASYNCGRPO_CONFIG", env["ASYNCGRPO_CONFIG"].replace("/config", str(compose.ROOT / "configs"))
         )
-        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        for name in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"):  # leasing sets them: restored after the test
+            monkeypatch.setenv(name, "")
         self.leases: list[GpuLease] = []
 
     async def start(self, container: str) -> tuple[int, ...]:
@@ -101,7 +102,7 @@ async def test_one_gpu_override_shares_the_learners_gpu(monkeypatch, redis_clien
     assert learner == (0,)
     replicas = Replicas(monkeypatch, redis_client, keys, env)
     assert await replicas.start("aaa") == (0,)  # configs/gpu-1.toml: 0.4 + 0.5 of the GPU
-    with pytest.raises(NoFreeGpuError, match=r"--scale generator=1\b"):
+    with pytest.raises(NoFreeGpuError, match=r"shared with the learner.*deploy/one-gpu.yml up --scale generator=1\b"):
         await replicas.start("bbb")
 
 

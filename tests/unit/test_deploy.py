@@ -17,7 +17,7 @@ import yaml
 
 from shared.config.generator import GeneratorSettings
 from shared.config.learner import LearnerSettings
-from shared.config.pipeline import PipelineConfig
+from shared.config.pipeline import PipelineConfig, PipelineError, load_service
 from shared.config.scorer import ScorerSettings
 from shared.placement import leasable_gpus, memory_share_error, parse_gpu_list
 from tests.support import compose
@@ -93,7 +93,7 @@ def test_one_gpu_override_colocates_on_gpu_0_with_shares_that_fit():
     services = compose.resolved(ONE_GPU)["services"]
     generator, learner = compose.environment(services["generator"]), compose.environment(services["learner"])
     assert generator["GENERATOR_COLOCATED"] == "true" and generator["GENERATOR_GPU_HOST_KEY"] == "gpu-box"
-    assert leasable_gpus(int(generator["GENERATOR_GPU_COUNT"]), (0,), colocated=True) == (0,)
+    assert generator["GENERATOR_GPU_COUNT"] == "1" and leasable_gpus(1, (0,), colocated=True) == (0,)
     assert parse_gpu_list(learner["CUDA_VISIBLE_DEVICES"]) == parse_gpu_list(generator["GENERATOR_LEARNER_GPUS"])
     assert services["learner"]["depends_on"]["generator"]["condition"] == "service_healthy"
     assert "/ready" in " ".join(services["generator"]["healthcheck"]["test"])  # vLLM has taken its share first
@@ -101,6 +101,23 @@ def test_one_gpu_override_colocates_on_gpu_0_with_shares_that_fit():
     document = tomllib.loads((ROOT / "configs" / "gpu-1.toml").read_text())
     shares = document["generator"]["gpu_memory_utilization"], document["learner"]["gpu_memory_share"]
     assert memory_share_error(*shares) is None
+
+
+@needs_compose
+@pytest.mark.parametrize("service", ["generator", "scorer", "learner"])
+def test_one_gpu_shares_over_the_whole_gpu_stop_every_container(service, monkeypatch):
+    """configs/gpu-1.toml turns colocated mode on itself, so the learner's container, whose environment has no
+    GENERATOR_* variables, refuses shares that do not fit as well as the generator's."""
+    env = compose.environment(compose.resolved(ONE_GPU)["services"][service])
+    for variable in [v for v in os.environ if v.split("_")[0] in {"GENERATOR", "SCORER", "LEARNER"}]:
+        monkeypatch.delenv(variable)
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    path = env["ASYNCGRPO_CONFIG"].replace("/config", str(ROOT / "configs"))
+    load_service(path, service)  # as shipped: 0.4 + 0.5
+    monkeypatch.setenv("LEARNER_GPU_MEMORY_SHARE", "0.7")
+    with pytest.raises(PipelineError, match=r"utilization \(0.4\) \+ learner.gpu_memory_share \(0.7\) = 1.10 exceeds"):
+        load_service(path, service)
 
 
 @needs_compose

@@ -84,7 +84,10 @@ def test_first_free_and_tensor_parallel_needs():
     assert first_free((1, 2, 3), {1: "a", 3: "b"}, 2) is None
     message = no_free_gpu_message("gpu-box", (2, 3), {2: "gen-a", 3: "gen-b"}, 2, (0, 1))
     assert "'gpu-box'" in message and "GPU 2: gen-a, GPU 3: gen-b" in message
-    assert "the learner's [0, 1]" in message and "--scale generator=1" in message
+    assert "the learner's [0, 1]" in message and "(docker compose up --scale generator=1)" in message
+    colocated = no_free_gpu_message("gpu-box", (0,), {0: "gen-a"}, 1, (0,), colocated=True)
+    assert "never leased" not in colocated and "shared with the learner" in colocated
+    assert "(docker compose -f docker-compose.yml -f deploy/one-gpu.yml up --scale generator=1)" in colocated
 
 
 def test_memory_shares_must_fit_one_gpu():
