@@ -103,13 +103,18 @@ def initial_weights(checkpoint: CheckpointAnnouncement | None, base_model: str) 
 
 
 async def load_engine(service: Service[GeneratorSettings]) -> Engine:
-    """The vLLM engine on the initial weights (shut down when the service ends)."""
+    """The vLLM engine on the initial weights (shut down when the service ends), loaded while the event loop
+    goes on serving HTTP (``/health`` answers, ``/ready`` says the engine is loading)."""
     from services.generator.engine import Engine
 
     model_path, version = initial_weights(await latest_checkpoint(service.client, service.keys), service.settings.model)
     if model_path != service.settings.model:
         log.info("joining late: loading checkpoint %s (policy version %d)", model_path, version)
-    engine = Engine.start(service.settings, model_path, version)
+    # On a thread: vLLM's start blocks until the model is loaded (minutes on a GPU), and on the event loop it
+    # would leave /health unanswered meanwhile (a liveness probe then kills the replica) and SIGTERM unheard.
+    # vLLM's client starts its output task on the loop at the first call to the engine (the first heartbeat
+    # asks it to describe itself).
+    engine = await asyncio.to_thread(Engine.start, service.settings, model_path, version)
     service.on_exit(engine.shutdown)
     return engine
 

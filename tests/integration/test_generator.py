@@ -63,6 +63,12 @@ def generator(models, redis_url, prefix):
     )
     service.port = port
     try:
+        service.wait_for_line("HTTP on port", ENGINE_START_S)
+        # While vLLM loads, the event loop goes on: /health answers and /ready says why it is not ready.
+        loading = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2)
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+        assert health.status_code == 200 and loading.status_code == 503, (health.text, loading.text)
+        assert "engine loading" in loading.text, loading.text
         service.wait_for_line("ready on port", ENGINE_START_S)
         yield service
     finally:
