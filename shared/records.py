@@ -304,9 +304,12 @@ class LearnerRuntime(WireModel):
     kind: ClassVar[str] = "learner_runtime"
 
     device: str = "cpu"
-    device_uuid: str | None = None  # physical GPU the learner pushes from; None on CPU
+    device_uuid: str | None = None  # physical GPU the learner pushes from (rank 0's); None on CPU
     versions: RuntimeVersions = Field(default_factory=RuntimeVersions)
     started_at: float = Field(default_factory=_now)
+    # Every learner rank's device and physical GPU (None on CPU), in rank order; one entry without torchrun.
+    rank_devices: tuple[str, ...] = ()
+    rank_device_uuids: tuple[str | None, ...] = ()
 
 
 class TensorSpec(BaseModel):

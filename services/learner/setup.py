@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -27,7 +27,7 @@ from services.learner.policy import load_policy, reference_model
 from services.learner.trackers import TrackingRun
 from services.learner.train_loop import FEEDER_POSITION, LearnerLoop
 from services.learner.trainer import Trainer
-from services.learner.weight_push import WeightPusher
+from services.learner.weight_push import WeightPusher, learner_device
 from shared.codec import encode
 from shared.config.learner import LearnerSettings, missing_trackers
 from shared.keys import Keys
@@ -168,9 +168,18 @@ async def build_evaluator(settings: LearnerSettings, client: aioredis.Redis, key
     )
 
 
-async def start_pusher(settings: LearnerSettings, client: aioredis.Redis, keys: Keys) -> WeightPusher:
-    """The weight store the generators pull from; its runtime (the learner's physical GPU and library
-    versions) is published for operators and generators."""
+def rank_devices(settings: LearnerSettings) -> list[tuple[str, str | None]]:
+    """Every learner rank's device and physical GPU UUID (None on CPU), in rank order: a collective, which
+    every rank calls at the same point (after building its trainer)."""
+    device = torch.device(settings.device)
+    return distributed.gather_objects((str(device), learner_device(device).uuid))
+
+
+async def start_pusher(
+    settings: LearnerSettings, client: aioredis.Redis, keys: Keys, ranks: Sequence[tuple[str, str | None]] = ()
+) -> WeightPusher:
+    """The weight store the generators pull from; its runtime (the learner's physical GPU, every rank's, and
+    library versions) is published for operators and generators."""
     pusher = WeightPusher(
         bind_port=settings.weight_sync_port,
         advertise_host=settings.weight_sync_host,
@@ -181,7 +190,10 @@ async def start_pusher(settings: LearnerSettings, client: aioredis.Redis, keys: 
         device=torch.device(settings.device),
         shm_dir=settings.weight_shm_dir,
     )
-    await client.hset(keys.learner_state, "runtime", encode(pusher.runtime()))
+    runtime = pusher.runtime(ranks)
+    await client.hset(keys.learner_state, "runtime", encode(runtime))
+    if len(ranks) > 1:
+        log.info("learner ranks on %s", ", ".join(f"{device} ({uuid or 'no GPU'})" for device, uuid in ranks))
     return pusher
 
 
@@ -198,6 +210,7 @@ async def build_learner(
         raise NotStarting("; ".join(problems))
     keys = Keys(settings.stream_prefix)
     trainer, tokenizer, state, resumed = build_trainer(settings, topology)
+    ranks = rank_devices(settings)  # with the followers (see follow)
     feeder = await build_feeder(settings, client, keys, state, tokenizer)
     consumer = await start_consumer(
         client,
@@ -209,7 +222,7 @@ async def build_learner(
         batch_size=settings.groups_per_step,
     )
     evaluator = await build_evaluator(settings, client, keys, tokenizer)
-    pusher = await start_pusher(settings, client, keys)
+    pusher = await start_pusher(settings, client, keys, ranks)
     write_run_file(settings, run_identity(settings))
     gauges = MetricsGauges(registry)
     resumed_step = state.step if resumed else None
@@ -260,6 +273,7 @@ def follow(settings: LearnerSettings, topology: Topology) -> int:
     """A rank other than 0 under torchrun: no port, no Redis; it runs the leader's commands. Exit status."""
     try:
         trainer, _, _, _ = build_trainer(settings, topology)
+        rank_devices(settings)  # with the leader (see build_learner)
         steps = distributed.follow(trainer)
     except Exception:
         log.exception("learner rank %d stopped on an error", topology.rank)

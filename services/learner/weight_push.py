@@ -339,9 +339,17 @@ class WeightPusher:
             self.learner.versions.vllm,
         )
 
-    def runtime(self) -> LearnerRuntime:
-        """What the learner publishes about itself at start (device UUID and versions)."""
-        return LearnerRuntime(device=str(self.device), device_uuid=self.learner.uuid, versions=self.learner.versions)
+    def runtime(self, ranks: Sequence[tuple[str, str | None]] = ()) -> LearnerRuntime:
+        """What the learner publishes about itself at start: device UUID and versions, and ``ranks``: every
+        rank's device and GPU UUID in rank order (this process's alone when empty)."""
+        ranks = ranks or [(str(self.device), self.learner.uuid)]
+        return LearnerRuntime(
+            device=str(self.device),
+            device_uuid=self.learner.uuid,
+            versions=self.learner.versions,
+            rank_devices=tuple(device for device, _ in ranks),
+            rank_device_uuids=tuple(uuid for _, uuid in ranks),
+        )
 
     async def _answering(
         self, generators: Sequence[GeneratorRegistration], http: httpx.AsyncClient

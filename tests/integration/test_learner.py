@@ -15,8 +15,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.learner.setup import build_learner
+from shared.codec import decode
 from shared.config.learner import LearnerSettings
 from shared.keys import Keys
+from shared.records import LearnerRuntime
 from tests.support.fake_pipeline import run_fake_pipeline
 from tests.support.processes import start_service
 from tests.support.tiny_model import build_tiny_llama
@@ -216,6 +218,15 @@ async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
     assert tokens[-1] == state["counters"]["input_tokens_seen"]
     pending = await redis_client.xpending(keys.scored, Keys.LEARNER)
     assert pending["pending"] == 0
+    # Every rank's device and physical GPU, gathered at start and published by rank 0.
+    runtime = decode(await redis_client.hget(keys.learner_state, "runtime"), LearnerRuntime)
+    assert len(runtime.rank_devices) == len(runtime.rank_device_uuids) == ranks
+    assert runtime.rank_devices[0] == runtime.device and runtime.rank_device_uuids[0] == runtime.device_uuid
+    if runtime.device == "cpu":
+        assert runtime.rank_devices == ("cpu",) * ranks and runtime.rank_device_uuids == (None,) * ranks
+    else:  # one GPU per rank, each its own
+        assert all(device.startswith("cuda") for device in runtime.rank_devices), runtime.rank_devices
+        assert None not in runtime.rank_device_uuids and len(set(runtime.rank_device_uuids)) == ranks
     print(
         f"\n{ranks} rank(s): killed during step 5 (checkpoint at 3); restarted at step 3; final step 9, trained "
         f"{len(trained)} unique groups"

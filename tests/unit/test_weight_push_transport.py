@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.learner.weight_push import WeightPusher
 from services.learner.weight_transport import (
     LearnerDevice,
     PushRefused,
@@ -142,6 +143,19 @@ def test_runtime_records_round_trip_and_old_registrations_still_decode():
 
     runtime = LearnerRuntime(device="cuda:0", device_uuid="uuid-a", versions=V)
     assert decode(encode(runtime), LearnerRuntime) == runtime
+    ranks = LearnerRuntime(
+        device="cuda:0",
+        device_uuid="uuid-a",
+        rank_devices=("cuda:0", "cuda:1"),
+        rank_device_uuids=("uuid-a", "uuid-c"),
+    )
+    assert decode(encode(ranks), LearnerRuntime) == ranks
+    pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token="t")
+    try:  # one process: its own device alone; under torchrun, every rank's in rank order
+        assert pusher.runtime().rank_devices == ("cpu",) and pusher.runtime().rank_device_uuids == (None,)
+        assert pusher.runtime([("cpu", None), ("cpu", None)]).rank_devices == ("cpu", "cpu")
+    finally:
+        pusher.close()
     registration = gen("g", "uuid-b", dtype="bfloat16")
     assert decode(encode(registration), GeneratorRegistration) == registration
     # A registration written before these fields existed: no UUIDs, no dtype, unknown versions.
