@@ -187,6 +187,11 @@ class Service(Generic[S]):
     async def run_until_stopped(self, run: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         """Run the I/O loop ``run(stop)``; when it returns, stop and join the background tasks."""
         await run(self.stop)
+        await self.finish()
+
+    async def finish(self) -> None:
+        """Stop and join the background tasks; raises what one of them raised (the service then ends with an
+        error). For a service stopped before its I/O loop began, too."""
         self.stop.set()
         await asyncio.gather(*self._tasks)
 

@@ -24,6 +24,9 @@ async def start(service: Service[GeneratorSettings]) -> None:
     state = service.app_state(GeneratorAppState, generator_id=name, announced_version=announced)
     port = await service.serve_http(build_app(state))
     state.engine = engine = await load_engine(service)
+    if service.stop.is_set():  # stopped while vLLM loaded (a signal, /shutdown, a lost GPU lease): never joins
+        await service.finish()
+        return
     consumer = await service.consumer(keys.prompts, Keys.GENERATORS, name, batch_size=settings.max_prompts_in_flight)
     rollouts = service.producer(keys.rollouts, settings.max_rollout_backlog)
     loop = RolloutLoop(engine, consumer, rollouts, name, settings.max_prompts_in_flight)

@@ -152,6 +152,9 @@ class Engine:
         from services.generator.weight_receiver import WEIGHTS_IN_PLACE_ENV
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
+        # vLLM forks its engine process by default; this runs on a thread beside the event loop's (and the GPU
+        # lease's keeper), and a fork while another thread holds a lock can hang the child: spawn instead.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         if settings.omp_cpus:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.omp_cpus
         os.environ[WEIGHTS_IN_PLACE_ENV] = "1" if settings.cpu_weights_in_place else "0"  # read by the workers

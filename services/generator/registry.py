@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 
 import redis
 import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from shared.keys import Keys
 from shared.placement import PlacementError, no_free_gpu_message
@@ -41,6 +43,13 @@ local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return holder end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return false
+"""
+
+
+# Delete one lease key only if this replica holds it.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
 """
 
 
@@ -96,10 +105,9 @@ class GpuLease:
         return self.indices
 
     async def _reclaim(self, key: str) -> bool:
-        """A key this replica's name still holds (it restarted in the same container before the TTL ran out)."""
-        if (await self.client.get(key) or b"").decode() != self.owner:
-            return False
-        return bool(await self.client.set(key, self.owner, xx=True, px=self.ttl_ms))
+        """A key this replica's name still holds (it restarted in the same container before the TTL ran out),
+        renewed; False if another replica holds it."""
+        return await self.client.eval(_RENEW, 1, key, self.owner, self.ttl_ms) is None
 
     async def holders(self, candidates: Sequence[int]) -> dict[int, str]:
         """index -> the replica holding it, for the leased ones among ``candidates``."""
@@ -116,9 +124,7 @@ class GpuLease:
             await asyncio.to_thread(self.keeper.stop)
             self.keeper = None
         for index in self.indices:
-            key = self.keys.gpu_lease(self.host, index)
-            if (await self.client.get(key) or b"").decode() == self.owner:
-                await self.client.delete(key)
+            await self.client.eval(_RELEASE, 1, self.keys.gpu_lease(self.host, index), self.owner)
         self.indices = []
 
 
@@ -132,7 +138,14 @@ class LeaseKeeper:
         self.lease, self.on_lost = lease, on_lost
         self.interval_s = lease.ttl_ms / 3000
         self.errors = 0
-        self._client = redis.Redis.from_url(redis_url, socket_timeout=self.interval_s, socket_connect_timeout=5)
+        # One try per renewal (no retries, whatever redis-py's default), bounded by the interval: a Redis that
+        # does not answer costs one interval, and the next renewal comes one interval later.
+        self._client = redis.Redis.from_url(
+            redis_url,
+            socket_timeout=self.interval_s,
+            socket_connect_timeout=self.interval_s,
+            retry=Retry(NoBackoff(), 0),
+        )
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpu-lease-keeper", daemon=True)
 
@@ -140,8 +153,9 @@ class LeaseKeeper:
         self._thread.start()
 
     def stop(self) -> None:
+        """End the renewals: at most one renewal in flight, which the socket timeout bounds."""
         self._stopped.set()
-        self._thread.join()
+        self._thread.join(timeout=2 * self.interval_s + 1)
         self._client.close()
 
     def renew(self) -> None:
@@ -160,7 +174,7 @@ class LeaseKeeper:
                 log.error("%s", exc)
                 self.on_lost(exc)
                 return
-            except Exception as exc:  # Redis out of reach: try again; the key lives for two more intervals
+            except Exception as exc:  # Redis out of reach or silent: try again next interval
                 self.errors += 1
                 log.error("could not renew the GPU lease (%d errors so far): %s", self.errors, exc)
 

@@ -58,7 +58,8 @@ async def lease_gpus(settings: GeneratorSettings, lease: GpuLease) -> None:
 async def take_gpus(service: Service[GeneratorSettings]) -> GpuLease:
     """The replica's lease (released when the service ends), holding its GPU(s) when it uses any. The lease
     is renewed from its own thread from now on; if another replica takes one of its GPUs anyway, the replica
-    stops with an error (exit status 1) rather than share the GPU."""
+    stops with an error (exit status 1) rather than share the GPU (once the engine's load, which cannot be
+    interrupted, is over)."""
     settings = service.settings
     lease = GpuLease(
         service.client, service.keys, settings.gpu_host_key, settings.generator_id, settings.heartbeat_ttl_s
@@ -104,7 +105,8 @@ def initial_weights(checkpoint: CheckpointAnnouncement | None, base_model: str) 
 
 async def load_engine(service: Service[GeneratorSettings]) -> Engine:
     """The vLLM engine on the initial weights (shut down when the service ends), loaded while the event loop
-    goes on serving HTTP (``/health`` answers, ``/ready`` says the engine is loading)."""
+    goes on serving HTTP (``/health`` answers, ``/ready`` says the engine is loading). A stop meanwhile takes
+    effect once the load is over: the caller then ends without joining."""
     from services.generator.engine import Engine
 
     model_path, version = initial_weights(await latest_checkpoint(service.client, service.keys), service.settings.model)

@@ -76,6 +76,38 @@ def generator(models, redis_url, prefix):
         assert code == 0, service.output()[-4000:]
 
 
+async def test_a_generator_stopped_while_vllm_loads_never_joins(models, redis_url, redis_client, keys):
+    """SIGTERM while the engine loads (on its thread): the load finishes, then the replica ends without
+    registering, taking prompts or saying it is ready, and exits 0."""
+    port = free_port()
+    service = start_service(
+        "generator-stopped",
+        "services.generator",
+        {
+            "GENERATOR_MODEL": str(models[0]),
+            "GENERATOR_PORT": str(port),
+            "GENERATOR_GENERATOR_ID": "g-stopped",
+            "GENERATOR_MAX_MODEL_LEN": "512",
+            "GENERATOR_DTYPE": "float32",
+            "GENERATOR_OMP_CPUS": "0",
+            "REDIS_URL": redis_url,
+            "STREAM_PREFIX": keys.prefix,
+            "API_TOKEN": TOKEN,
+        },
+    )
+    try:
+        await asyncio.to_thread(service.wait_for_line, "HTTP on port", ENGINE_START_S)
+        assert (await asyncio.to_thread(httpx.get, f"http://127.0.0.1:{port}/ready", timeout=2)).status_code == 503
+        code = await asyncio.to_thread(service.stop, ENGINE_START_S)
+    finally:
+        service.kill()
+    output = service.output()
+    assert code == 0, output[-4000:]
+    assert "engine ready" in output and "ready on port" not in output, output[-4000:]
+    assert await live_generators(redis_client, keys) == []
+    assert await redis_client.exists(keys.prompts) == 0  # no consumer group was made on the prompt stream
+
+
 def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {TOKEN}"}
 

@@ -78,6 +78,22 @@ async def test_redis_out_of_reach_is_counted_and_retried(redis_client, keys):
     await lease.release()
 
 
+async def test_a_silent_redis_costs_one_interval_per_renewal_and_release_does_not_wait(redis_client, keys):
+    """A Redis that accepts connections and never answers: each renewal gives up after one interval (no
+    retries), and releasing the lease waits for one renewal in flight at most."""
+    lease = GpuLease(redis_client, keys, "box", "gen-a", TTL_S)
+    await lease.acquire([1], 1)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # connections complete in the backlog; nothing is ever read or answered
+        lease.keep_alive(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", lambda exc: None)
+        await asyncio.sleep(8 * TTL_S / 3)  # 8 intervals: a renewal and its timeout take two
+        assert lease.keeper is not None and lease.keeper.errors >= 3, lease.keeper.errors
+        started = time.perf_counter()
+        await lease.release()
+        assert time.perf_counter() - started < 2 * TTL_S / 3 + 0.5
+
+
 async def test_fail_when_lost_stops_the_service_with_an_error():
     stop = asyncio.Event()
     lost: asyncio.Future[LeaseLost] = asyncio.get_running_loop().create_future()
