@@ -25,8 +25,7 @@ async def start(service: Service[GeneratorSettings]) -> None:
     port = await service.serve_http(build_app(state))
     state.engine = engine = await load_engine(service)
     if service.stop.is_set():  # stopped while vLLM loaded (a signal, /shutdown, a lost GPU lease): never joins
-        await service.finish()
-        return
+        return await service.finish()
     consumer = await service.consumer(keys.prompts, Keys.GENERATORS, name, batch_size=settings.max_prompts_in_flight)
     rollouts = service.producer(keys.rollouts, settings.max_rollout_backlog)
     loop = RolloutLoop(engine, consumer, rollouts, name, settings.max_prompts_in_flight)
@@ -35,9 +34,7 @@ async def start(service: Service[GeneratorSettings]) -> None:
     await service.run_until_stopped(loop.run)
 
 
-async def serve(settings: GeneratorSettings) -> int:
-    return await run_service("generator", settings, start)
-
+serve = partial(run_service, "generator", start=start)
 
 if __name__ == "__main__":
     sys.exit(main("generator", GeneratorSettings, serve, __doc__))
