@@ -38,29 +38,33 @@ def prefix():
     return f"test-gen-{int(time.time() * 1000) % 10**8}"
 
 
+def _environment(model: Path, port: int, generator_id: str, redis_url: str, prefix: str) -> dict[str, str]:
+    """A generator of the tiny model on core 0, float32, in ``prefix``'s streams."""
+    return {
+        "GENERATOR_MODEL": str(model),
+        "GENERATOR_PORT": str(port),
+        "GENERATOR_GENERATOR_ID": generator_id,
+        "GENERATOR_MAX_MODEL_LEN": "512",
+        "GENERATOR_DTYPE": "float32",
+        "GENERATOR_OMP_CPUS": "0",
+        "REDIS_URL": redis_url,
+        "STREAM_PREFIX": prefix,
+        "API_TOKEN": TOKEN,
+    }
+
+
 @pytest.fixture(scope="module")
 def generator(models, redis_url, prefix):
     port = free_port()
-    service = start_service(
-        "generator",
-        "services.generator",
-        {
-            "GENERATOR_MODEL": str(models[0]),
-            "GENERATOR_PORT": str(port),
-            "GENERATOR_GENERATOR_ID": "g1",
-            "GENERATOR_PUBLIC_URL": f"http://127.0.0.1:{port}",
-            "GENERATOR_MAX_MODEL_LEN": "512",
-            "GENERATOR_DTYPE": "float32",
-            "GENERATOR_OMP_CPUS": "0",
-            # Pushes land in place here (parameters are views of the receive buffers); the replica tests and
-            # the demo run the default, vLLM's prepacked kernels rebuilt after each push.
-            "GENERATOR_CPU_WEIGHTS_IN_PLACE": "1",
-            "GENERATOR_GENERATE_TOKEN_BUDGET": "8192",
-            "REDIS_URL": redis_url,
-            "STREAM_PREFIX": prefix,
-            "API_TOKEN": TOKEN,
-        },
-    )
+    env = {
+        **_environment(models[0], port, "g1", redis_url, prefix),
+        "GENERATOR_PUBLIC_URL": f"http://127.0.0.1:{port}",
+        # Pushes land in place here (parameters are views of the receive buffers); the replica tests and the
+        # demo run the default, vLLM's prepacked kernels rebuilt after each push.
+        "GENERATOR_CPU_WEIGHTS_IN_PLACE": "1",
+        "GENERATOR_GENERATE_TOKEN_BUDGET": "8192",
+    }
+    service = start_service("generator", "services.generator", env)
     service.port = port
     try:
         service.wait_for_line("HTTP on port", ENGINE_START_S)
@@ -80,21 +84,8 @@ async def test_a_generator_stopped_while_vllm_loads_never_joins(models, redis_ur
     """SIGTERM while the engine loads (on its thread): the load finishes, then the replica ends without
     registering, taking prompts or saying it is ready, and exits 0."""
     port = free_port()
-    service = start_service(
-        "generator-stopped",
-        "services.generator",
-        {
-            "GENERATOR_MODEL": str(models[0]),
-            "GENERATOR_PORT": str(port),
-            "GENERATOR_GENERATOR_ID": "g-stopped",
-            "GENERATOR_MAX_MODEL_LEN": "512",
-            "GENERATOR_DTYPE": "float32",
-            "GENERATOR_OMP_CPUS": "0",
-            "REDIS_URL": redis_url,
-            "STREAM_PREFIX": keys.prefix,
-            "API_TOKEN": TOKEN,
-        },
-    )
+    env = _environment(models[0], port, "g-stopped", redis_url, keys.prefix)
+    service = start_service("generator-stopped", "services.generator", env)
     try:
         await asyncio.to_thread(service.wait_for_line, "HTTP on port", ENGINE_START_S)
         assert (await asyncio.to_thread(httpx.get, f"http://127.0.0.1:{port}/ready", timeout=2)).status_code == 503
