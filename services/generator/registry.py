@@ -53,13 +53,6 @@ return 0
 """
 
 
-def _lost(index: int, holder: bytes | None) -> LeaseLost | None:
-    """The error for a renewal of GPU ``index`` that found ``holder`` there, or None when it was renewed."""
-    if holder is None:
-        return None
-    return LeaseLost(f"GPU {index} lease was taken by {holder.decode()} (this replica's lease lapsed)")
-
-
 def host_gpu_count() -> int:
     """GPUs this process can see, counted through NVML: it ignores ``CUDA_VISIBLE_DEVICES`` and starts no
     CUDA context, so it is safe before the lease sets the visible devices."""
@@ -162,9 +155,9 @@ class LeaseKeeper:
         """One renewal of every held key; raises LeaseLost, or Redis's error."""
         lease = self.lease
         for index in list(lease.indices):
-            key = lease.keys.gpu_lease(lease.host, index)
-            if (lost := _lost(index, self._client.eval(_RENEW, 1, key, lease.owner, lease.ttl_ms))) is not None:
-                raise lost
+            holder = self._client.eval(_RENEW, 1, lease.keys.gpu_lease(lease.host, index), lease.owner, lease.ttl_ms)
+            if holder is not None:
+                raise LeaseLost(f"GPU {index} lease was taken by {holder.decode()} (this replica's lease lapsed)")
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval_s):

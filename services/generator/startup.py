@@ -72,14 +72,10 @@ async def take_gpus(service: Service[GeneratorSettings]) -> GpuLease:
             raise NotStarting(str(exc)) from exc
         loop = asyncio.get_running_loop()
         lost: asyncio.Future[LeaseLost] = loop.create_future()
-        lease.keep_alive(settings.redis_url, lambda exc: loop.call_soon_threadsafe(_settle, lost, exc))
+        # The keeper reports a loss once, and nothing else settles ``lost``.
+        lease.keep_alive(settings.redis_url, lambda exc: loop.call_soon_threadsafe(lost.set_result, exc))
         service.spawn(partial(fail_when_lost, lost))
     return lease
-
-
-def _settle(future: asyncio.Future, value: object) -> None:
-    if not future.done():
-        future.set_result(value)
 
 
 async def fail_when_lost(lost: asyncio.Future[LeaseLost], stop: asyncio.Event) -> None:
