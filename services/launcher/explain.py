@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.config.objective import ALGORITHMS, recipe_overrides
 from shared.config.pipeline import PipelineConfig
 
 # Our loss type -> the verl loss_agg_mode that aggregates as it does.
@@ -103,7 +104,40 @@ def verl_batch(
 
 def explain(pipeline: PipelineConfig) -> str:
     """One optimizer step of ``pipeline`` in our words, then its TRL and verl settings."""
-    return "\n".join([*_our_step(pipeline), "", *_in_trl(pipeline), "", *_in_verl(pipeline)])
+    sections = [_our_step(pipeline), _algorithm(pipeline), _in_trl(pipeline), _in_verl(pipeline)]
+    return "\n\n".join("\n".join(lines) for lines in sections)
+
+
+# The settings across the scorer and the learner that make an algorithm, in the order explain shows them.
+_ALGORITHM_FIELDS = (
+    ("scorer", "estimator"),
+    ("scorer", "scale_rewards"),
+    ("scorer", "drop_zero_std_groups"),
+    ("learner", "loss_type"),
+    ("learner", "ratio_level"),
+    ("learner", "epsilon_low"),
+    ("learner", "epsilon_high"),
+)
+
+
+def _algorithm(pipeline: PipelineConfig) -> list[str]:
+    """The algorithm's settings in both tables, each marked as the recipe's or as overriding it."""
+    name = pipeline.learner.algorithm or pipeline.scorer.algorithm
+    lines = [f"Algorithm: {name} (the recipe fills both tables)" if name else "Algorithm (no recipe: algorithm unset)"]
+    overrides = {table: recipe_overrides(table, getattr(pipeline, table)) for table in ("scorer", "learner")}
+    for table, field in _ALGORITHM_FIELDS:
+        settings = getattr(pipeline, table)
+        recipe = ALGORITHMS.get(settings.algorithm or "", {}).get(table, {})
+        where = ""
+        if field in overrides[table]:
+            where = f"overrides the recipe's {overrides[table][field][0]!r}"
+        elif field in recipe:
+            where = "recipe"
+        value = f"{getattr(settings, field)!r:<12}({where})" if where else repr(getattr(settings, field))
+        lines.append(f"  {table + '.' + field:<40}{value}")
+    lines.append(f"  {'learner aggregation':<40}{pipeline.learner.resolved_aggregation!r}")
+    lines += [f"  note: {note}" for note in pipeline.algorithm_notes()]
+    return lines
 
 
 def _our_step(pipeline: PipelineConfig) -> list[str]:

@@ -26,9 +26,9 @@ from services.launcher.trl_training import (
     trl_schedule,
     trl_steps,
 )
-from shared.config.learner import CLIPPED_LOSSES
+from shared.config.objective import CLIPPED_LOSSES, LOSS_TYPES
 
-_TRL_LOSS = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+_TRL_LOSS = tuple(name for name in LOSS_TYPES if name not in ("geo_mean", "kl_cov"))  # verl's two are not TRL's
 
 # TRL GRPOConfig field -> our learner field, copied as they are.
 _TRL_DIRECT = {

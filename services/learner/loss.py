@@ -1,6 +1,6 @@
 """The policy losses users pick by name in TRL 1.16 and verl 0.9, with KL, masks and the entropy bonus.
 
-Pure: :class:`LossInputs` (one micro-batch's tensors), :class:`LossConfig` (hyper-parameters) and
+Pure: :class:`LossInputs` (one micro-batch's tensors), :class:`~shared.config.objective.Objective` (the settings) and
 :class:`BatchNormalisers` (counts of the optimizer batch the micro-batch belongs to) in, :class:`LossOutputs`
 (scalar loss and a flat dict of metrics) out. This module alone turns the per-token loss into the scalar to
 backward; the learner only sums micro-batch gradients. Shapes: B sequences (completions) by T completion
@@ -62,117 +62,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo", "geo_mean", "kl_cov"]
-LOSS_TYPES: tuple[str, ...] = (
-    "grpo",
-    "bnpo",
-    "dr_grpo",
-    "dapo",
-    "luspo",
-    "cispo",
-    "sapo",
-    "vespo",
-    "geo_mean",
-    "kl_cov",
+from shared.config.objective import (
+    AGGREGATIONS,
+    CLIPPED_LOSSES,
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    KlEstimator,
+    Objective,
+    RatioLevel,
 )
-Aggregation = Literal["grpo", "bnpo", "dr_grpo", "dapo", "seq_sum"]
-AGGREGATIONS: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "seq_sum")
-KlEstimator = Literal["k1", "abs", "k2", "k3", "low_var_kl"]
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "low_var_kl")
-RatioLevel = Literal["token", "sequence"]
 
-# The aggregation each loss type uses in its peer (TRL 1.16 ``_compute_loss``; verl's recommended mode).
-DEFAULT_AGGREGATION: dict[str, Aggregation] = {
-    "grpo": "grpo",
-    "bnpo": "bnpo",
-    "dr_grpo": "dr_grpo",
-    "dapo": "dapo",
-    "luspo": "seq_sum",
-    "cispo": "dapo",
-    "sapo": "grpo",
-    "vespo": "dapo",
-    "geo_mean": "grpo",
-    "kl_cov": "dapo",
-}
-_CLIPPED = frozenset({"grpo", "bnpo", "dr_grpo", "dapo", "luspo"})
-_TOKEN_ONLY = frozenset({"geo_mean", "kl_cov"})  # verl computes their own ratios; no sequence-level variant
-
+# The settings, their lists of names and their cross-field checks are defined once, in shared/config/objective.py.
 _MAX_LOG_RATIO = 20.0  # exp() stays finite; VESPO and verl's estimators clamp log-ratios here
 _VESPO_MIN_LOG_W = math.log(1e-8)  # VESPO's lower clamp of the sequence log-weight (its reference code)
 _LOW_VAR_KL_MAX = 10.0  # verl clamps low_var_kl to [-10, 10]
+_VESPO_MIN_LAMBDA = 1e-4  # VESPO's reference code keeps the decay positive
 _GMPO_EPS = 1e-8  # verl's GMPO divides by (length + 1e-8), not max(length, 1)
 _GMPO_LOG_EPS = 1e-10  # verl's GMPO takes log(w + 1e-10) of the importance weights
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Hyper-parameters of the loss; defaults are the plain GRPO clip objective without KL."""
-
-    loss_type: LossType = "grpo"
-    aggregation: Aggregation | None = None  # None: the loss type's own (DEFAULT_AGGREGATION)
-    ratio_level: RatioLevel = "token"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
-    delta: float | None = None  # two-sided clip of the unclipped branch (INTELLECT-2); clip objectives only
-    beta: float = 0.0
-    kl_estimator: KlEstimator = "k3"
-    kl_bias_correction: bool = False
-    cispo_clip_max: float = 5.0  # absolute cap on r (TRL: epsilon_high under cispo; verl: 1 + clip_ratio_high)
-    cispo_clip_min: float | None = None  # verl: 1 - clip_ratio_low; TRL: none
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    importance_level: RatioLevel = "token"  # how importance_weights were made (VESPO sums token log-weights)
-    kl_cov_ratio: float = 0.0002
-    kl_cov_coef: float = 1.0
-    off_policy_mask_threshold: float | None = None
-    top_entropy_quantile: float = 1.0
-    entropy_coef: float = 0.0
-    max_completion_length: int | None = None  # the dr_grpo aggregation's fixed length (TRL's argument)
-
-    def __post_init__(self) -> None:
-        _check_config(self)
-        _check_aggregation(self)
-
-    @property
-    def resolved_aggregation(self) -> Aggregation:
-        """``aggregation``, or the loss type's own when it is None."""
-        return self.aggregation or DEFAULT_AGGREGATION[self.loss_type]
-
-
-def _check_config(c: LossConfig) -> None:
-    if c.loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {c.loss_type!r}")
-    if c.kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {c.kl_estimator!r}")
-    if c.ratio_level not in ("token", "sequence"):
-        raise ValueError(f"ratio_level must be 'token' or 'sequence', got {c.ratio_level!r}")
-    if c.ratio_level == "sequence" and c.loss_type in _TOKEN_ONLY:
-        raise ValueError(f"loss_type={c.loss_type!r} defines its own ratio; set ratio_level='token'")
-    if c.delta is not None and c.loss_type not in _CLIPPED:
-        raise ValueError(f"delta applies to the clipped objectives {sorted(_CLIPPED)}, not {c.loss_type!r}")
-    if c.delta is not None and c.delta <= 1 + c.epsilon_high:
-        raise ValueError(f"delta ({c.delta}) must exceed 1 + epsilon_high ({1 + c.epsilon_high})")
-    if c.cispo_clip_min is not None and c.cispo_clip_min > c.cispo_clip_max:
-        raise ValueError(f"cispo_clip_min ({c.cispo_clip_min}) must not exceed cispo_clip_max ({c.cispo_clip_max})")
-    if not 0.0 <= c.top_entropy_quantile <= 1.0:
-        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {c.top_entropy_quantile}")
-    if not 0.0 < c.kl_cov_ratio <= 1.0:
-        raise ValueError(f"kl_cov_ratio must be in (0, 1], got {c.kl_cov_ratio}")
-
-
-def _check_aggregation(c: LossConfig) -> None:
-    if c.aggregation is not None and c.aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS} or None, got {c.aggregation!r}")
-    if c.resolved_aggregation == "dr_grpo" and not c.max_completion_length:
-        raise ValueError("the 'dr_grpo' aggregation (loss_type='dr_grpo') needs max_completion_length")
 
 
 @dataclass(frozen=True)
@@ -341,7 +250,7 @@ def log_ratio(
     raise ValueError(f"ratio_level must be 'token' or 'sequence', got {level!r}")
 
 
-def _clip_objective(ratio: torch.Tensor, adv: torch.Tensor, c: LossConfig) -> tuple[torch.Tensor, dict]:
+def _clip_objective(ratio: torch.Tensor, adv: torch.Tensor, c: Objective) -> tuple[torch.Tensor, dict]:
     clipped = torch.clamp(ratio, 1 - c.epsilon_low, 1 + c.epsilon_high)
     unclipped = torch.clamp(ratio, max=c.delta) if c.delta is not None else ratio
     with torch.no_grad():
@@ -351,15 +260,17 @@ def _clip_objective(ratio: torch.Tensor, adv: torch.Tensor, c: LossConfig) -> tu
     return -torch.min(unclipped * adv, clipped * adv), flags
 
 
-def _cispo_objective(ratio, adv, logprobs, c: LossConfig) -> tuple[torch.Tensor, dict]:
+def _cispo_objective(ratio, adv, logprobs, c: Objective) -> tuple[torch.Tensor, dict]:
     weight = torch.clamp(ratio, min=c.cispo_clip_min, max=c.cispo_clip_max).detach()
     with torch.no_grad():
         flags = {"cispo_clip_ratio": (ratio > c.cispo_clip_max) & (adv > 0)}
     return -weight * adv * logprobs, flags
 
 
-def _sapo_objective(ratio, adv, c: LossConfig) -> torch.Tensor:
-    tau = torch.where(adv > 0, c.sapo_temperature_pos, c.sapo_temperature_neg).to(ratio.dtype)
+def _sapo_objective(ratio, adv, c: Objective) -> torch.Tensor:
+    # Constants enter as tensors of the inputs' dtype: a Python float in torch.where becomes float32 first.
+    pos, neg = torch.full_like(adv, c.sapo_temperature_pos), torch.full_like(adv, c.sapo_temperature_neg)
+    tau = torch.where(adv > 0, pos, neg).to(ratio.dtype)
     return -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
 
 
@@ -369,7 +280,7 @@ def vespo_weights(
     token_log_ratio: torch.Tensor,
     mask: torch.Tensor,
     importance_weights: torch.Tensor | None,
-    c: LossConfig,
+    c: Objective,
 ) -> torch.Tensor:
     """[B, 1] VESPO's Gamma weight phi(w) = exp(lam + k log w - lam w) of the sequence ratio w (phi(1) = 1).
 
@@ -385,12 +296,16 @@ def vespo_weights(
             log_w = log_w + (log_iw * mask).sum(dim=1, keepdim=True)
     log_w = torch.clamp(log_w, _VESPO_MIN_LOG_W, _MAX_LOG_RATIO)
     nonneg = advantages.unsqueeze(1) >= 0
-    k = torch.where(nonneg, c.vespo_k_pos, c.vespo_k_neg).to(log_w.dtype)
-    lam = torch.where(nonneg, c.vespo_lambda_pos, c.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+
+    def by_sign(pos: float, neg: float) -> torch.Tensor:  # [B, 1] in log_w's dtype (float64 stays float64)
+        return torch.where(nonneg, torch.full_like(log_w, pos), torch.full_like(log_w, neg))
+
+    k = by_sign(c.vespo_k_pos, c.vespo_k_neg)
+    lam = by_sign(c.vespo_lambda_pos, c.vespo_lambda_neg).clamp(min=_VESPO_MIN_LAMBDA)
     return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def _geo_mean_objective(inp: LossInputs, mask, adv, weights, c: LossConfig) -> tuple[torch.Tensor, dict]:
+def _geo_mean_objective(inp: LossInputs, mask, adv, weights, c: Objective) -> tuple[torch.Tensor, dict]:
     """[B, 1] GMPO sequence loss (verl ``geo_mean``), importance weights folded in as a geometric mean."""
     diff = inp.logprobs - inp.old_logprobs.detach()
     sign = torch.sign(adv)
@@ -406,7 +321,7 @@ def _geo_mean_objective(inp: LossInputs, mask, adv, weights, c: LossConfig) -> t
     return seq, flags
 
 
-def _kl_cov_objective(inp: LossInputs, mask, adv, c: LossConfig) -> tuple[torch.Tensor, dict]:
+def _kl_cov_objective(inp: LossInputs, mask, adv, c: Objective) -> tuple[torch.Tensor, dict]:
     """verl ``kl_cov``: -A r, plus kl_cov_coef |log r| on the top-covariance tokens of the micro-batch."""
     diff = inp.logprobs - inp.old_logprobs.detach()
     per_token = -adv * torch.exp(diff)
@@ -428,10 +343,10 @@ def _kl_cov_objective(inp: LossInputs, mask, adv, c: LossConfig) -> tuple[torch.
 
 
 def _objective(
-    inp: LossInputs, mask: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, weights, c: LossConfig
+    inp: LossInputs, mask: torch.Tensor, adv: torch.Tensor, ratio: torch.Tensor, weights, c: Objective
 ) -> tuple[torch.Tensor, dict]:
     """The per-token (or [B, 1] per-sequence) objective ``l`` and its boolean metric flags."""
-    if c.loss_type in _CLIPPED:
+    if c.loss_type in CLIPPED_LOSSES:
         return _clip_objective(ratio, adv, c)
     if c.loss_type == "cispo":
         return _cispo_objective(ratio, adv, inp.logprobs, c)
@@ -488,7 +403,7 @@ def aggregate(
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
 
 
-def _check_inputs(inp: LossInputs, c: LossConfig) -> None:
+def _check_inputs(inp: LossInputs, c: Objective) -> None:
     shape = inp.logprobs.shape
     if inp.old_logprobs.shape != shape or inp.mask.shape != shape:
         raise ValueError(
@@ -506,12 +421,12 @@ def _check_inputs(inp: LossInputs, c: LossConfig) -> None:
         raise ValueError("top_entropy_quantile < 1 and entropy_coef != 0 need per-token entropies")
 
 
-def _active_mask(inp: LossInputs) -> torch.Tensor:
-    """[B, T] the tokens the loss sums over: ``mask`` minus the ``truncated`` completions when given."""
-    mask = inp.mask.to(inp.logprobs.dtype)
-    if inp.truncated is None:
+def active_mask(mask: torch.Tensor, truncated: torch.Tensor | None) -> torch.Tensor:
+    """[B, T] the tokens the loss sums over: ``mask`` [B, T] minus the ``truncated`` [B] completions when given
+    (the learner passes them with ``mask_truncated_completions``). The one place this mask is built."""
+    if truncated is None:
         return mask
-    return mask * (~inp.truncated.bool()).to(mask.dtype).unsqueeze(1)
+    return mask * (~truncated.bool()).to(mask.dtype).unsqueeze(1)
 
 
 def _entropy_mask(
@@ -524,7 +439,7 @@ def _entropy_mask(
 
 
 def _policy_terms(
-    inp: LossInputs, mask: torch.Tensor, c: LossConfig, threshold: float | torch.Tensor | None
+    inp: LossInputs, mask: torch.Tensor, c: Objective, threshold: float | torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """The per-token loss ``l`` [B, T] (or [B, 1]) in TRL's order (module docstring), the [B, T] tokens the
     policy term acts on (``mask`` times the entropy mask) and the metrics. Inputs are checked already."""
@@ -554,11 +469,11 @@ def _policy_terms(
     return per_token, acting, metrics
 
 
-def compute_loss(inp: LossInputs, config: LossConfig, batch: BatchNormalisers = WHOLE_BATCH) -> LossOutputs:
+def compute_loss(inp: LossInputs, config: Objective, batch: BatchNormalisers = WHOLE_BATCH) -> LossOutputs:
     """The loss of one micro-batch (formulas and order of the terms in the module docstring), divided by the
     counts of the optimizer ``batch`` it belongs to (by default it is the whole batch)."""
     _check_inputs(inp, config)
-    mask = _active_mask(inp)
+    mask = active_mask(inp.mask.to(inp.logprobs.dtype), inp.truncated)
     per_token, acting, metrics = _policy_terms(inp, mask, config, batch.entropy_threshold)
     aggregation = config.resolved_aggregation
     loss = aggregate(per_token, mask, aggregation, batch, max_completion_length=config.max_completion_length)

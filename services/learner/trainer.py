@@ -37,7 +37,6 @@ gathered weights itself under torchrun); logprobs and the loss are float32.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import time
@@ -57,9 +56,9 @@ from services.learner.importance import importance_weight_metrics, importance_we
 from services.learner.lm_head import Stats
 from services.learner.loss import (
     BatchNormalisers,
-    LossConfig,
     LossInputs,
     LossOutputs,
+    active_mask,
     adaptive_entropy_coef,
     compute_loss,
     entropy_threshold,
@@ -74,6 +73,7 @@ from services.learner.packing import (
 )
 from services.learner.policy import EntropyMode, completion_logprobs_and_entropy, linear_weight_names, merged_weights
 from shared.config.learner import LearnerSettings
+from shared.config.objective import Objective
 
 _ACTING_SUM, _ACTING_TOKENS = "entropy/acting_sum", "entropy/acting_tokens"  # summed, not logged
 
@@ -120,35 +120,6 @@ def _step_result(sums: dict[str, float], used: list[torch.Tensor], batch_tokens:
         if name not in (_ACTING_SUM, _ACTING_TOKENS)
     }
     return StepResult(metrics, torch.cat(used) if used else None, acting_entropy)
-
-
-def loss_config(s: LearnerSettings) -> LossConfig:
-    """The loss's hyper-parameters from the settings; the entropy coefficient is set per step."""
-    return LossConfig(
-        loss_type=s.loss_type,
-        aggregation=s.loss_aggregation,
-        ratio_level=s.ratio_level,
-        epsilon_low=s.epsilon_low,
-        epsilon_high=s.epsilon_high,
-        delta=s.delta,
-        beta=s.beta,
-        kl_estimator=s.kl_estimator,
-        kl_bias_correction=s.kl_bias_correction,
-        cispo_clip_max=s.cispo_clip_max,
-        cispo_clip_min=s.cispo_clip_min,
-        sapo_temperature_pos=s.sapo_temperature_pos,
-        sapo_temperature_neg=s.sapo_temperature_neg,
-        vespo_k_pos=s.vespo_k_pos,
-        vespo_lambda_pos=s.vespo_lambda_pos,
-        vespo_k_neg=s.vespo_k_neg,
-        vespo_lambda_neg=s.vespo_lambda_neg,
-        importance_level=s.importance_level,
-        kl_cov_ratio=s.kl_cov_ratio,
-        kl_cov_coef=s.kl_cov_coef,
-        off_policy_mask_threshold=s.off_policy_mask_threshold,
-        top_entropy_quantile=s.top_entropy_quantile,
-        max_completion_length=s.max_completion_length,
-    )
 
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -211,7 +182,7 @@ class Trainer:
         self.autocast = Precision() if self.topology.distributed else self.precision
         self.optimizer, self.scheduler = _optimizer(model, settings)
         self.step = 0
-        self.loss_config = loss_config(settings)
+        self.objective = Objective.of(settings)
         self.entropy_coef = settings.entropy_coef  # moved by the adaptive controller
         self.last_entropy = math.inf  # TRL's start: the adaptive bonus waits for a first measurement
 
@@ -367,9 +338,8 @@ class Trainer:
 
     def _loss_mask(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] the tokens the loss sums over: completion tokens, minus truncated completions if masked."""
-        if not self.settings.mask_truncated_completions:
-            return batch.completion_mask
-        return batch.completion_mask * (~batch.truncated.bool()).to(batch.completion_mask.dtype).unsqueeze(1)
+        truncated = batch.truncated if self.settings.mask_truncated_completions else None
+        return active_mask(batch.completion_mask, truncated)
 
     def _entropy_threshold(self, entropies: torch.Tensor, local: TrainBatch) -> tuple[torch.Tensor, float]:
         """The batch-wide entropy quantile (all ranks' active tokens) and the count of tokens at or above it."""
@@ -414,13 +384,13 @@ class Trainer:
             ref, _ = self._logprobs_no_grad(self.reference, batch, real)
         return PreparedBatch(old, weights, ref, normalisers, seconds, self._logp_difference(local, old))
 
-    def _step_config(self) -> LossConfig:
+    def _step_config(self) -> Objective:
         """The loss config of this optimizer step: the adaptive bonus applies while the last entropy <= target."""
         s = self.settings
         coef = self.entropy_coef
         if s.adaptive_entropy and self.last_entropy > s.entropy_target:
             coef = 0.0
-        return dataclasses.replace(self.loss_config, entropy_coef=coef)
+        return self.objective.model_copy(update={"entropy_coef": coef})
 
     def _old_and_weights(
         self, logprobs: torch.Tensor, mb: TrainBatch, rows: slice, prepared: PreparedBatch
@@ -434,7 +404,7 @@ class Trainer:
         return old, self._weights(old, mb) if self.settings.importance_correction else None
 
     def _micro_batch_backward(
-        self, mb: TrainBatch, rows: slice, prepared: PreparedBatch, config: LossConfig, entropy_mode: EntropyMode
+        self, mb: TrainBatch, rows: slice, prepared: PreparedBatch, config: Objective, entropy_mode: EntropyMode
     ) -> tuple[LossOutputs, torch.Tensor | None]:
         """Forward, loss and backward of one micro-batch (``rows`` of this rank's); the importance weights used."""
         logprobs, entropies = self._forward(self.model, mb, entropy_mode)

@@ -77,6 +77,10 @@ class PipelineConfig(BaseModel):
         """Checks that span services, each naming the fields on both sides."""
         return cross_problems(self.generator, self.learner)
 
+    def algorithm_notes(self) -> list[str]:
+        """Combinations across the scorer and the learner that no paper runs: shown, never refused."""
+        return algorithm_notes(self.scorer, self.learner)
+
     def launch_problems(self) -> list[str]:
         """What ``asyncgrpo run`` checks on top: the processes it starts from ``[launcher]`` must be able to run."""
         learner, launcher = self.learner, self.launcher
@@ -129,6 +133,27 @@ def cross_problems(generator: GeneratorSettings | None, learner: LearnerSettings
     if generator is not None and learner is not None:
         problems.append(_context_problem(generator, learner))
     return [problem for problem in problems if problem]
+
+
+def algorithm_notes(scorer: ScorerSettings, learner: LearnerSettings) -> list[str]:
+    """The pairs that span the scorer's advantage and the learner's objective, where they disagree."""
+    notes = []
+    if scorer.algorithm and learner.algorithm and scorer.algorithm != learner.algorithm:
+        notes.append(
+            f"scorer.algorithm ({scorer.algorithm!r}) and learner.algorithm ({learner.algorithm!r}) differ: set "
+            "algorithm once, at the top of the file"
+        )
+    if learner.loss_type == "dr_grpo" and scorer.scale_rewards != "none":
+        notes.append(
+            f"learner.loss_type = 'dr_grpo' with scorer.scale_rewards = {scorer.scale_rewards!r}: Dr. GRPO leaves "
+            "advantages unscaled by the std (scale_rewards = 'none', or algorithm = 'dr_grpo')"
+        )
+    if learner.loss_type == "dapo" and learner.epsilon_high <= learner.epsilon_low:
+        notes.append(
+            f"learner.loss_type = 'dapo' with epsilon_high ({learner.epsilon_high}) <= epsilon_low "
+            f"({learner.epsilon_low}): DAPO clips higher (0.28; algorithm = 'dapo')"
+        )
+    return notes
 
 
 def _context_problem(generator: GeneratorSettings, learner: LearnerSettings) -> str | None:

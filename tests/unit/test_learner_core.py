@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from services.learner.batch import collate
-from services.learner.loss import BatchNormalisers, LossConfig, LossInputs, compute_loss
+from services.learner.loss import BatchNormalisers, LossInputs, compute_loss
 from services.learner.policy import completion_logprobs, load_policy, logprobs_no_grad
 from services.learner.trainer import Trainer, lr_lambda
 from shared.advantages import group_advantages
 from shared.config.learner import LearnerSettings
+from shared.config.objective import Objective
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, SamplingSpec, ScoredGroup
 from tests.support.tiny_model import build_tiny_llama
 
@@ -120,7 +121,7 @@ def test_learner_step_gradient_equals_direct_synchronous_grpo_gradient(tiny, los
     ours = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     # The same objective computed directly on the whole batch, in one piece.
-    config = LossConfig(loss_type=loss_type, max_completion_length=12)
+    config = Objective(loss_type=loss_type, max_completion_length=12)
     counts = BatchNormalisers(num_items_in_batch=batch.completion_mask.sum())
     model.zero_grad()
     logprobs = completion_logprobs(model, batch)

@@ -15,7 +15,8 @@ from services.learner.importance import (
     min_fresh_version,
     staleness,
 )
-from services.learner.loss import BatchNormalisers, LossConfig, LossInputs, compute_loss, k3_kl
+from services.learner.loss import BatchNormalisers, LossInputs, aggregate, compute_loss, k3_kl
+from shared.config.objective import Objective
 
 TOL = 1e-6
 
@@ -86,8 +87,14 @@ def ref_loss(batch, loss_type, eps_low, eps_high, delta, beta, weights, max_len,
 def test_policy_loss_matches_reference(loss_type, beta, delta, weighted):
     batch = random_batch(seed=hash((loss_type, beta, delta, weighted)) % 2**32)
     weights = torch.rand_like(batch["logprobs"]) * 2 if weighted else None
-    config = LossConfig(
-        loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, delta=delta, beta=beta, max_completion_length=9
+    config = Objective(
+        loss_type=loss_type,
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        delta=delta,
+        beta=beta,
+        kl_bias_correction=False,
+        max_completion_length=9,
     )
     inputs = inputs_of(batch, ref_logprobs=batch["ref"], importance_weights=weights)
     out = compute_loss(inputs, config, BatchNormalisers(num_items_in_batch=23.0))
@@ -100,7 +107,7 @@ def test_policy_loss_matches_reference(loss_type, beta, delta, weighted):
 
 def test_clip_metrics_match_reference():
     batch = random_batch(seed=3, b=8, t=10)
-    metrics = compute_loss(inputs_of(batch), LossConfig(epsilon_low=0.1, epsilon_high=0.1)).metrics
+    metrics = compute_loss(inputs_of(batch), Objective(epsilon_low=0.1, epsilon_high=0.1)).metrics
     lp, old, adv, mask = (batch[k].numpy() for k in ("logprobs", "old", "advantages", "mask"))
     low = high = n = 0
     for i in range(lp.shape[0]):
@@ -119,7 +126,7 @@ def test_on_policy_grpo_gradient_is_minus_advantage_over_length_and_batch():
     batch = random_batch(seed=11, b=4, t=6)
     logprobs = batch["logprobs"].clone().requires_grad_(True)
     inputs = LossInputs(logprobs, batch["logprobs"].clone(), batch["advantages"], batch["mask"])
-    compute_loss(inputs, LossConfig()).loss.backward()
+    compute_loss(inputs, Objective()).loss.backward()
     mask, adv = batch["mask"], batch["advantages"]
     lengths = mask.sum(dim=1)
     b = mask.shape[0]
@@ -134,10 +141,10 @@ def test_token_mean_over_micro_batches_equals_one_token_mean(loss_type):
     """With the whole batch's counts (what the learner passes), bnpo's and dapo's micro-batch losses add up to
     the token mean of the batch in one piece."""
     batch = random_batch(seed=5, b=6, t=8)
-    whole = float(compute_loss(inputs_of(batch), LossConfig(loss_type="bnpo")).loss)
+    whole = float(compute_loss(inputs_of(batch), Objective(loss_type="bnpo")).loss)
     splits = (slice(0, 2), slice(2, 6))
     counts = BatchNormalisers.of_batch(batch["mask"])
-    config = LossConfig(loss_type=loss_type)
+    config = Objective(loss_type=loss_type)
     parts = sum(float(compute_loss(inputs_of(batch, rows), config, counts).loss) for rows in splits)
     assert parts == pytest.approx(whole, abs=1e-12)
     if loss_type == "bnpo":  # without the counts each micro-batch is its own batch, as in TRL
@@ -149,7 +156,7 @@ def test_importance_weights_are_not_differentiated_and_kl_is_not_weighted():
     batch = random_batch(seed=8)
     weights = torch.full_like(batch["logprobs"], 0.0)
     inputs = inputs_of(batch, ref_logprobs=batch["ref"], importance_weights=weights)
-    loss = compute_loss(inputs, LossConfig(loss_type="bnpo", beta=0.5)).loss
+    loss = compute_loss(inputs, Objective(loss_type="bnpo", beta=0.5, kl_bias_correction=False)).loss
     kl = k3_kl(batch["logprobs"], batch["ref"])
     expected = float(0.5 * (kl * batch["mask"]).sum() / batch["mask"].sum())
     assert float(loss) == pytest.approx(expected, abs=1e-12)
@@ -157,20 +164,18 @@ def test_importance_weights_are_not_differentiated_and_kl_is_not_weighted():
 
 def test_loss_argument_errors():
     batch = random_batch(seed=1)
-    with pytest.raises(ValueError, match="max_completion_length"):
-        LossConfig(loss_type="dr_grpo")
-    with pytest.raises(ValueError, match="max_completion_length"):
-        LossConfig(loss_type="grpo", aggregation="dr_grpo")
+    with pytest.raises(ValueError, match="max_completion_length"):  # the settings always give one (ge=1)
+        aggregate(batch["logprobs"], batch["mask"], "dr_grpo")
     with pytest.raises(ValueError, match="num_items_in_batch"):
-        compute_loss(inputs_of(batch), LossConfig(loss_type="dapo"))
+        compute_loss(inputs_of(batch), Objective(loss_type="dapo"))
     with pytest.raises(ValueError, match="ref_logprobs"):
-        compute_loss(inputs_of(batch), LossConfig(beta=0.1))
+        compute_loss(inputs_of(batch), Objective(beta=0.1))
     with pytest.raises(ValueError, match="loss_type"):
-        LossConfig(loss_type="ppo")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="aggregation"):
-        LossConfig(aggregation="token_mean")  # type: ignore[arg-type]
+        Objective(loss_type="ppo")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="loss_aggregation"):
+        Objective(loss_aggregation="token_mean")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="advantages must be"):
-        compute_loss(LossInputs(batch["logprobs"], batch["old"], batch["advantages"][:2], batch["mask"]), LossConfig())
+        compute_loss(LossInputs(batch["logprobs"], batch["old"], batch["advantages"][:2], batch["mask"]), Objective())
 
 
 # Importance weights ----------------------------------------------------------------------------------------

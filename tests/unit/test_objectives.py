@@ -20,7 +20,6 @@ from services.learner.batch_metrics import finalize_advantages
 from services.learner.feeder import replacement_cap_reached
 from services.learner.loss import (
     BatchNormalisers,
-    LossConfig,
     LossInputs,
     adaptive_entropy_coef,
     compute_loss,
@@ -30,6 +29,7 @@ from services.learner.policy import completion_logprobs_and_entropy, load_policy
 from services.learner.trainer import Trainer
 from shared.advantages import compute_advantages
 from shared.config.learner import LearnerSettings
+from shared.config.objective import Objective
 from shared.records import AdvantageSpec
 from tests.support.factories import make_rollout, make_scored, make_task
 from tests.support.tiny_model import build_tiny_llama
@@ -197,7 +197,7 @@ def reference_loss(b, c, *, lp):
         seq_sums.append(total)
         seq_counts.append(len(idx))
     n_seq = c.get("num_sequences", n_rows)
-    agg = c["aggregation"]
+    agg = c["loss_aggregation"]
     if agg == "grpo":
         loss = sum(s / max(n, 1) for s, n in zip(seq_sums, seq_counts, strict=True)) / n_seq
     elif agg == "bnpo":
@@ -275,14 +275,15 @@ BASE = {
     "vespo_lambda_neg": 2.0,
     "kl_cov_ratio": 0.2,
     "kl_cov_coef": 1.0,
+    "kl_bias_correction": False,
     "max_completion_length": 9,
     "num_items_in_batch": 23.0,
 }
-CONFIG_KEYS = set(LossConfig.__dataclass_fields__)
+CONFIG_KEYS = set(Objective.model_fields)
 
 
 def ours(b, c, lp, entropies=None):
-    config = LossConfig(**{k: v for k, v in c.items() if k in CONFIG_KEYS})
+    config = Objective(**{k: v for k, v in c.items() if k in CONFIG_KEYS})
     inputs = LossInputs(
         logprobs=lp,
         old_logprobs=b["old"],
@@ -311,7 +312,7 @@ def loss_and_grad(fn):
 
 def case_config(loss_type, level, combo):
     c = {**BASE, **COMBOS[combo], "loss_type": loss_type, "ratio_level": level}
-    c["aggregation"] = PEER_AGGREGATION[loss_type]
+    c["loss_aggregation"] = PEER_AGGREGATION[loss_type]
     if level == "sequence":  # sequence ratios sit near 1: a narrow range makes the clipping act
         c.update(epsilon_low=0.03, epsilon_high=0.03, cispo_clip_max=1.02)
     if loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
@@ -331,13 +332,37 @@ def test_objective_matches_reference(loss_type, level, combo):
     assert torch.isfinite(got_grad).all()
 
 
+# Constants away from their defaults, and with fractions float32 cannot hold: a Python float that becomes a
+# float32 tensor on its way into a float64 computation is off by ~1e-7 relative, far above 1e-12.
+ODD_CONSTANTS = {
+    "sapo_temperature_pos": 0.7310000000000001,
+    "sapo_temperature_neg": 1.3333333333333333,
+    "vespo_k_pos": 1.1,
+    "vespo_lambda_pos": 2.3,
+    "vespo_k_neg": 0.7,
+    "vespo_lambda_neg": 1.9,
+}
+F64_TOL = 1e-12
+
+
+@pytest.mark.parametrize("combo", ["plain", "kl_weights_delta", "masks_entropy"])
+@pytest.mark.parametrize(("loss_type", "level"), [("sapo", "token"), ("sapo", "sequence"), ("vespo", "token")])
+def test_sapo_and_vespo_stay_float64_at_non_default_constants(loss_type, level, combo):
+    b = random_batch(seed=seed_of("f64", loss_type, level, combo))
+    c = {**case_config(loss_type, level, combo), **ODD_CONSTANTS}
+    got_value, got_grad = loss_and_grad(lambda lp: ours(b, c, lp))(b)
+    want_value, want_grad = loss_and_grad(lambda lp: reference_loss(b, c, lp=lp))(b)
+    assert got_value == pytest.approx(want_value, rel=F64_TOL, abs=1e-15)
+    torch.testing.assert_close(got_grad, want_grad, rtol=F64_TOL, atol=1e-15)
+
+
 @pytest.mark.parametrize("estimator", ["k1", "abs", "k2", "k3", "low_var_kl"])
 @pytest.mark.parametrize("bias_correction", [False, True])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_kl_estimators_match_reference(estimator, bias_correction, level):
     b = random_batch(seed=seed_of(estimator, bias_correction, level))
     b["ref"][2, 0] = b["logprobs"][2, 0] + 30.0  # exercises low_var_kl's clamps
-    c = {**BASE, "loss_type": "grpo", "aggregation": "grpo", "ratio_level": level, "beta": 0.3}
+    c = {**BASE, "loss_type": "grpo", "loss_aggregation": "grpo", "ratio_level": level, "beta": 0.3}
     c.update(kl_estimator=estimator, kl_bias_correction=bias_correction)
     got_value, got_grad = loss_and_grad(lambda lp: ours(b, c, lp))(b)
     want_value, want_grad = loss_and_grad(lambda lp: reference_loss(b, c, lp=lp))(b)
@@ -380,7 +405,7 @@ def test_entropy_threshold_is_torch_quantile_and_masks_top_fraction():
 
 def test_entropy_is_logged_and_given_threshold_is_used():
     b = random_batch(seed=9)
-    config = LossConfig(top_entropy_quantile=0.5)
+    config = Objective(top_entropy_quantile=0.5)
     common = dict(logprobs=b["logprobs"], old_logprobs=b["old"], advantages=b["advantages"], mask=b["mask"])
     out = compute_loss(LossInputs(**common, entropies=b["entropies"]), config, BatchNormalisers(entropy_threshold=1e9))
     assert float(out.loss) == 0.0  # no token reaches the batch-wide threshold: no policy term
@@ -391,7 +416,7 @@ def test_entropy_is_logged_and_given_threshold_is_used():
 def test_entropy_bonus_gradient_reaches_entropies():
     b = random_batch(seed=12)
     entropies = b["entropies"].clone().requires_grad_(True)
-    config = LossConfig(entropy_coef=0.5)
+    config = Objective(entropy_coef=0.5)
     out = compute_loss(
         LossInputs(b["logprobs"], b["old"], b["advantages"], b["mask"], entropies=entropies),
         config,
@@ -412,7 +437,7 @@ def test_truncated_completions_leave_loss_and_counts():
     b = random_batch(seed=14)
     truncated = torch.zeros(6, dtype=torch.bool)
     truncated[1] = True
-    config = LossConfig(loss_type="bnpo")
+    config = Objective(loss_type="bnpo")
     got = compute_loss(LossInputs(b["logprobs"], b["old"], b["advantages"], b["mask"], truncated=truncated), config)
     mask = b["mask"].clone()
     mask[1] = 0
@@ -423,18 +448,18 @@ def test_truncated_completions_leave_loss_and_counts():
 def test_config_and_input_errors():
     b = random_batch(seed=2)
     args = (b["logprobs"], b["old"], b["advantages"], b["mask"])
-    with pytest.raises(ValueError, match="ratio_level='token'"):
-        LossConfig(loss_type="geo_mean", ratio_level="sequence")
-    with pytest.raises(ValueError, match="delta applies"):
-        LossConfig(loss_type="cispo", delta=2.0)
+    with pytest.raises(ValueError, match="set ratio_level = 'token'"):
+        Objective(loss_type="geo_mean", ratio_level="sequence")
+    with pytest.raises(ValueError, match="delta clips the ratio"):
+        Objective(loss_type="cispo", delta=2.0)
     with pytest.raises(ValueError, match="kl_estimator"):
-        LossConfig(kl_estimator="k4")  # type: ignore[arg-type]
+        Objective(kl_estimator="k4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="behaviour_logprobs"):
-        compute_loss(LossInputs(*args), LossConfig(off_policy_mask_threshold=0.5))
+        compute_loss(LossInputs(*args), Objective(off_policy_mask_threshold=0.5))
     with pytest.raises(ValueError, match="entropies"):
-        compute_loss(LossInputs(*args), LossConfig(top_entropy_quantile=0.2))
+        compute_loss(LossInputs(*args), Objective(top_entropy_quantile=0.2))
     with pytest.raises(ValueError, match="num_items_in_batch"):
-        compute_loss(LossInputs(*args), LossConfig(loss_type="cispo"))
+        compute_loss(LossInputs(*args), Objective(loss_type="cispo"))
 
 
 # Advantage estimators --------------------------------------------------------------------------------------
