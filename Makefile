@@ -75,7 +75,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy shared services/learner/loss.py services/learner/importance.py services/learner/entropy.py \
-		services/learner/weight_transport.py services/learner/weight_transport_shm.py services/learner/batch.py services/learner/batch_metrics.py \
+		weight_sync services/learner/batch.py services/learner/batch_metrics.py \
 		services/learner/completions_log.py services/learner/lm_head.py services/scorer/scoring.py
 
 demo: $(STAMP)

@@ -40,15 +40,17 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from services.learner.policy import linear_weight_names  # noqa: E402
-from services.learner.weight_push import WeightPusher, pack_bucket, place_parameters, plan_buckets  # noqa: E402
 from shared.keys import Keys  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
 from shared.registry import live_generators  # noqa: E402
 from tests.support.processes import start_service  # noqa: E402
 from tests.support.redis_server import free_port, use_or_start_redis  # noqa: E402
 from tests.support.tiny_model import build_tiny_llama  # noqa: E402
+from weight_sync.placement import place_parameters  # noqa: E402
+from weight_sync.protocol import pack_bucket, plan_buckets  # noqa: E402
+from weight_sync.sender import WeightPusher  # noqa: E402
 
-TOKEN = "bench-token"
+TOKEN = "bench-token-0123456789abcdef0123456789"
 BUCKET_BYTES = 64 << 20
 
 

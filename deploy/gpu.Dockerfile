@@ -17,6 +17,16 @@ RUN pip install --no-cache-dir --no-deps --require-hashes --only-binary :all: -r
 # file is mounted at /config (compose, k8s).
 COPY shared ./shared
 COPY services ./services
+COPY weight_sync ./weight_sync
+# The services run as a user of their own (uid 10001), never root: they need no privilege. The directories
+# compose mounts its named volumes at are that user's here, so new volumes start out writable by it; a volume an
+# older, root image made keeps root's files: give them over once with
+#   docker compose run --rm --user root --entrypoint chown learner -R 10001:10001 /checkpoints /cache
+RUN useradd --no-log-init --system --uid 10001 --user-group --create-home --home-dir /home/app app \
+    && mkdir -p /checkpoints /cache \
+    && chown app:app /checkpoints /cache
+ENV HOME=/home/app PYTHONDONTWRITEBYTECODE=1
+USER 10001:10001
 EXPOSE 8001 8003 29500
 # The generator's port unless HEALTH_PORT says otherwise (compose sets its own check per service).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('HEALTH_PORT', '8001'))"]

@@ -18,6 +18,10 @@ RUN pip install --no-cache-dir --no-deps --require-hashes --only-binary :all: --
 # The project runs from /app (`python -m services.…`), so nothing unlocked is installed for it.
 COPY shared ./shared
 COPY services ./services
+# The scorer and the reward plugin run as a user of their own (uid 10001), never root: they need no privilege.
+RUN useradd --no-log-init --system --uid 10001 --user-group --create-home --home-dir /home/app app
+ENV HOME=/home/app PYTHONDONTWRITEBYTECODE=1
+USER 10001:10001
 EXPOSE 8002 9000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8002/health')"]
 ENTRYPOINT ["python", "-m", "services.scorer"]

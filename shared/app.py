@@ -1,9 +1,13 @@
 """The one FastAPI app factory of the pipeline's services: ``/health``, ``/ready``, ``/metrics``,
-``/shutdown`` and the service's own routers around its typed state.
+``/shutdown`` and the service's own routers around its typed state, behind the request guard.
 
 ``/health`` says the process is alive; ``/ready`` says it can do work, answering 503 with the reason
 otherwise. What "ready" means is the service's: it passes ``ready(state) -> Readiness``. The state is
 stored once as ``app.state.service``; routes read it through ``Annotated[X, Depends(state_dependency(X))]``.
+
+The probes and ``/metrics`` are public; every other path needs the bearer token, checked before the body is
+read, and the body is capped at the state's ``max_request_bytes`` (:class:`shared.http.RequestGuard`).
+``/docs`` and ``/openapi.json`` exist only when the service's ``api_docs`` setting is on.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from shared.http import ServiceState, common_router
+from shared.http import PUBLIC_PROBES, FiniteJsonRoute, ServiceState, check_routes, common_router, guarded_app
 
 S = TypeVar("S", bound=ServiceState)
 
@@ -47,18 +51,28 @@ def service_app(
     description: str,
     routers: Sequence[APIRouter] = (),
 ) -> FastAPI:
-    """A FastAPI app serving ``probes``, ``/metrics``, ``/shutdown`` and ``routers`` over ``state``."""
-    app = FastAPI(title=title, description=description)
+    """A FastAPI app serving ``probes``, ``/metrics``, ``/shutdown`` and ``routers`` over ``state``. The
+    routers are built with ``route_class=FiniteJsonRoute`` (TypeError otherwise)."""
+    app = guarded_app(
+        title=title,
+        description=description,
+        token=state.api_token,
+        public=PUBLIC_PROBES,
+        max_request_bytes=state.max_request_bytes,
+        limit_setting="max_request_bytes",
+        api_docs=state.api_docs,
+    )
     app.state.service = state
     app.include_router(_probe_router(state, probes))
     for router in routers:
         app.include_router(router)
     app.include_router(common_router)
+    check_routes(app)
     return app
 
 
 def _probe_router(state: S, probes: Probes[S]) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=FiniteJsonRoute)
 
     @router.get("/health", response_model=probes.model, summary="The process is alive")
     async def health() -> Any:

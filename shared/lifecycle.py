@@ -9,7 +9,8 @@ reaches a piece being closed), then the background tasks, then the pieces in rev
 
 Exit statuses: 0 after a stop (signal or ``/shutdown``) or when the work is done, 1 when the service
 stopped on an error (logged with its traceback), 2 when it refused to start (:class:`NotStarting`, logged
-as one line naming the fix).
+as one line naming the fix). The stop event remembers what set it first (:class:`StopEvent`), and a signal
+is logged as it arrives, so a service that stops can say why.
 """
 
 from __future__ import annotations
@@ -35,11 +36,40 @@ T = TypeVar("T")
 A = TypeVar("A", bound=ServiceState)
 
 
-def stop_on_signals() -> asyncio.Event:
-    """An event set by SIGTERM or SIGINT (the service then finishes its work in flight and exits 0)."""
-    stop = asyncio.Event()
+log = logging.getLogger(__name__)
+
+
+class StopEvent(asyncio.Event):
+    """A service's stop event that remembers what set it first (``reason``: a signal's name, ...), so the
+    service can say why it stopped. ``set()`` without a reason is a stop request (``POST /shutdown``, or
+    the service's own code)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reason: str | None = None
+
+    def set(self, reason: str = "a stop request") -> None:
+        if not self.is_set():
+            self.reason = reason
+        super().set()
+
+
+def stop_reason(stop: asyncio.Event) -> str:
+    """What set ``stop`` ("SIGTERM", "a stop request"), as far as it is known."""
+    return (stop.reason if isinstance(stop, StopEvent) else None) or "a stop request"
+
+
+def stop_on_signals() -> StopEvent:
+    """An event set by SIGTERM or SIGINT (the service then finishes its work in flight and exits 0); each
+    signal is logged as it arrives."""
+    stop = StopEvent()
+
+    def received(signum: signal.Signals) -> None:
+        log.info("%s received: stopping once the work in flight is done", signum.name)
+        stop.set(signum.name)
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
+        asyncio.get_running_loop().add_signal_handler(signum, received, signum)
     return stop
 
 
@@ -75,6 +105,8 @@ class ConsumerSettings(Protocol):
 class HttpSettings(Protocol):
     host: str
     port: int
+    max_request_bytes: int
+    api_docs: bool
 
 
 async def start_consumer(
@@ -129,7 +161,7 @@ class Service(Generic[S]):
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self.stop.set()
+        self.stop.set("the service is ending")
         try:
             await self._front.aclose()
             for task in self._tasks:
@@ -153,9 +185,17 @@ class Service(Generic[S]):
         return await self._exits.enter_async_context(context)
 
     def app_state(self, cls: type[A], **fields: Any) -> A:
-        """The typed state of the service's HTTP app: its token, stop event and metrics, plus ``fields``."""
-        token = self.settings.api_token.get_secret_value()
-        return cls(api_token=token, stop=self.stop, registry=self.registry, **fields)
+        """The typed state of the service's HTTP app: its token, HTTP limits, stop event and metrics, plus
+        ``fields``."""
+        settings: HttpSettings = self.settings  # type: ignore[assignment]
+        return cls(
+            api_token=self.settings.api_token.get_secret_value(),
+            max_request_bytes=settings.max_request_bytes,
+            api_docs=settings.api_docs,
+            stop=self.stop,
+            registry=self.registry,
+            **fields,
+        )
 
     async def serve_http(self, app: Any) -> int:
         """Serve ``app`` on the settings' host and port until the service ends; returns the bound port."""
@@ -184,15 +224,17 @@ class Service(Generic[S]):
         """A state change operators and supervisors wait for ("... ready on port 8001"), on stdout."""
         print(line, flush=True)
 
-    async def run_until_stopped(self, run: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-        """Run the I/O loop ``run(stop)``; when it returns, stop and join the background tasks."""
-        await run(self.stop)
+    async def run_until_stopped(self, run: Callable[[StopEvent], Awaitable[T]]) -> T:
+        """Run the I/O loop ``run(stop)``; when it returns, stop and join the background tasks. Returns what
+        ``run`` returned (how it ended, for a loop that says)."""
+        ended = await run(self.stop)
         await self.finish()
+        return ended
 
     async def finish(self) -> None:
         """Stop and join the background tasks; raises what one of them raised (the service then ends with an
         error). For a service stopped before its I/O loop began, too."""
-        self.stop.set()
+        self.stop.set("the service is ending")
         await asyncio.gather(*self._tasks)
 
 

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from shared.config.base import CONFIG_ENV
+from shared.records import RESERVED_COLUMNS, json_problem
 
 PROTOCOL = "asyncgrpo.reward/v1"
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "reward_v1.json"
@@ -52,8 +53,24 @@ class RewardItem(BaseModel):
     )
     completion_ids: list[int] = Field(description="The sampled token ids (the prefill is not included).")
     columns: dict[str, Any] = Field(
-        description="The dataset row's other columns (e.g. answer), plus max_completion_length (an int)."
+        description="The dataset row's other columns (e.g. answer), plus max_completion_length (an int); never "
+        "one named after a reward-function argument.",
+        json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_COLUMNS)}}},
     )
+
+    @field_validator("columns")
+    @classmethod
+    def _plain_columns(cls, columns: dict[str, Any]) -> dict[str, Any]:
+        """No column takes a reward-function argument's name (a plugin would pass it instead of the real
+        argument), and every value is plain JSON (finite numbers, string keys)."""
+        reserved = sorted(set(columns) & set(RESERVED_COLUMNS))
+        if reserved:
+            raise ValueError(f"column {', '.join(reserved)} has the name of a reward-function argument")
+        for name, value in columns.items():
+            problem = json_problem(value)
+            if problem:
+                raise ValueError(f"column {name!r} holds {problem}, which JSON cannot carry")
+        return columns
 
 
 class RewardRequest(BaseModel):

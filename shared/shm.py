@@ -1,11 +1,18 @@
 """Files in a shared-memory directory (``/dev/shm``) that a CPU learner and CPU generators on one host share:
-the CPU twin of CUDA IPC for weight pushes.
+the CPU twin of CUDA IPC for weight pushes. Torch-free: the segments themselves, mapped as tensors, are
+:mod:`weight_sync.transport_shm`'s.
 
 * A generator leaves a **probe** there at start: a small file holding a random token, named in its
   registration. A learner that reads the same token at that path sees the same directory (same host, same
   IPC namespace, same user), so it pushes to that generator through shared memory instead of gloo.
 * The learner packs each bucket into a **segment**: a file of the bucket's size, kept from push to push; the
   generator maps it and loads its weights straight from it (no socket, no receive copy).
+
+A generator maps only a segment that is this user's own: a regular file (not a link) named like a segment,
+owned by this process's user and writable by no other (:func:`private_file_problem`, checked by
+``weight_sync.transport_shm.map_segment`` on the file it then maps).
+The learner's store says where each segment lies, and whoever could write to the store - or make a file in
+``/dev/shm``, which everyone can - must not get a generator to map a file of theirs or of another user.
 
 Every such file is held with a shared ``flock`` for as long as its owner lives; the lock goes with the
 process, even on SIGKILL, so :func:`sweep_stale` (run when a learner starts) removes exactly the files of
@@ -20,12 +27,9 @@ import fcntl
 import logging
 import os
 import secrets
+import stat
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -88,39 +92,36 @@ def make_probe(directory: Path) -> tuple[LockedFile, str]:
     return LockedFile(directory, PROBE, 0, token.encode()), token
 
 
+def private_file_problem(info: os.stat_result) -> str | None:
+    """Why a file with ``info`` is not one this user alone controls (None: it is): a regular file owned by this
+    process's user, writable neither by its group nor by others."""
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    if info.st_uid != os.getuid():
+        return f"is owned by uid {info.st_uid}, not this process's ({os.getuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by its group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
 def probe_matches(path: str, token: str, directory: Path) -> bool:
-    """Whether this process sees the probe ``path`` holding ``token`` in ``directory``, owned by this user
-    (then the generator that wrote it can map the segments this process makes there)."""
+    """Whether this process sees the probe ``path`` holding ``token`` in ``directory``, a file of this user's
+    own (then the generator that wrote it can map the segments this process makes there)."""
     probe = Path(path)
     if probe.parent != directory or not probe.name.startswith(PROBE):
         return False
     try:
-        if probe.stat().st_uid != os.getuid():
-            return False
-        return probe.read_bytes() == token.encode()
+        fd = os.open(probe, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
-
-
-class Segment(LockedFile):
-    """A bucket's shared-memory file, mapped as a flat uint8 tensor (``tensor``) that packing writes into."""
-
-    def __init__(self, directory: Path, nbytes: int) -> None:
-        super().__init__(directory, SEGMENT, nbytes)
-        self.nbytes = nbytes
-        self.tensor = map_file(self.path, nbytes)
-
-
-def map_file(path: Path | str, nbytes: int) -> torch.Tensor:
-    """The file at ``path`` mapped shared as ``nbytes`` uint8 (its size must be exactly that)."""
-    import torch  # here: the generator's start-up decisions load without torch
-
-    size = os.stat(path).st_size
-    if size != nbytes:
-        raise ValueError(f"{path} holds {size} bytes, not the {nbytes} expected")
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+    try:
+        if private_file_problem(os.fstat(fd)) is not None:
+            return False
+        return os.pread(fd, len(token) + 1, 0) == token.encode()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def sweep_stale(directory: Path) -> int:

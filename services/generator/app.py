@@ -1,7 +1,8 @@
 """The generator's HTTP shell: health, readiness, metrics, ad-hoc sampling, pause/resume, weight updates.
 
-GET endpoints are open; every POST endpoint needs the bearer token (401 without it). The routes read the
-service through :class:`GeneratorAppState`; the engine is there once it has loaded.
+``/health``, ``/ready`` and ``/metrics`` are open; every other endpoint needs the bearer token (401 without
+it, checked before the body is read; see :mod:`shared.http`). The routes read the service through
+:class:`GeneratorAppState`; the engine is there once it has loaded.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from services.generator.engine import Engine, InvalidPromptError, WeightUpdateError
 from shared.app import Probes, Readiness, service_app
-from shared.http import Authorized, ServiceState, state_dependency
+from shared.http import Authorized, FiniteJsonRoute, ServiceState, state_dependency
 from shared.records import ChatMessage, SamplingSpec, WeightVersionAnnouncement
 
-router = APIRouter()
+router = APIRouter(route_class=FiniteJsonRoute)
 
 
 class GenerateRequest(BaseModel):

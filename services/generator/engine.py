@@ -28,7 +28,7 @@ from shared.records import ChatMessage, Completion, SamplingSpec, WeightVersionA
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "services.generator.weight_receiver.WeightReceiverExtension"
+WORKER_EXTENSION = "weight_sync.receiver.WeightReceiverExtension"
 
 
 class InvalidPromptError(ValueError):
@@ -149,7 +149,7 @@ class Engine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from services.generator.weight_receiver import WEIGHTS_IN_PLACE_ENV
+        from weight_sync.receiver import WEIGHTS_IN_PLACE_ENV
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
         # vLLM forks its engine process by default; this runs on a thread beside the event loop's (and the GPU

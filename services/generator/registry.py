@@ -105,7 +105,9 @@ class GpuLease:
     async def holders(self, candidates: Sequence[int]) -> dict[int, str]:
         """index -> the replica holding it, for the leased ones among ``candidates``."""
         values = await self.client.mget([self.keys.gpu_lease(self.host, i) for i in candidates])
-        return {i: v.decode() for i, v in zip(candidates, values, strict=True) if v is not None}
+        return {
+            i: v.decode(errors="backslashreplace") for i, v in zip(candidates, values, strict=True) if v is not None
+        }
 
     def keep_alive(self, redis_url: str, on_lost: Callable[[LeaseLost], None]) -> None:
         """Renew the held keys from a :class:`LeaseKeeper` thread until :meth:`release`."""
@@ -157,7 +159,8 @@ class LeaseKeeper:
         for index in list(lease.indices):
             holder = self._client.eval(_RENEW, 1, lease.keys.gpu_lease(lease.host, index), lease.owner, lease.ttl_ms)
             if holder is not None:
-                raise LeaseLost(f"GPU {index} lease was taken by {holder.decode()} (this replica's lease lapsed)")
+                taken_by = holder.decode(errors="backslashreplace")
+                raise LeaseLost(f"GPU {index} lease was taken by {taken_by} (this replica's lease lapsed)")
 
     def _run(self) -> None:
         while not self._stopped.wait(self.interval_s):

@@ -1,24 +1,28 @@
 """A local ``redis-server`` for the launcher (when no Redis answers) and for tests (never a fake Redis).
 
-:func:`use_or_start_redis` is the one "use ``$REDIS_URL`` or start a Redis" that ``asyncgrpo run``, the tests'
-Redis fixture and the benchmarks share.
+:func:`use_or_start_redis` is the one "use ``$REDIS_URL`` or start a Redis" that the tests' Redis fixture and
+the benchmarks share; :func:`redis_for_run` is ``asyncgrpo run``'s, which gives a Redis it starts one ACL user
+per service (:mod:`shared.redis_acl`) with passwords made for the run.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
 from shared.config.base import mask_url
+from shared.keys import Keys
+from shared.redis_acl import ROLES, server_arguments, service_url
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -61,6 +65,7 @@ class RedisServer:
     appendonly: bool = False
     password: str = ""
     tls: tuple[str, str, str] | None = None  # (certificate, key, CA) files: the server then speaks TLS only
+    acl: list[str] = field(default_factory=list)  # ``--user`` arguments (shared.redis_acl.server_arguments)
 
     @property
     def url(self) -> str:
@@ -76,7 +81,7 @@ class RedisServer:
         args += _tls_arguments(self.port, self.tls) if self.tls else ["--port", str(self.port)]
         if self.password:
             args += ["--requirepass", self.password]
-        return args
+        return args + self.acl
 
     def start(self, timeout_s: float = 10.0) -> None:
         binary = shutil.which("redis-server")
@@ -111,15 +116,21 @@ def _tls_arguments(port: int, tls: tuple[str, str, str]) -> list[str]:
 
 
 def start_redis(
-    appendonly: bool = False, *, password: str = "", tls: tuple[str, str, str] | None = None
+    appendonly: bool = False,
+    *,
+    password: str = "",
+    tls: tuple[str, str, str] | None = None,
+    acl: list[str] | None = None,
 ) -> RedisServer:
-    """A redis-server on a free port (with a password, or TLS from (certificate, key, CA) files, if given)."""
+    """A redis-server on a free port (with a password, or TLS from (certificate, key, CA) files, if given;
+    ``acl``: users besides the default one, as ``--user`` arguments)."""
     server = RedisServer(
         port=free_port(),
         directory=Path(tempfile.mkdtemp(prefix="redis-test-")),
         appendonly=appendonly,
         password=password,
         tls=tls,
+        acl=list(acl or ()),
     )
     server.start()
     return server
@@ -136,3 +147,26 @@ def use_or_start_redis(url: str | None = None) -> tuple[str, RedisServer | None]
     server = start_redis()
     log.info("no Redis at %s; started redis-server on port %d", mask_url(url), server.port)
     return server.url, server
+
+
+def redis_for_run(prefix: str, url: str | None = None) -> tuple[dict[str, str], RedisServer | None]:
+    """Each service's ``REDIS_URL`` for one ``asyncgrpo run`` with key prefix ``prefix``, as the variables
+    ``GENERATOR_REDIS_URL``, ``SCORER_REDIS_URL`` and ``LEARNER_REDIS_URL``, and the server started (None: none).
+
+    The Redis at ``url`` (default ``$REDIS_URL``, else the local default port), when it answers, is the
+    operator's: every service gets that URL and its users are the operator's to make. Otherwise a redis-server
+    is started here with one ACL user per service (:mod:`shared.redis_acl`) and passwords made for this run;
+    its default user, the administrator, gets a password of its own that no service is given."""
+    url = url or os.environ.get("REDIS_URL", DEFAULT_URL)
+    if answers(url):
+        log.info("using the Redis at %s (its users: each service logs in as that URL says)", mask_url(url))
+        return {_variable(role): url for role in ROLES}, None
+    passwords = {role: secrets.token_urlsafe(32) for role in ROLES}
+    server = start_redis(password=secrets.token_urlsafe(32), acl=server_arguments(passwords, Keys(prefix)))
+    log.info("no Redis at %s; started redis-server on port %d, one user per service", mask_url(url), server.port)
+    return {_variable(role): service_url(server.url, role, passwords[role]) for role in ROLES}, server
+
+
+def _variable(role: str) -> str:
+    """The prefixed variable that sets ``redis_url`` for one service alone (it wins over ``REDIS_URL``)."""
+    return f"{role.upper()}_REDIS_URL"

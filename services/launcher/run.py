@@ -11,8 +11,10 @@ Before Redis or any service starts:
   :func:`shared.runs.checkpoint_to_resume`, and a checkpoint of another run, model or settings is refused
   with the reason (exit status 2).
 
-Then Redis (the one at ``$REDIS_URL`` if it answers, else one started here for the run), and the
-:class:`~services.launcher.supervisor.Supervisor` runs the services to the learner's end.
+Then Redis (the one at ``$REDIS_URL`` if it answers, else one started here for the run, with one ACL user per
+service: :func:`~services.launcher.local_redis.redis_for_run`), and the
+:class:`~services.launcher.supervisor.Supervisor` runs the services to the learner's end, every one bound to
+127.0.0.1.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from services.launcher.local_redis import use_or_start_redis
+from services.launcher.local_redis import redis_for_run
 from services.launcher.prepare_model import prepare_smollm2
 from services.launcher.supervisor import Supervisor
 from shared.config.launcher import MODEL_PLACEHOLDERS
@@ -59,7 +61,8 @@ def run(config: Path, *, prefix: str | None = None, run_name: str | None = None)
         Path(learner.log_dir) / "metrics.jsonl",
         log_dir,
     )
-    env["REDIS_URL"], redis_server = use_or_start_redis()
+    redis_urls, redis_server = redis_for_run(env["STREAM_PREFIX"])
+    env.update(redis_urls)
     try:
         return _supervise(Supervisor(config, env, pipeline.launcher, learner, log_dir))
     finally:

@@ -2,7 +2,9 @@
 
 Every service is its own process reading the same TOML file (``ASYNCGRPO_CONFIG``), in the directory the
 launcher was started from (relative paths and reward modules resolve there); the launcher adds only
-per-replica values (generator id, ports, CPU cores) and a per-run API token. Ports are free ones by default
+per-replica values (generator id, ports, CPU cores), a per-run API token and example-plugin token
+(``PLUGIN_TOKEN``), and 127.0.0.1 as every service's address (HTTP, the weight store, the plugin): nothing of
+a run is reachable from another machine. Ports are free ones by default
 (:func:`plan_ports`), so two runs on one machine do not collide, and are printed. The learner's output goes to
 the terminal (its progress bar); the others' to ``<log_dir>/<name>.log``, and when one of them exits early the
 end of its log is printed with the path. When the learner finishes, the others are stopped with SIGTERM;
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 TAIL_LINES = 20  # of a failed service's log, printed on the console
 SCORER_PORT_OFFSET = 90  # fixed ports: scorer i listens on first_generator_port + 90 + i
+LOOPBACK = "127.0.0.1"  # every service of a run binds here: the run is one machine's
 
 
 @dataclass
@@ -119,7 +122,8 @@ class Supervisor:
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": python_path,  # the services run this launcher's code, from any directory
         }
-        self.env.setdefault("API_TOKEN", secrets.token_urlsafe(24))
+        self.env.setdefault("API_TOKEN", secrets.token_urlsafe(32))
+        self.env.setdefault("PLUGIN_TOKEN", secrets.token_urlsafe(32))  # a reward's bearer_token_env names it
         self.children: list[Child] = []
         self.log_dir = log_dir
         self.cwd = Path.cwd()
@@ -147,14 +151,17 @@ class Supervisor:
         s, python = self.settings, sys.executable
         log.info("ports: %s", self.ports.describe())
         if s.example_plugin:
-            self._start("reward-plugin", [python, "-m", "services.reward_plugin", "--port", "9000"], {})
+            plugin = [python, "-m", "services.reward_plugin", "--host", LOOPBACK, "--port", "9000"]
+            self._start("reward-plugin", plugin, {})
         for i, port in enumerate(self.ports.scorers):
-            scorer_env = {"SCORER_SCORER_ID": f"scorer-{i}", "SCORER_PORT": str(port)}
+            scorer_env = {"SCORER_SCORER_ID": f"scorer-{i}", "SCORER_HOST": LOOPBACK, "SCORER_PORT": str(port)}
             self._start(f"scorer-{i}", [python, "-m", "services.scorer"], scorer_env)
         for i, port in enumerate(self.ports.generators):
             self._start(f"generator-{i}", [python, "-m", "services.generator"], self._generator_env(i, port))
         learner_env = {
-            "LEARNER_WEIGHT_SYNC_HOST": "127.0.0.1",
+            "LEARNER_WEIGHT_SYNC_HOST": LOOPBACK,
+            "LEARNER_WEIGHT_SYNC_BIND": LOOPBACK,
+            "LEARNER_HOST": LOOPBACK,
             "LEARNER_PORT": str(self.ports.learner),
             "LEARNER_WEIGHT_SYNC_PORT": str(self.ports.weight_store),
         }
@@ -165,8 +172,9 @@ class Supervisor:
         """Replica ``i``'s id, port and the URL it registers (the same port), and its CPU cores if set."""
         extra = {
             "GENERATOR_GENERATOR_ID": f"gen-{i}",
+            "GENERATOR_HOST": LOOPBACK,
             "GENERATOR_PORT": str(port),
-            "GENERATOR_PUBLIC_URL": f"http://127.0.0.1:{port}",
+            "GENERATOR_PUBLIC_URL": f"http://{LOOPBACK}:{port}",
         }
         cpus = self.settings.generator_cpus
         if i < len(cpus) and cpus[i]:

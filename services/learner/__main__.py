@@ -22,10 +22,9 @@ async def lead(service: Service[LearnerSettings], topology) -> None:
     state.loop = loop
     service.spawn(loop.consumer.run_keepalive)
     service.announce(f"learner ready: step {loop.trainer.step}, weight store on port {loop.pusher.port}")
-    await service.run_until_stopped(partial(loop.run, resumed=resumed))
+    ended = await service.run_until_stopped(partial(loop.run, resumed=resumed))  # raises unless it may end
     loop.trainer.stop_followers()
-    where = f"checkpoint {loop.last_checkpoint}, metrics {loop.sink.path}"
-    service.announce(f"learner finished: step {loop.trainer.step}, {where}")
+    service.announce(f"{ended.describe()}; checkpoint {loop.last_checkpoint}, metrics {loop.sink.path}")
 
 
 async def serve(settings: LearnerSettings) -> int:

@@ -7,7 +7,9 @@
   weights as trained (float32 by default, ``param_dtype``); vLLM casts them at load to the generator's
   ``dtype``, and a resumed learner reads them back bit for bit;
 * ``adapter/``: the LoRA adapter (float32), when training one;
-* ``trainer.pt``: optimizer (one rank), scheduler and RNG states;
+* ``trainer.pt``: optimizer (one rank), scheduler and RNG states, as tensors and plain Python values only:
+  it is read with ``torch.load(weights_only=True)``, which builds nothing else, so a ``trainer.pt`` put in the
+  checkpoint directory by someone else cannot run code in the learner;
 * ``optimizer/``: the optimizer's shards, when several ranks train (torch.distributed.checkpoint);
 * ``state.json``: step, policy version, the feeder's position, the ids of every group trained so far and
   the run's counters;
@@ -20,6 +22,7 @@ previous one intact; only the newest ``keep`` are kept.
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import shutil
@@ -45,13 +48,40 @@ class LearnerState:
     counters: dict[str, float] = field(default_factory=dict)
 
 
+# What numpy arrays unpickle through (numpy 2 names): a trainer.pt written before RNG states were saved as
+# tensors holds numpy's key as an array. Arrays are data, never code.
+_LEGACY_NUMPY: list[Any] = [
+    importlib.import_module("numpy._core.multiarray")._reconstruct,
+    np.ndarray,
+    np.dtype,
+    np.dtypes.UInt32DType,
+]
+
+
 def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every RNG's state in types ``weights_only`` loading accepts (numpy's key as an int64 tensor)."""
+    numpy = np.random.get_state(legacy=False)
+    if not isinstance(numpy, dict) or numpy["bit_generator"] != "MT19937":
+        raise TypeError(f"numpy's global RNG is {numpy!r:.40}, not the MT19937 a checkpoint saves")
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "key": torch.from_numpy(numpy["state"]["key"].astype(np.int64)),
+            "pos": int(numpy["state"]["pos"]),
+            "has_gauss": int(numpy["has_gauss"]),
+            "gauss": float(numpy["gauss"]),
+        },
+        "python": random.getstate(),
+    }
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    numpy = state["numpy"]
+    if isinstance(numpy, dict):
+        key = numpy["key"].numpy().astype(np.uint32)
+        numpy = ("MT19937", key, numpy["pos"], numpy["has_gauss"], numpy["gauss"])
+    np.random.set_state(numpy)  # a legacy checkpoint's tuple as it was saved
     random.setstate(state["python"])
 
 
@@ -96,6 +126,7 @@ def save_checkpoint(directory: Path, trainer, tokenizer, state: LearnerState, ke
 def load_state(path: Path) -> tuple[LearnerState, dict]:
     """The learner state and trainer state of a checkpoint; restores the RNG states."""
     state = LearnerState(**json.loads((path / "state.json").read_text()))
-    saved = torch.load(path / "trainer.pt", weights_only=False)
+    with torch.serialization.safe_globals(_LEGACY_NUMPY):
+        saved = torch.load(path / "trainer.pt", weights_only=True)
     _set_rng_state(saved["rng"])
     return state, saved["trainer"]

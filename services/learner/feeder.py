@@ -32,8 +32,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from services.learner.data_sources import DataError, read_source
-from shared.config.learner import RESERVED_COLUMNS, DataSettings
-from shared.records import ChatMessage, DatasetPosition, PromptTask, SamplingSpec
+from shared.config.learner import DataSettings
+from shared.records import ChatMessage, DatasetPosition, PromptTask, SamplingSpec, column_problem
 
 __all__ = ["DataError", "PromptFeeder", "Row", "build_prompt", "load_rows", "prepare_rows"]
 
@@ -126,12 +126,12 @@ def reward_columns(row: dict[str, Any], prompt_column: str, data: DataSettings) 
     verl_truth = columns.get("reward_model")
     if isinstance(verl_truth, dict) and "ground_truth" in verl_truth and "ground_truth" not in columns:
         columns["ground_truth"] = verl_truth["ground_truth"]
-    reserved = sorted(set(columns) & set(RESERVED_COLUMNS))
-    if reserved:
-        raise DataError(
-            f"column {', '.join(reserved)} has the name of a reward-function argument; rename it with rename_columns"
-        )
-    return {name: plain_value(value, name) for name, value in columns.items()}
+    plain = {name: plain_value(value, name) for name, value in columns.items()}
+    for name, value in plain.items():
+        problem = column_problem(name, value)  # the check every PromptTask passes, made here at load
+        if problem:
+            raise DataError(problem)
+    return plain
 
 
 def plain_value(value: Any, column: str) -> Any:

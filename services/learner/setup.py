@@ -6,7 +6,6 @@ Kept apart from ``__main__`` so tests can build the same learner in-process.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -15,6 +14,7 @@ import httpx
 import redis.asyncio as aioredis
 import torch
 from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
 
 from services.learner import distributed
 from services.learner.checkpoint import LearnerState, load_state
@@ -25,17 +25,18 @@ from services.learner.hardware import resolve_precision
 from services.learner.observability import MetricsSink
 from services.learner.policy import load_policy, reference_model
 from services.learner.trackers import TrackingRun
-from services.learner.train_loop import FEEDER_POSITION, LearnerLoop
+from services.learner.train_loop import FEEDER_POSITION, RUNTIME, LearnerLoop
 from services.learner.trainer import Trainer
-from services.learner.weight_push import WeightPusher, learner_device
 from shared.codec import encode
 from shared.config.learner import LearnerSettings, missing_trackers
 from shared.keys import Keys
 from shared.lifecycle import NotStarting, start_consumer
 from shared.records import ChatMessage, DatasetPosition, SamplingSpec
+from shared.registry import set_aside
 from shared.runs import ResumeRefused, checkpoint_to_resume, run_identity, write_run_file
 from shared.streams import StreamProducer
 from shared.telemetry import MetricsGauges
+from weight_sync.sender import WeightPusher, learner_device
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +125,9 @@ async def build_feeder(
     settings: LearnerSettings, client: aioredis.Redis, keys: Keys, state: LearnerState, tokenizer
 ) -> PromptFeeder:
     """The prompt feeder, at the position saved with the last admitted prompt (else the checkpoint's)."""
-    saved_position = await client.hget(keys.learner_state, FEEDER_POSITION)
-    if saved_position:
-        position = DatasetPosition.model_validate(json.loads(saved_position))
-    else:
-        position = DatasetPosition(epoch=state.feeder_epoch, index=state.feeder_index)
+    position = await saved_feeder_position(client, keys) or DatasetPosition(
+        epoch=state.feeder_epoch, index=state.feeder_index
+    )
     return PromptFeeder(
         load_rows(settings.data),
         settings.data,
@@ -138,6 +137,20 @@ async def build_feeder(
         prompt_length=prompt_length_counter(tokenizer),
         max_prompt_length=settings.max_prompt_length,
     )
+
+
+async def saved_feeder_position(client: aioredis.Redis, keys: Keys) -> DatasetPosition | None:
+    """The feeder's position saved with the last admitted prompt; None without one, or when it is not a
+    position (then set aside in the dead-letter stream, and the checkpoint's position is used)."""
+    saved = await client.hget(keys.learner_state, FEEDER_POSITION)
+    if saved is None:
+        return None
+    try:
+        return DatasetPosition.model_validate_json(saved)
+    except ValidationError as exc:
+        reason = f"feeder position: ValidationError: {exc.errors()[0]['msg']}"
+        await set_aside(client, keys, keys.learner_state, (FEEDER_POSITION, saved), reason)
+        return None
 
 
 async def build_evaluator(settings: LearnerSettings, client: aioredis.Redis, keys: Keys, tokenizer) -> Evaluator | None:
@@ -184,6 +197,8 @@ async def start_pusher(
         bind_port=settings.weight_sync_port,
         advertise_host=settings.weight_sync_host,
         api_token=settings.api_token.get_secret_value(),
+        bind_host=settings.weight_sync_bind,
+        allowed_hosts=settings.allowed_generator_hosts,
         bucket_bytes=settings.weight_bucket_mb << 20,
         timeout_s=settings.weight_push_timeout_s,
         join_timeout_s=settings.weight_join_timeout_s,
@@ -191,7 +206,7 @@ async def start_pusher(
         shm_dir=settings.weight_shm_dir,
     )
     runtime = pusher.runtime(ranks)
-    await client.hset(keys.learner_state, "runtime", encode(runtime))
+    await client.hset(keys.learner_state, RUNTIME, encode(runtime))  # also what the loop checks Redis kept
     if len(ranks) > 1:
         log.info("learner ranks on %s", ", ".join(f"{device} ({uuid or 'no GPU'})" for device, uuid in ranks))
     return pusher

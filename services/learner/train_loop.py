@@ -14,6 +14,17 @@ Per optimizer step:
 5. **Checkpoint** every ``checkpoint_every`` steps; only then are the trained groups acknowledged, so a
    learner killed between checkpoints gets them back (its consumer name is stable) and trains them again
    from the checkpoint's weights - nothing lost, nothing trained twice on top of itself.
+
+While it waits for groups, a live generator that missed the last push (its registration lapsed while Redis
+was out of reach, it did not answer, its update failed, it restarted from an older checkpoint) is pushed the
+weights again: with no group left to train, the learner would otherwise never push again, and everything that
+generator samples could stay too stale to train.
+
+The loop ends in one of three ways, each said in the learner's last line (:class:`RunEnd`): ``max_steps``
+trained, the data ran out (every epoch admitted and every group in flight came back), or a stop was requested
+(a signal, ``/shutdown``). Ending any other way is an error (:class:`RunEndedEarly`), never a finished run; so
+is a Redis that no longer holds what the learner wrote at its start (:class:`RedisStateLost`): a learner never
+decides it is done from counts Redis lost.
 """
 
 from __future__ import annotations
@@ -23,13 +34,14 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Literal
 
 import httpx
 import redis.asyncio as aioredis
 import torch
+from redis.exceptions import ResponseError
 
 from services.learner.batch import collate
 from services.learner.batch_metrics import batch_metrics, finalize_advantages
@@ -40,19 +52,59 @@ from services.learner.feeder import PromptFeeder, admission_budget, replacement_
 from services.learner.importance import is_stale
 from services.learner.observability import MetricsSink
 from services.learner.trainer import Trainer
-from services.learner.weight_push import WeightPusher, WeightPushError, own_parameters, place_parameters
 from shared.codec import encode
 from shared.config.learner import LearnerSettings
 from shared.intake import decode_or_reject
 from shared.keys import Keys
+from shared.lifecycle import stop_reason
 from shared.records import CheckpointAnnouncement, ScoredGroup, WeightVersionAnnouncement
 from shared.redis_conn import RedisRetry
 from shared.registry import live_generators
 from shared.streams import Delivery, StreamConsumer, StreamProducer, group_backlog
+from weight_sync.placement import own_parameters, place_parameters
+from weight_sync.sender import PushReport, WeightPusher, WeightPushError
 
 log = logging.getLogger(__name__)
 
 FEEDER_POSITION = b"feeder_position"
+RUNTIME = b"runtime"  # written into ``learner_state`` at start; its absence means Redis lost the run's state
+# While it waits for groups, the learner looks this often for generators that missed the last push (one
+# HGETALL); after pushing to them again it waits longer before the next look, so that a push that keeps failing
+# is not retried in a tight loop.
+_CATCH_UP_CHECK_S = 1.0
+_CATCH_UP_RETRY_S = 10.0
+
+EndReason = Literal["max_steps", "data_exhausted", "stopped"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEnd:
+    """How the learner loop ended: ``max_steps`` trained, the data ran out, or a stop (``cause``: what set
+    it, "SIGTERM", ...). :meth:`describe` is the learner's last line."""
+
+    reason: EndReason
+    step: int
+    max_steps: int
+    cause: str = ""
+
+    def describe(self) -> str:
+        progress = f"step {self.step} of {self.max_steps}"
+        match self.reason:
+            case "max_steps":
+                return f"learner finished: {progress}"
+            case "data_exhausted":
+                return f"learner finished: {progress}, the data ran out ({self.cause})"
+            case "stopped":
+                return f"learner stopped: {progress}, by {self.cause}"
+
+
+class RunEndedEarly(RuntimeError):
+    """The loop ended before ``max_steps`` with data left and no stop requested: an error, never a success."""
+
+
+class RedisStateLost(RuntimeError):
+    """Redis no longer holds what the learner wrote at its start: it restarted without persistence (AOF or
+    RDB), or it was flushed. The groups in flight are gone, and counting them in Redis would count none."""
 
 
 DropReason = Literal["already_trained", "zero_std_dropped", "from_lost_versions", "stale_dropped"]
@@ -147,6 +199,9 @@ class LearnerLoop:
         self.dynamic_sampling: dict[str, float] = {}  # the last collected batch's figures
         self.evaluator = evaluator
         self.pushed_version: int | None = None  # the version the generators were last given
+        self.pushed_to: set[str] = set()  # the generators the last push reached
+        self.next_catch_up = 0.0  # monotonic time before which missed generators are not pushed again
+        self.drained = False  # every epoch admitted and every group in flight back (see collect)
         self.placed: list[torch.nn.Parameter] = []  # parameters living in the pusher's kept buffers
         self.evaluated_step: int | None = None  # the step of the last evaluation
 
@@ -158,6 +213,7 @@ class LearnerLoop:
 
     async def measure_in_flight(self) -> int:
         async def measure() -> int:
+            await self.check_redis_state()
             prompts = await group_backlog(self.client, self.keys.prompts, Keys.GENERATORS)
             rollouts = await group_backlog(self.client, self.keys.rollouts, Keys.SCORERS)
             scored = await group_backlog(self.client, self.keys.scored, Keys.LEARNER, include_pending=False)
@@ -165,6 +221,17 @@ class LearnerLoop:
 
         self.in_flight = await self.redis.run(measure, "measuring groups in flight") + len(self.buffer)
         return self.in_flight
+
+    async def check_redis_state(self) -> None:
+        """Raise :class:`RedisStateLost` when Redis no longer holds the runtime record the learner wrote at
+        its start: every stream, group and count it would read next is gone or starts from nothing."""
+        if not await self.client.hexists(self.keys.learner_state, RUNTIME):
+            raise RedisStateLost(
+                f"Redis no longer holds the learner's state ({self.keys.learner_state!r} has no {RUNTIME.decode()!r}): "
+                "it restarted without persistence or was flushed, and the groups in flight with it. Stopping at "
+                f"step {self.trainer.step} of {self.settings.max_steps}; restart the learner to go on from its last "
+                "checkpoint, and run Redis with appendonly yes so that a restart keeps the streams"
+            )
 
     async def admit(self) -> int:
         """Publish tasks up to the admission bound; returns how many were admitted."""
@@ -236,8 +303,10 @@ class LearnerLoop:
                 break
             await self.admit()
             await self._read(wanted - len(self.buffer))
+            await self.catch_up_generators()
             drained = self.feeder.exhausted and len(self.buffer) < wanted
             if drained and await self.measure_in_flight() == len(self.buffer):
+                self.drained = True
                 break
         if stop.is_set() or not self.buffer:
             return None
@@ -250,7 +319,11 @@ class LearnerLoop:
 
     async def _read(self, count: int) -> None:
         """Read up to ``count`` scored groups: each is buffered for training, or dropped with its reason."""
-        deliveries = await self.redis.run(lambda: self.consumer.read(count=count, block_ms=200), "reading groups")
+        try:
+            deliveries = await self.redis.run(lambda: self.consumer.read(count=count, block_ms=200), "reading groups")
+        except ResponseError:  # NOGROUP: the learner's group may have gone with the rest of Redis's state
+            await self.check_redis_state()
+            raise
         for delivery in deliveries:
             await self._accept(delivery)
 
@@ -262,17 +335,20 @@ class LearnerLoop:
 
     # Weights and checkpoints ---------------------------------------------------------------------------
 
-    async def push_weights(self, *, reset: bool = False) -> float:
-        """Push the current weights to every live generator (retried once); returns seconds spent."""
+    async def push_weights(self, *, reset: bool = False, only: Collection[str] | None = None) -> float:
+        """Push the current weights to every live generator (retried once); returns seconds spent. ``only``:
+        to those of them alone (a catch-up, which announces no new version)."""
         started = time.perf_counter()
         failed: set[str] = set()
         for attempt in (1, 2):
             generators = await self.redis.run(lambda: live_generators(self.client, self.keys), "listing generators")
-            generators = [g for g in generators if g.generator_id not in failed]  # the retry skips them
+            generators = [
+                g for g in generators if g.generator_id not in failed and (only is None or g.generator_id in only)
+            ]  # the retry skips the failed ones
             try:
                 try:
                     with self.trainer.full_weights() as named:
-                        await self.pusher.push(
+                        report = await self.pusher.push(
                             named, self.policy_version, generators, self.http, reset=reset,
                             linear=self.trainer.linear_weights,
                         )  # fmt: skip
@@ -289,18 +365,44 @@ class LearnerLoop:
                         log.info("%d parameters (%.0f MB) live in the weight push's buffers now", len(placed), mb)
                     self.placed = placed
                 self.counters.pushed(ok=True)
-                announcement = encode(WeightVersionAnnouncement(policy_version=self.policy_version))
-                await self.redis.run(
-                    lambda announcement=announcement: self.client.set(self.keys.weights, announcement),
-                    "announcing weights",
-                )
-                self.pushed_version = self.policy_version
+                await self._pushed(report, catch_up=only is not None)
                 break
             except WeightPushError as exc:
                 self.counters.pushed(ok=False)
                 failed.update(exc.failed)
                 log.error("weight push attempt %d failed: %s", attempt, exc)
+        self.next_catch_up = time.monotonic() + _CATCH_UP_CHECK_S
         return time.perf_counter() - started
+
+    async def _pushed(self, report: PushReport, *, catch_up: bool) -> None:
+        """Remember whom a push reached; a push to every generator also announces its version."""
+        if catch_up:
+            self.pushed_to |= set(report.generators)
+            return
+        announcement = encode(WeightVersionAnnouncement(policy_version=self.policy_version))
+        await self.redis.run(lambda: self.client.set(self.keys.weights, announcement), "announcing weights")
+        self.pushed_version, self.pushed_to = self.policy_version, set(report.generators)
+
+    async def catch_up_generators(self) -> None:
+        """Push the weights again when a live generator missed the last push and serves older weights (see
+        the module docstring); looked for every ``_CATCH_UP_CHECK_S``, retried after ``_CATCH_UP_RETRY_S``."""
+        if self.pushed_version is None or time.monotonic() < self.next_catch_up:
+            return
+        self.next_catch_up = time.monotonic() + _CATCH_UP_CHECK_S
+        live = await self.redis.run(lambda: live_generators(self.client, self.keys), "listing generators")
+        missed = {
+            g.generator_id: g.policy_version
+            for g in self.pusher.allowed(live)
+            if g.generator_id not in self.pushed_to and g.policy_version < self.pushed_version
+        }
+        if missed:
+            behind = ", ".join(f"{gid} (version {version})" for gid, version in sorted(missed.items()))
+            log.warning(
+                "generator(s) %s missed the push of version %d: pushing version %d to them while waiting for groups",
+                behind, self.pushed_version, self.policy_version,
+            )  # fmt: skip
+            await self.push_weights(only=missed)
+            self.next_catch_up = time.monotonic() + _CATCH_UP_RETRY_S
 
     async def checkpoint(self) -> None:
         state = LearnerState(
@@ -337,6 +439,7 @@ class LearnerLoop:
         last_log = 0.0
         while not stop.is_set():
             live = await self.redis.run(lambda: live_generators(self.client, self.keys), "listing generators")
+            live = self.pusher.allowed(live)  # one at a host it may not contact does not count
             if len(live) >= self.settings.min_generators:
                 return
             if time.monotonic() - last_log > 10:
@@ -344,8 +447,9 @@ class LearnerLoop:
                 last_log = time.monotonic()
             await asyncio.sleep(0.5)
 
-    async def run(self, stop: asyncio.Event, *, resumed: bool) -> None:
-        """Train until ``max_steps``, the data runs out or ``stop``; then checkpoint what is not saved yet."""
+    async def run(self, stop: asyncio.Event, *, resumed: bool) -> RunEnd:
+        """Train until ``max_steps``, the data runs out or ``stop``; then checkpoint what is not saved yet.
+        Returns how it ended; raises :class:`RunEndedEarly` (after that checkpoint) when it ended otherwise."""
         await self.wait_for_generators(stop)
         if resumed:
             await self.push_weights(reset=True)
@@ -355,11 +459,42 @@ class LearnerLoop:
         while self.trainer.step < self.settings.max_steps and not stop.is_set():
             if not await self.run_step(stop):
                 break
+        ended = self.ending(stop)
         if self.unacked or (self.trainer.step and self.last_checkpoint is None):
             await self.checkpoint()
-        if self.evaluated_step != self.trainer.step and not stop.is_set():
+        if ended is not None and self.evaluated_step != self.trainer.step and not stop.is_set():
             await self.evaluate(stop)  # after the last step
         self.running = False
+        if ended is None:
+            position = self.feeder.position
+            raise RunEndedEarly(
+                f"the learner loop ended at step {self.trainer.step} of {self.settings.max_steps} with no stop "
+                f"requested and data left (epoch {position.epoch}, row {position.index}): the run is not finished"
+            )
+        return ended
+
+    def ending(self, stop: asyncio.Event) -> RunEnd | None:
+        """Why the loop ended: ``max_steps`` trained, the data ran out, or a stop; None for no known reason."""
+        step, max_steps = self.trainer.step, self.settings.max_steps
+        if step >= max_steps:
+            return RunEnd("max_steps", step, max_steps)
+        if stop.is_set():
+            return RunEnd("stopped", step, max_steps, stop_reason(stop))
+        if self.drained:
+            data = f"{self.feeder.data.epochs} epoch(s) of {len(self.feeder.rows)} rows; {self._group_fates()}"
+            log.warning("the data ran out at step %d of max_steps %d: %s", step, max_steps, data)
+            return RunEnd("data_exhausted", step, max_steps, data)
+        return None
+
+    def _group_fates(self) -> str:
+        """What became of the admitted groups: "2000 admitted: 8 trained, 1992 stale_dropped"."""
+        counts = self.counters.as_dict()
+        fates = [f"{counts['groups_trained']} trained"] + [
+            f"{n} {name.removeprefix('groups_')}"
+            for name, n in counts.items()
+            if n and name.startswith("groups_") and name not in ("groups_admitted", "groups_trained")
+        ]
+        return f"{counts['groups_admitted']} admitted: {', '.join(fates)}"
 
     async def evaluate(self, stop: asyncio.Event) -> None:
         """An evaluation of the current weights (pushed first if the generators have older ones), written as

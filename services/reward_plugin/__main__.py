@@ -1,54 +1,44 @@
 """Serve a Python reward function as an HTTP reward plugin (protocol ``asyncgrpo.reward/v1``).
 
-    python -m services.reward_plugin --function my_module:my_reward [--port 9000] [--token-env PLUGIN_TOKEN]
+    PLUGIN_TOKEN=<token> python -m services.reward_plugin --function my_module:my_reward [--port 9000]
 
 Without ``--function`` it serves the example brevity reward (``--target-chars``). The module must be
 importable (on PYTHONPATH or installed); the function has TRL's signature.
+
+``/score`` needs ``Authorization: Bearer <token>``, the token read from ``$PLUGIN_TOKEN`` (or the variable
+``--token-env`` names): at least 32 characters and no ``change-me`` placeholder, else the plugin refuses to
+start (exit status 2). Give the scorer the same one (the reward's ``bearer_token_env``). ``--allow-no-token``
+serves without one, on a loopback address only (local development). It binds 127.0.0.1 unless ``--host``
+(``$PLUGIN_HOST``) says otherwise, e.g. ``0.0.0.0`` in a container the scorer reaches over the network.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-from collections.abc import Callable
-from typing import Any
+import sys
 
 from fastapi import FastAPI
 
 from services.reward_plugin.app import build_app, make_brevity
+from services.reward_plugin.cli import load_function, parse_args, start_problems
 from shared.lifecycle import http_server, stop_on_signals
-from shared.reward_protocol import load_reward_function
 from shared.telemetry import setup_logging
 
 
-def load_function(path: str) -> Callable[..., Any]:
-    """The ``--function`` to serve; SystemExit with the loader's message when it cannot be imported."""
-    try:
-        return load_reward_function(path)
-    except ValueError as exc:
-        raise SystemExit(f"--function: {exc}") from exc
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.reward_plugin", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--function", help="module:function with TRL's reward signature (default: brevity)")
-    parser.add_argument("--name", help="the reward's name in /health and logs (default: the function's)")
-    parser.add_argument("--host", default=os.environ.get("PLUGIN_HOST", "0.0.0.0"))
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PLUGIN_PORT", "9000")))
-    parser.add_argument("--target-chars", type=int, default=int(os.environ.get("PLUGIN_TARGET_CHARS", "200")))
-    parser.add_argument(
-        "--token-env",
-        default="PLUGIN_TOKEN",
-        help="environment variable holding the bearer token /score requires (unset or empty: no auth)",
-    )
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(__doc__ or "", argv)
+    token = os.environ.get(args.token_env, "")
+    problems = start_problems(token, args)
+    if problems:
+        print("\n".join(f"reward_plugin: {problem}" for problem in problems), file=sys.stderr)
+        raise SystemExit(2)
     setup_logging("reward_plugin", os.environ.get("LOG_LEVEL", "INFO"))
     function = load_function(args.function) if args.function else make_brevity(args.target_chars)
     name = args.name or (args.function.partition(":")[2] if args.function else "brevity")
-    app = build_app(function, name=name, token=os.environ.get(args.token_env, ""))
+    app = build_app(
+        function, name=name, token=token or None, max_request_bytes=args.max_request_bytes, api_docs=args.api_docs
+    )
     asyncio.run(_serve(app, args.host, args.port))
 
 

@@ -2,10 +2,12 @@
 
 The function has TRL's signature, ``f(prompts, completions, completion_ids, **columns) -> list[float |
 None]``, sync or async; it receives one group (the request's items) exactly as the scorer would call it
-in-process. Routes: ``POST /score`` (the protocol; ``Authorization: Bearer <token>`` when a token is set),
-``GET /health`` (200 = ready to score), ``GET /schema`` (the protocol's JSON Schema). A function that
-raises, or answers something other than one finite number or None per item, gets a 500 whose body says
-why (the scorer retries 5xx, then holds the group if the reward is required).
+in-process. Routes: ``POST /score`` (the protocol; ``Authorization: Bearer <token>``), ``GET /health`` (200 =
+ready to score), ``GET /schema`` (the protocol's JSON Schema). The token is checked before the body is read,
+and the body is capped (:class:`shared.http.RequestGuard`, as in the services); a request that is not the
+protocol, NaN included, gets a 422 that does not quote it. A function that raises, or answers something
+other than one finite number or None per item, gets a 500 whose body says why (the scorer retries 5xx, then
+holds the group if the reward is required).
 
 The default function, :func:`make_brevity`, scores brevity: 1 for a completion of at most ``target_chars``
 characters, falling linearly to 0 at twice that.
@@ -20,13 +22,19 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Header
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from shared.http import bearer_matches, unauthorized
+from shared.http import check_routes, guarded_app
 from shared.reward_protocol import RewardItem, RewardRequest, RewardResponse, json_schema
 
 log = logging.getLogger("services.reward_plugin")
+
+# The largest legitimate request is one group: G items, each with its prompt, completion text and
+# completion_ids. On the wire a token costs at most ~15 bytes (<= 8 of UTF-8 text, <= 7 of a 6-digit id and
+# its comma), so 64 completions of 32k tokens come to ~31 MB: 32 MiB takes them; raise it for more.
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+PUBLIC_PATHS = frozenset({"/health", "/schema"})
 
 
 def completion_text(completion: str | list[dict[str, Any]]) -> str:
@@ -80,13 +88,26 @@ async def call_reward(function: Callable[..., Any], items: list[RewardItem]) -> 
     return check_rewards(values, len(items))
 
 
-def build_app(function: Callable[..., Any], *, name: str = "reward", token: str = "") -> FastAPI:
-    app = FastAPI(title=f"asyncgrpo reward plugin: {name}", description=__doc__)
+def build_app(
+    function: Callable[..., Any],
+    *,
+    token: str | None,
+    name: str = "reward",
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    api_docs: bool = False,
+) -> FastAPI:
+    """The plugin app: every path but ``/health`` and ``/schema`` needs ``token`` (an empty one opens none);
+    ``token=None`` serves them to anyone (``--allow-no-token``, local development on the loopback)."""
+    app = guarded_app(
+        title=f"asyncgrpo reward plugin: {name}",
+        description=__doc__ or "",
+        token=token,
+        public=PUBLIC_PATHS,
+        max_request_bytes=max_request_bytes,
+        limit_setting="--max-request-bytes (PLUGIN_MAX_REQUEST_BYTES)",
+        api_docs=api_docs,
+    )
     schema = json_schema()  # equal to the committed shared/schemas/reward_v1.json (tested)
-
-    def authorize(authorization: str | None) -> None:
-        if token and not bearer_matches(authorization or "", f"Bearer {token}"):
-            raise unauthorized()
 
     @app.get("/health", summary="200 when the plugin can score")
     async def health() -> dict[str, str]:
@@ -97,8 +118,7 @@ def build_app(function: Callable[..., Any], *, name: str = "reward", token: str 
         return schema
 
     @app.post("/score", response_model=RewardResponse, summary="One reward per item, in order")
-    async def score(request: RewardRequest, authorization: str | None = Header(None)) -> Any:
-        authorize(authorization)
+    async def score(request: RewardRequest) -> Any:
         try:
             rewards = await call_reward(function, list(request.items))
         except Exception as exc:
@@ -106,4 +126,5 @@ def build_app(function: Callable[..., Any], *, name: str = "reward", token: str 
             return JSONResponse({"detail": f"{type(exc).__name__}: {exc}"}, status_code=500)
         return RewardResponse(rewards=rewards, extra={"reward": name})
 
+    check_routes(app)
     return app

@@ -130,10 +130,20 @@ def build_functions(
             plugins.append(plugin)
             functions.append(plugin.as_function())
             continue
-        in_thread = spec.kind == "python"  # a plugin's cost is unknown; the built-ins are fast
+        in_thread = spec.kind == "python"  # a plugin's cost is unknown; the built-ins are fast (and inline)
         call = load_reward_function(spec.function) if spec.function else BUILTINS[spec.name](**spec.params)
         breaker = CircuitBreaker(spec.name, spec.breaker_failures, spec.breaker_reset_s)
-        functions.append(trl_style(spec.name, call, in_thread=in_thread, required=spec.required, breaker=breaker))
+        functions.append(
+            trl_style(
+                spec.name,
+                call,
+                in_thread=in_thread,
+                required=spec.required,
+                breaker=breaker,
+                timeout_s=spec.timeout_s if in_thread else None,
+                threads=spec.concurrency,
+            )
+        )
     return functions, plugins
 
 

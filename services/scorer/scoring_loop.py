@@ -16,7 +16,10 @@ set) are scored by the same functions and written to the evaluated stream, witho
 training. On shutdown held groups are left pending (unacknowledged) for the next scorer. A required
 reward's *bug* (an exception from a Python function that is not an outage, see
 :mod:`services.scorer.rewards.functions`) is not waited out: its group is released for after the fix and the
-loop stops, raising :class:`RewardBugError` (the scorer exits 1).
+loop stops, raising :class:`RewardBugError` (the scorer exits 1). A group that a reward cannot even be given
+(:class:`RewardInputError`, e.g. a column an HTTP plugin's JSON request cannot carry) is a bad record: it is
+dead-lettered at once with the reason, like an undecodable rollout, whether that reward is required or not,
+and no breaker counts it.
 """
 
 from __future__ import annotations
@@ -35,13 +38,14 @@ from services.scorer.rewards.functions import (
     RewardBugError,
     RewardFailure,
     RewardFunction,
+    RewardInputError,
     intake_state,
     run_function,
 )
 from services.scorer.scoring import evaluated_group, reward_batch, scored_group
 from shared.codec import encode
 from shared.config.scorer import ScorerSettings
-from shared.intake import decode_or_reject
+from shared.intake import decode_or_reject, reject
 from shared.records import AdvantageSpec, Rollout, ScoredGroup
 from shared.redis_conn import RedisRetry
 from shared.streams import Delivery, Output, StreamConsumer, StreamProducer
@@ -66,7 +70,7 @@ class ScorerStats:
     groups_held: int = 0  # now waiting for a required reward (a gauge)
     group_retries: int = 0  # retries of held groups' required rewards
     failures: int = 0
-    rejected: int = 0
+    rejected: int = 0  # bad records: undecodable or invalid, or a reward could not be given the group
     last_metrics: dict[str, float] = field(default_factory=dict)
 
     def scored(self, group: ScoredGroup) -> None:
@@ -177,6 +181,8 @@ class ScoringLoop:
             for function in self.functions:
                 if function.breaker is not None:
                     out[f"rewards/{function.name}/breaker_open"] = float(function.breaker.state != "closed")
+                if function.threads is not None:  # a Python plugin's threads still running abandoned calls
+                    out[f"rewards/{function.name}/hung_threads"] = function.threads.hung
             return out
 
         return CallbackCollector(counters, gauges)
@@ -237,6 +243,9 @@ class ScoringLoop:
                 await self._dead_letter(delivery, outcome)
             else:
                 await self._commit(delivery, rollout, outcome)
+        except RewardInputError as exc:
+            self.stats.rejected += 1
+            await reject(self.consumer, self.redis, delivery, exc, "a rollout no reward can be given")
         except _Released:
             await self.consumer.release(delivery, "the scorer stopped while a required reward was failing")
         except RewardBugError as exc:
@@ -249,7 +258,8 @@ class ScoringLoop:
             await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
 
     async def score_rewards(self, rollout: Rollout) -> np.ndarray | str:
-        """Rewards [G, F] once every required reward has answered, or the reason to dead-letter the group."""
+        """Rewards [G, F] once every required reward has answered, or the reason to dead-letter the group;
+        RewardInputError when a reward cannot be given the group at all (a bad record)."""
         batch = reward_batch(rollout)
         per_func = np.full((len(batch), len(self.functions)), np.nan, dtype=np.float32)
         todo = list(range(len(self.functions)))
@@ -258,6 +268,9 @@ class ScoringLoop:
         try:
             for attempt in itertools.count():
                 results = await asyncio.gather(*(run_function(self.functions[i], batch) for i in todo))
+                bad = [r for r in results if isinstance(r, RewardFailure) and r.bad_input]
+                if bad:
+                    raise RewardInputError(str(bad[0]))
                 failed: list[tuple[int, RewardFailure]] = []
                 for index, result in zip(todo, results, strict=True):
                     if not isinstance(result, RewardFailure):

@@ -28,6 +28,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 CONFIG_ENV = "ASYNCGRPO_CONFIG"
 COMMON_TABLE = "common"
+# Keys at the top of the file, outside any table, that every service having the field reads (under [common]).
+TOP_LEVEL_KEYS = ("algorithm",)
 # Unprefixed variables every service honours, so one `REDIS_URL=...` points the whole pipeline somewhere.
 COMMON_ENV = {
     "redis_url": "REDIS_URL",
@@ -42,6 +44,12 @@ DEFAULT_TEXT = "default_text"
 HOSTNAME_BASED: JsonDict = {DEFAULT_TEXT: "hostname-based"}
 
 _config_path: ContextVar[Path | None] = ContextVar("asyncgrpo_config_path", default=None)
+
+# Bearer tokens (API_TOKEN, a plugin's PLUGIN_TOKEN): at least this long, and never .env.example's placeholder.
+# secrets.token_urlsafe(24) is 32 characters, 192 random bits; the launcher generates one of those.
+MIN_TOKEN_CHARS = 32
+PLACEHOLDER_PREFIX = "change-me"
+TOKEN_HOWTO = 'generate one with: python -c "import secrets; print(secrets.token_urlsafe(32))"'
 
 S = TypeVar("S", bound="ServiceSettings")
 
@@ -77,7 +85,8 @@ class _TomlTablesSource(PydanticBaseSettingsSource):
             return
         document = read_config_file(path)
         fields = settings_cls.model_fields
-        common = {k: v for k, v in document.get(COMMON_TABLE, {}).items() if k in fields}
+        top = {k: document[k] for k in TOP_LEVEL_KEYS if k in document and k in fields}
+        common = {**top, **{k: v for k, v in document.get(COMMON_TABLE, {}).items() if k in fields}}
         self._data = {**common, **document.get(settings_cls.toml_table, {})}
         for table, field_name in settings_cls.extra_toml_tables.items():
             if table in document:
@@ -164,13 +173,39 @@ class ServiceSettings(BaseSettings):
         Only the starting service runs these (from :func:`shared.config.pipeline.load_or_exit`): every
         service validates the whole file, and a check of the environment (a secret, a variable a plugin
         reads) would fail in another service's container for no reason."""
-        if self.requires_api_token and not self.api_token.get_secret_value():
-            return ["api_token is required: set API_TOKEN (control endpoints need a bearer token)"]
-        return []
+        token = self.api_token.get_secret_value()
+        problems = []
+        if not token and self.requires_api_token:
+            problems.append(
+                f"api_token is required: set API_TOKEN (control endpoints need a bearer token); {TOKEN_HOWTO}"
+            )
+        elif token and (problem := token_problem(token, "api_token (API_TOKEN)")):
+            problems.append(problem)
+        if is_placeholder(urlsplit(self.redis_url).password or ""):
+            problems.append(
+                "the Redis password in redis_url is the placeholder from .env.example: set REDIS_PASSWORD (letters "
+                'and digits), e.g. python -c "import secrets; print(secrets.token_hex(24))"'
+            )
+        return problems
 
     def masked(self) -> dict[str, Any]:
         """The resolved settings as plain data, with passwords and tokens masked (safe to log)."""
         return _mask(self.model_dump(mode="json"), self)
+
+
+def is_placeholder(secret: str) -> bool:
+    """Whether ``secret`` is a ``change-me...`` placeholder (any case), as .env.example ships them."""
+    return secret.strip().lower().startswith(PLACEHOLDER_PREFIX)
+
+
+def token_problem(token: str, name: str) -> str | None:
+    """Why the bearer token ``token`` (called ``name`` in the message) will not do, naming the fix; None when
+    it will. The token itself is never quoted."""
+    if is_placeholder(token):
+        return f"{name} is still the placeholder 'change-me...' from .env.example; {TOKEN_HOWTO}"
+    if len(token) < MIN_TOKEN_CHARS:
+        return f"{name} has {len(token)} characters; a bearer token needs at least {MIN_TOKEN_CHARS}: {TOKEN_HOWTO}"
+    return None
 
 
 def mask_url(url: str) -> str:

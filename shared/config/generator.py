@@ -37,6 +37,17 @@ class GeneratorSettings(ServiceSettings):
     )
     host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
     port: int = Field(8001, ge=0, le=65535, description="HTTP port (0 picks a free one).")
+    max_request_bytes: int = Field(
+        16 << 20,
+        ge=1024,
+        description="Largest HTTP request body taken (413 past it, counted as it arrives). The largest "
+        "legitimate ones: POST /generate, 256 prompts at ~8 bytes of JSON per prompt token (256 prompts of 8k "
+        "tokens: 16 MiB), and the learner's weight announcement, ~140 bytes per parameter tensor (a 94-layer, "
+        "128-expert MoE: 36k tensors, 5 MB). Raise it for longer prompts.",
+    )
+    api_docs: bool = Field(
+        False, description="Serve /docs, /redoc and /openapi.json (behind the API token, like every non-probe path)."
+    )
     public_url: str = Field(
         "", description="URL the learner reaches this replica at; default http://<this host's IP>:<port>."
     )

@@ -26,8 +26,10 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from shared.allowed_hosts import LOOPBACK, HostAllowList
 from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
-from shared.records import ChatMessage
+from shared.config.objective import Objective
+from shared.records import RESERVED_COLUMNS, ChatMessage
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +49,6 @@ def missing_trackers(report_to: list[ReportTo]) -> list[str]:
         for name, package in TRACKER_PACKAGES.items()
         if name in report_to and importlib.util.find_spec(package) is None
     ]
-
-
-# The arguments every reward function gets besides the columns (TRL's names): no column may take them.
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
 
 
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -150,7 +148,10 @@ class DataSettings(BaseModel):
         return self
 
 
-class LearnerSettings(ServiceSettings):
+class LearnerSettings(ServiceSettings, Objective):
+    """The learner's settings; the objective's (loss, KL, masks, entropy, importance correction) are
+    :class:`~shared.config.objective.Objective`'s fields, inherited, flat in ``[learner]``."""
+
     model_config = SettingsConfigDict(env_prefix="LEARNER_", extra="forbid", env_nested_delimiter="__")
     toml_table = "learner"
     extra_toml_tables: ClassVar[dict[str, str]] = {"data": "data"}
@@ -219,7 +220,6 @@ class LearnerSettings(ServiceSettings):
     top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1: off).")
     min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling: drop tokens below min_p x the top one (0: off).")
     repetition_penalty: float = Field(1.0, gt=0, description="vLLM's repetition penalty (1: off).")
-    max_completion_length: int = Field(256, ge=1, description="Most tokens per completion.")
     max_prompt_length: int = Field(512, ge=1, description="Longer prompts are skipped (counted).")
     model_context: int = Field(0, ge=0, description="Model context (0: read from the model's config).")
 
@@ -241,67 +241,6 @@ class LearnerSettings(ServiceSettings):
         1800.0, gt=0, description="Longest wait for one evaluation's completions; then it is given up (logged)."
     )
 
-    # Objective.
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo", "geo_mean", "kl_cov"] = (
-        Field(
-            "grpo",
-            description="Objective and its aggregation (README, Algorithm): grpo, bnpo, dr_grpo, dapo, luspo clip "
-            "the ratio; cispo, sapo, vespo as TRL; geo_mean (GMPO) and kl_cov as verl.",
-        )
-    )
-    loss_aggregation: Literal["grpo", "bnpo", "dr_grpo", "dapo", "seq_sum"] | None = Field(
-        None, description="Override the loss type's aggregation (verl's loss_agg_mode); None: the loss type's own."
-    )
-    ratio_level: Literal["token", "sequence"] = Field(
-        "token", description="Policy ratio per token, or per sequence (GSPO; TRL importance_sampling_level)."
-    )
-    epsilon_low: float = Field(0.2, ge=0, description="Lower clip: ratio >= 1 - epsilon_low.")
-    epsilon_high: float = Field(0.2, ge=0, description="Upper clip: ratio <= 1 + epsilon_high (DAPO: 0.28).")
-    delta: float | None = Field(None, description="Two-sided clipping bound on the unclipped ratio (None: off).")
-    cispo_clip_max: float = Field(
-        5.0, gt=0, description="cispo: cap on the detached ratio (TRL: epsilon_high, 5.0 in ScaleRL; verl: 1 + high)."
-    )
-    cispo_clip_min: float | None = Field(
-        None, ge=0, description="cispo: floor on the ratio (verl: 1 - low; TRL: none)."
-    )
-    sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: gate temperature where the advantage is > 0.")
-    sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: gate temperature where the advantage is <= 0.")
-    vespo_k_pos: float = Field(2.0, ge=0, description="vespo: power k of the Gamma weight for advantages >= 0.")
-    vespo_lambda_pos: float = Field(3.0, gt=0, description="vespo: decay lambda of the Gamma weight, advantages >= 0.")
-    vespo_k_neg: float = Field(3.0, ge=0, description="vespo: power k of the Gamma weight for advantages < 0.")
-    vespo_lambda_neg: float = Field(2.0, gt=0, description="vespo: decay lambda of the Gamma weight, advantages < 0.")
-    kl_cov_ratio: float = Field(0.0002, gt=0, le=1, description="kl_cov: share of tokens given the KL penalty.")
-    kl_cov_coef: float = Field(0.1, ge=0, description="kl_cov: coefficient of |log ratio| (verl's ppo_kl_coef).")
-    beta: float = Field(0.0, ge=0, description="KL coefficient to the initial model (0: no reference model).")
-    kl_estimator: Literal["k1", "abs", "k2", "k3", "low_var_kl"] = Field(
-        "k3", description="KL estimator: k1, abs, k2 (verl mse), k3 (TRL), low_var_kl (verl's clamped k3)."
-    )
-    kl_bias_correction: bool = Field(
-        True, description="Multiply the KL term by the policy ratio (TRL use_bias_correction_kl; DeepSeek-V3.2)."
-    )
-    mask_truncated_completions: bool = Field(
-        False, description="Leave completions cut by max_completion_length out of the loss (they keep their advantage)."
-    )
-    off_policy_mask_threshold: float | None = Field(
-        None,
-        ge=0,
-        description="Drop sequences with advantage < 0 whose mean (behaviour - current) logprob exceeds this "
-        "(DeepSeek-V3.2; None: off).",
-    )
-    top_entropy_quantile: float = Field(
-        1.0,
-        ge=0,
-        le=1,
-        description="Train only on the top share of tokens by entropy over the batch (1: all; paper 0.2).",
-    )
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (initial value when adaptive).")
-    adaptive_entropy: bool = Field(
-        False, description="Skywork-OR1 controller (TRL use_adaptive_entropy): move entropy_coef toward entropy_target."
-    )
-    entropy_target: float = Field(0.2, ge=0, description="Adaptive: the bonus applies while entropy <= this (nats).")
-    entropy_coef_min: float = Field(0.0, ge=0, description="Adaptive: lowest entropy_coef.")
-    entropy_coef_max: float = Field(1.0, ge=0, description="Adaptive: highest entropy_coef.")
-    entropy_coef_delta: float = Field(0.005, ge=0, description="Adaptive: entropy_coef step per optimizer step.")
     max_replacement_groups: int | None = Field(
         None,
         ge=0,
@@ -313,13 +252,6 @@ class LearnerSettings(ServiceSettings):
         description="recompute: a no-grad pass before the update; reuse: with num_iterations = 1 the training "
         "forward's detached logprobs are the same numbers (TRL does this), saving a forward pass.",
     )
-    importance_correction: bool = Field(True, description="Weight tokens by pi_old/pi_behaviour (AReaL).")
-    importance_level: Literal["token", "sequence"] = Field(
-        "token", description="Importance weight per token or sequence."
-    )
-    importance_mode: Literal["truncate", "mask"] = Field("truncate", description="Truncate or mask large weights.")
-    importance_cap: float = Field(2.0, gt=0, description="Largest importance weight kept.")
-    importance_cap_min: float | None = Field(None, description="Smallest importance weight kept (None: no floor).")
 
     # Optimizer.
     lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW).")
@@ -368,6 +300,17 @@ class LearnerSettings(ServiceSettings):
         json_schema_extra=HOSTNAME_BASED,
     )
     weight_sync_port: int = Field(29500, ge=0, le=65535, description="Port of the learner's store (0: free).")
+    weight_sync_bind: str = Field(
+        "",
+        description="Address the learner's store listens on; empty: weight_sync_host's (the interface generators "
+        "reach). '0.0.0.0' listens on every interface.",
+    )
+    allowed_generator_hosts: list[str] = Field(
+        default_factory=lambda: list(LOOPBACK),
+        description="Generator URLs the learner sends its API token to: IP addresses, networks (CIDR) and host "
+        "names; a generator registered at another host is refused and never contacted.",
+        json_schema_extra={DEFAULT_TEXT: "127.0.0.1, ::1, localhost"},
+    )
     weight_bucket_mb: int = Field(256, ge=1, description="Size of a weight-push bucket.")
     weight_push_timeout_s: float = Field(300.0, gt=0, description="Longest one weight push may take.")
     weight_join_timeout_s: float = Field(
@@ -407,6 +350,15 @@ class LearnerSettings(ServiceSettings):
     wandb_entity: str = Field("", description="W&B entity (user or team); empty: WANDB_ENTITY, else your default.")
     host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
     port: int = Field(8003, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
+    max_request_bytes: int = Field(
+        64 << 10,
+        ge=1024,
+        description="Largest HTTP request body taken (413 past it). The learner's endpoints take no body "
+        "(its one POST, /shutdown, has none): 64 KiB is ample, and bounds what a client can make it read.",
+    )
+    api_docs: bool = Field(
+        False, description="Serve /docs, /redoc and /openapi.json (behind the API token, like every non-probe path)."
+    )
     claim_idle_ms: int = Field(600_000, ge=100, description="Learner entries are claimed only after this.")
     max_deliveries: int = Field(5, ge=1, description="Deliveries of a scored group before dead-lettering.")
     gpu_memory_share: float = Field(
@@ -425,6 +377,12 @@ class LearnerSettings(ServiceSettings):
                 f"group_size (G) is {value}; it must be at least 2: GRPO's advantage compares the completions "
                 "of one prompt with each other"
             )
+        return value
+
+    @field_validator("allowed_generator_hosts")
+    @classmethod
+    def _host_entries(cls, value: list[str]) -> list[str]:
+        HostAllowList(value)  # each entry an address, a network or a name (the error names the entry)
         return value
 
     @field_validator("report_to")
@@ -527,41 +485,8 @@ class LearnerSettings(ServiceSettings):
             raise ValueError(context_problem)
         if self.old_logprobs == "reuse" and self.num_iterations > 1:
             raise ValueError("old_logprobs = 'reuse' needs num_iterations = 1 (later iterations need the old policy)")
-        if self.importance_cap_min is not None and self.importance_cap_min > self.importance_cap:
-            raise ValueError("importance_cap_min must not exceed importance_cap")
-        if self.delta is not None and self.delta <= 1 + self.epsilon_high:
-            raise ValueError(f"delta ({self.delta}) must exceed 1 + epsilon_high ({1 + self.epsilon_high})")
-        _check_objective(self)
         _check_eval(self)
         return self
-
-
-# The loss types with a clipped policy ratio, which delta bounds too.
-CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-
-
-def _check_objective(s: LearnerSettings) -> None:
-    """Cross-field checks of the objective; each message says how to fix it."""
-    if s.delta is not None and s.loss_type not in CLIPPED_LOSSES:
-        raise ValueError(
-            f"delta clips the ratio of {', '.join(CLIPPED_LOSSES)}; loss_type = {s.loss_type!r} has no such ratio: "
-            "remove delta"
-        )
-    if s.ratio_level == "sequence" and s.loss_type in ("geo_mean", "kl_cov"):
-        raise ValueError(f"loss_type = {s.loss_type!r} defines its own ratio; set ratio_level = 'token'")
-    if s.cispo_clip_min is not None and s.cispo_clip_min > s.cispo_clip_max:
-        raise ValueError(
-            f"cispo_clip_min ({s.cispo_clip_min}) exceeds cispo_clip_max ({s.cispo_clip_max}); lower it or unset it"
-        )
-    if s.entropy_coef_min > s.entropy_coef_max:
-        raise ValueError(
-            f"entropy_coef_min ({s.entropy_coef_min}) exceeds entropy_coef_max ({s.entropy_coef_max}); swap them"
-        )
-    if s.adaptive_entropy and not s.entropy_coef_min <= s.entropy_coef <= s.entropy_coef_max:
-        raise ValueError(
-            f"adaptive_entropy starts from entropy_coef ({s.entropy_coef}), which lies outside [entropy_coef_min, "
-            f"entropy_coef_max] = [{s.entropy_coef_min}, {s.entropy_coef_max}]; set it inside"
-        )
 
 
 def _check_eval(s: LearnerSettings) -> None:

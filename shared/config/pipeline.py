@@ -23,6 +23,7 @@ from typing import Any, NoReturn, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from shared.allowed_hosts import HostAllowList
 from shared.config.base import ConfigFileError, ServiceSettings, config_path, read_config_file
 from shared.config.generator import GeneratorSettings
 from shared.config.launcher import LauncherSettings, model_placeholder_problem
@@ -90,6 +91,11 @@ class PipelineConfig(BaseModel):
                 f"learner.min_generators ({learner.min_generators}) exceeds launcher.generators "
                 f"({launcher.generators}): the learner would wait for generators that never start; "
                 "raise launcher.generators or lower learner.min_generators"
+            )
+        if not HostAllowList(learner.allowed_generator_hosts).allows("http://127.0.0.1"):
+            problems.append(
+                "learner.allowed_generator_hosts leaves out 127.0.0.1, where asyncgrpo run's generators register: "
+                "the learner would refuse every one of them; add 127.0.0.1 (or remove the setting)"
             )
         return [problem for problem in problems if problem]
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.config.base import HOSTNAME_BASED, ServiceSettings
+from shared.config.objective import AlgorithmRecipe
 from shared.records import AdvantageSpec
 
 # The built-in reward functions the scorer implements (services/scorer/rewards/builtin.py, a test keeps the
@@ -42,12 +43,19 @@ class RewardSpec(BaseModel):
     function: str | None = Field(None, description="Python plugin 'module:function' (TRL's signature).")
     url: str | None = Field(None, description="HTTP plugin endpoint (protocol asyncgrpo.reward/v1).")
     params: dict[str, Any] = Field(default_factory=dict, description="Built-in parameters (overlong: buffer).")
-    timeout_s: float = Field(10.0, gt=0, description="HTTP plugin: seconds per attempt.")
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="HTTP plugin: seconds per attempt. Python plugin: seconds per call, after which the call is "
+        "abandoned as an outage (held or NaN per required; its thread runs on until the function returns).",
+    )
     retries: int = Field(
         2, ge=0, description="HTTP plugin: retries within a call after a transport error, timeout, 5xx, 408 or 429."
     )
     backoff_s: float = Field(0.2, ge=0, description="HTTP plugin: first retry delay (doubles each time).")
-    concurrency: int = Field(8, ge=1, description="HTTP plugin: requests in flight at once.")
+    concurrency: int = Field(
+        8, ge=1, description="HTTP plugin: requests in flight at once. Python plugin: its worker threads."
+    )
     breaker_failures: int = Field(5, ge=1, description="Consecutive failed calls that open the breaker.")
     breaker_reset_s: float = Field(
         30.0, gt=0, description="Seconds the breaker stays open before one trial call is let through."
@@ -123,7 +131,8 @@ class RewardSpec(BaseModel):
         return "http" if self.url else "python" if self.function else "builtin"
 
 
-class ScorerSettings(ServiceSettings):
+class ScorerSettings(ServiceSettings, AlgorithmRecipe):
+    recipe_table: ClassVar[str] = "scorer"
     model_config = SettingsConfigDict(env_prefix="SCORER_", extra="forbid", env_nested_delimiter="__")
     toml_table = "scorer"
 
@@ -174,6 +183,15 @@ class ScorerSettings(ServiceSettings):
     retry_backoff_max_s: float = Field(30.0, gt=0, description="Longest delay between a held group's retries.")
     host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
     port: int = Field(8002, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
+    max_request_bytes: int = Field(
+        64 << 10,
+        ge=1024,
+        description="Largest HTTP request body taken (413 past it). The scorer's endpoints take no body "
+        "(its one POST, /shutdown, has none): 64 KiB is ample, and bounds what a client can make it read.",
+    )
+    api_docs: bool = Field(
+        False, description="Serve /docs, /redoc and /openapi.json (behind the API token, like every non-probe path)."
+    )
 
     @field_validator("rewards")
     @classmethod

@@ -9,7 +9,9 @@ Guarantees, each tested in ``tests/integration/test_streams.py``:
   idle longer than ``claim_idle_ms`` - their consumer died - are taken over with ``XAUTOCLAIM``. A live
   consumer keeps its in-flight entries fresh (``XCLAIM ... JUSTID``), so slow work is not stolen.
 * **Poison entries.** An entry delivered more than ``max_deliveries`` times, or one the service rejects,
-  moves to the dead-letter stream with its reason and original payload.
+  moves to the dead-letter stream with its reason and original payload. A malformed entry (its fields are
+  not exactly a UTF-8 record id and a payload: anyone who can write to Redis can add arbitrary bytes) moves
+  there on first sight, its fields kept exactly; reading never raises on an entry's bytes.
 * **Exactly-once effect.** Each entry carries a record id. Committing sets an "applied" key under ``WATCH``;
   an entry whose record was already applied (a redelivery, or a producer that retried its ``XADD``) is acked
   without being applied again.

@@ -17,7 +17,7 @@ from redis.exceptions import WatchError
 
 from shared.keys import Keys
 from shared.streams.dead_letter import DeadLetters
-from shared.streams.entries import DATA_FIELD, ID_FIELD, Delivery, read_entries, text
+from shared.streams.entries import Delivery, MalformedEntry, entry_record, read_entries, text
 from shared.streams.groups import ensure_group
 from shared.streams.producer import Output, outputs_per_producer
 
@@ -37,6 +37,7 @@ class StreamStats:
     committed: int = 0
     duplicates: int = 0
     dead_lettered: int = 0
+    malformed: int = 0  # set aside on first sight: fields not a record id and a payload (also in dead_lettered)
     released: int = 0
     keepalive_errors: int = 0
 
@@ -158,16 +159,14 @@ class StreamConsumer:
         return counts
 
     async def _to_delivery(self, entry_id: str, fields: dict | None, deliveries: int) -> Delivery | None:
-        fields = fields or {}  # an entry deleted while pending comes back without fields
-        record_id = fields.get(ID_FIELD)
-        payload = fields.get(DATA_FIELD)
         if deliveries > 1:
             self.stats.redelivered += 1
-        if record_id is None or payload is None:
-            bad = Delivery(entry_id, text(record_id or b""), payload or b"", deliveries)
-            await self.dead_letter(bad, f"entry lacks the {'id' if record_id is None else 'data'} field")
+        try:
+            record_id, payload = entry_record(fields)
+        except MalformedEntry as exc:
+            await self._set_aside_malformed(entry_id, fields, deliveries, str(exc))
             return None
-        delivery = Delivery(entry_id, text(record_id), payload, deliveries)
+        delivery = Delivery(entry_id, record_id, payload, deliveries)
         if deliveries > self.max_deliveries:
             reason = self._state.last_error.pop(entry_id, None) or (
                 "not acknowledged after delivery (its consumer died or kept failing)"
@@ -284,6 +283,15 @@ class StreamConsumer:
         await self.dead_letters.move(self.stream, self.group, self.consumer, delivery, reason)
         self._finish(delivery.entry_id)
         self.stats.dead_lettered += 1
+
+    async def _set_aside_malformed(self, entry_id: str, fields: dict | None, deliveries: int, reason: str) -> None:
+        """A malformed entry can never be processed: dead-lettered on first sight, its fields kept exactly."""
+        log.warning("dead-lettering malformed entry %s of %s: %s", entry_id, self.stream, reason)
+        entry = (entry_id, fields, deliveries)
+        await self.dead_letters.move_malformed(self.stream, self.group, self.consumer, entry, reason)
+        self._finish(entry_id)
+        self.stats.dead_lettered += 1
+        self.stats.malformed += 1
 
     def _finish(self, entry_id: str) -> None:
         self._state.in_flight.pop(entry_id, None)

@@ -123,18 +123,26 @@ def _steps(log_dir: Path) -> int:
 
 
 async def _wait(condition, what: str, timeout_s: float, services: list[ServiceProcess]) -> None:
+    """Until ``condition()``; fails when a service exits meanwhile (with its exit status and last lines: a
+    learner says there how it ended) or after ``timeout_s`` (with every service's last lines)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         for service in services:
-            if service.process.poll() is not None and service.name != "learner-killed":
-                raise AssertionError(f"{service.name} died while waiting for {what}:\n{service.output()[-3000:]}")
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            status = service.process.poll()
+            if status is not None and service.name != "learner-killed":
+                raise AssertionError(
+                    f"{service.name} exited ({status}) while waiting for {what}:\n{service.output()[-3000:]}"
+                )
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {s.name}:\n{s.output()[-1500:]}" for s in services)
+            raise AssertionError(f"timed out waiting for {what}:\n{tails}")
         await asyncio.sleep(0.2)
 
 
-async def test_nothing_is_lost_or_trained_twice_under_faults(tmp_path):
+async def test_nothing_is_lost_or_trained_twice_under_faults(tmp_path, request):
     model = build_tiny_llama(tmp_path / "tiny", seed=5, logit_scale=1.0)
     redis_server = start_redis(appendonly=True)
+    request.addfinalizer(redis_server.stop)  # also when the run fails before the accounting below
     plugin_port = free_port()
     config = _config(tmp_path, model, plugin_port)
     prefix = "faults"
@@ -143,7 +151,7 @@ async def test_nothing_is_lost_or_trained_twice_under_faults(tmp_path):
         "ASYNCGRPO_CONFIG": str(config),
         "REDIS_URL": redis_server.url,
         "STREAM_PREFIX": prefix,
-        "API_TOKEN": "fault-token",
+        "API_TOKEN": "fault-token-" + "x" * 32,
     }
     log_dir = tmp_path / "logs"
     client = make_client(redis_server.url)
@@ -168,7 +176,10 @@ async def test_nothing_is_lost_or_trained_twice_under_faults(tmp_path):
 
     def plugin() -> ServiceProcess:
         return start_service(
-            "plugin", "services.reward_plugin", {}, ["--port", str(plugin_port), "--target-chars", "8"]
+            "plugin",
+            "services.reward_plugin",
+            {},
+            ["--port", str(plugin_port), "--target-chars", "8", "--allow-no-token"],
         )
 
     def learner(name: str) -> ServiceProcess:
@@ -251,13 +262,16 @@ async def test_nothing_is_lost_or_trained_twice_under_faults(tmp_path):
         alive = [s for s in alive if s is not the_learner] + [restarted]
         line = await asyncio.to_thread(restarted.wait_for_line, "learner ready", 120)
         events.append(f"learner restarted: {line.strip()}")
-        await asyncio.to_thread(restarted.wait_for_line, "learner finished", 600)
+        last = await asyncio.to_thread(restarted.wait_for_line, "learner finished", 600)
+        assert f"learner finished: step {STEPS} of {STEPS};" in last, restarted.output()[-3000:]
         assert await asyncio.to_thread(restarted.process.wait, 120) == 0, restarted.output()[-3000:]
         await asyncio.sleep(1.0)  # let the audit read the last entries
     finally:
         stop_audit.set()
         await asyncio.wait_for(audit_task, 60)
         codes = {s.name: s.stop() for s in services if s.name not in ("gen-1", "scorer-1", "learner-killed")}
+        for service in services:  # what a failure left running: gen-1 and scorer-1 before their SIGKILL
+            service.kill()
 
     # Accounting ----------------------------------------------------------------------------------------
     admitted = set(audit.seen["prompts"])

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from services.generator.weight_receiver import WeightReceiverExtension
+from weight_sync.receiver import WeightReceiverExtension
 
 
 def build_model(

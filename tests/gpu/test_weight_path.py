@@ -16,14 +16,14 @@ import time
 import pytest
 import torch
 
-from services.generator.weight_receiver import unpack_bucket
-from services.learner.weight_push import WeightPusher, learner_device, pack_bucket, plan_buckets
-from services.learner.weight_transport import PushRefused, plan_push
-from services.learner.weight_transport_ipc import IpcExports
 from shared.codec import decode
 from shared.records import CudaIpcWeights, GeneratorRegistration
 from tests.gpu import standin
 from tests.gpu.weight_path import push, start_receiver, stop_receiver
+from weight_sync.plan import PushRefused, plan_push
+from weight_sync.protocol import pack_bucket, plan_buckets, read_layout, unpack_bucket
+from weight_sync.sender import WeightPusher, learner_device
+from weight_sync.transport_ipc import IpcExports
 
 pytestmark = [
     pytest.mark.gpu,
@@ -178,7 +178,7 @@ def test_buckets_pack_and_unpack_on_cuda(dtype):
     for index, indices in enumerate(buckets):
         buffer = pack_bucket([named[i][1] for i in indices], dtype)
         assert buffer.is_cuda
-        got.update(unpack_bucket(buffer, [s for s in layout if s["bucket"] == index]))
+        got.update(unpack_bucket(buffer, [s for s in read_layout(layout) if s.bucket == index]))
     for name, tensor in named:
         expected = tensor.to(getattr(torch, dtype)) if dtype else tensor
         assert torch.equal(got[name], expected), name

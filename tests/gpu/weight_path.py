@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from services.learner.weight_push import WeightPusher, plan_buckets
-from services.learner.weight_transport import PushPlan, plan_push
 from shared.records import STORE_TRANSPORTS, GeneratorRegistration
 from tests.gpu import standin
+from weight_sync.plan import PushPlan, plan_push
+from weight_sync.protocol import plan_buckets
+from weight_sync.sender import WeightPusher
 
 
 @dataclass

@@ -26,7 +26,7 @@ from tests.support.redis_server import free_port, start_redis
 pytestmark = pytest.mark.integration
 
 PASSWORD = "s3cr3t-pa55"
-TOKEN = "t0ken-value-123"
+TOKEN = "t0ken-value-123-" + "x" * 32
 
 
 async def _round_trip(url: str, keys: Keys) -> None:

@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.learner.weight_push import WeightPusher
 from shared.codec import decode, encode
 from shared.records import ChatMessage, PromptTask, Rollout, SamplingSpec, WeightVersionAnnouncement
 from shared.registry import live_generators
@@ -20,10 +19,11 @@ from shared.streams import StreamProducer
 from tests.support.processes import start_service, wait_http_ok
 from tests.support.redis_server import free_port
 from tests.support.tiny_model import build_tiny_llama
+from weight_sync.sender import WeightPusher
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
-TOKEN = "test-token"
+TOKEN = "test-token-" + "x" * 32
 ENGINE_START_S = 300
 
 
@@ -63,6 +63,7 @@ def generator(models, redis_url, prefix):
         # demo run the default, vLLM's prepacked kernels rebuilt after each push.
         "GENERATOR_CPU_WEIGHTS_IN_PLACE": "1",
         "GENERATOR_GENERATE_TOKEN_BUDGET": "8192",
+        "GENERATOR_API_DOCS": "true",  # for the schema checks and the fuzzing below (behind the token)
     }
     service = start_service("generator", "services.generator", env)
     service.port = port
@@ -191,7 +192,7 @@ def test_http_endpoints_and_auth(generator):
         "asyncgrpo_generator_policy_version",
     ):
         assert name in metrics
-    schema = httpx.get(f"{generator.url}/openapi.json").json()
+    schema = httpx.get(f"{generator.url}/openapi.json", headers=_auth()).json()
     for path in ("/health", "/ready", "/metrics", "/generate", "/pause", "/resume", "/weights/update"):
         assert path in schema["paths"], path
 
@@ -314,8 +315,8 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
 
 
 async def test_a_generator_with_other_versions_is_refused_before_any_group(generator, models, redis_client, prefix):
-    from services.learner.weight_push import WeightPushError
     from shared.keys import Keys
+    from weight_sync.sender import WeightPushError
 
     registration = await _registration(redis_client, Keys(prefix))
     async with httpx.AsyncClient(timeout=60) as http:  # the served version (the registration may lag a heartbeat)
@@ -352,7 +353,7 @@ def test_fuzzed_requests_never_make_a_server_error(generator):
     """Runs last: schemathesis against the real generator's OpenAPI document."""
     import schemathesis
 
-    schema = schemathesis.openapi.from_url(f"{generator.url}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{generator.url}/openapi.json", headers=_auth())
     schema.config.base_url = generator.url
     try:
         _fuzz(schema, generator)

@@ -15,7 +15,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.learner.policy import linear_weight_names
-from services.learner.weight_push import WeightPusher
 from shared.codec import decode, encode
 from shared.keys import Keys
 from shared.records import PromptTask, Rollout, SamplingSpec
@@ -24,10 +23,11 @@ from shared.streams import StreamProducer
 from tests.support.processes import start_service
 from tests.support.redis_server import free_port
 from tests.support.tiny_model import build_tiny_llama
+from weight_sync.sender import WeightPusher
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
-TOKEN = "replica-token"
+TOKEN = "replica-token-" + "x" * 32
 
 
 def _start(name: str, core: str, model, redis_url: str, prefix: str):

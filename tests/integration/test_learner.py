@@ -156,7 +156,7 @@ async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
         "LEARNER_MODEL": str(tiny),
         "REDIS_URL": redis_url,
         "STREAM_PREFIX": keys.prefix,
-        "API_TOKEN": "t",
+        "API_TOKEN": "learner-test-token-" + "x" * 32,
         "LEARNER_GROUP_SIZE": "4",
         "LEARNER_GROUPS_PER_STEP": "2",
         "LEARNER_MICRO_BATCH_SIZE": "4",

@@ -30,6 +30,7 @@ from tests.support.redis_server import free_port
 pytestmark = pytest.mark.integration
 
 TAGGED = "<think>r</think><answer>5</answer>"
+JUDGE_TOKEN = "judge-token-" + "x" * 32  # the plugin takes no shorter one
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +182,7 @@ async def test_open_breaker_short_circuits_and_down_plugin_fails_probe(redis_cli
 def test_example_plugin_speaks_the_protocol():
     port = free_port()
     service = start_service(
-        "example-plugin", "services.reward_plugin", {}, ["--port", str(port), "--target-chars", "5"]
+        "example-plugin", "services.reward_plugin", {}, ["--port", str(port), "--target-chars", "5", "--allow-no-token"]
     )
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", 60)
@@ -214,13 +215,13 @@ async def test_one_command_plugin_serves_a_trl_function_to_the_scorer(redis_clie
     service = start_service(
         "function-plugin",
         "services.reward_plugin",
-        {"JUDGE_TOKEN": "tok-123"},
+        {"JUDGE_TOKEN": JUDGE_TOKEN},
         ["--port", str(port), "--function", "tests.support.trl_doc_rewards:reward_len", "--token-env", "JUDGE_TOKEN"],
     )
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", 60)
         rollout = make_rollout(make_task(group_size=4, prompt="2+3?"))
-        spec = RewardSpec(name="len", url=f"http://127.0.0.1:{port}/score", bearer_token="tok-123")
+        spec = RewardSpec(name="len", url=f"http://127.0.0.1:{port}/score", bearer_token=JUDGE_TOKEN)
         wrong = RewardSpec(name="len", url=f"http://127.0.0.1:{port}/score", bearer_token="nope", required=False)
         async with httpx.AsyncClient() as http:
             (function,), _ = build_functions([spec], http)

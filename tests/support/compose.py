@@ -11,8 +11,19 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-# What `.env` must provide; tests resolve the files with these and nothing from the caller's environment.
-REQUIRED_ENV = {"API_TOKEN": "test-token", "REDIS_PASSWORD": "test-password"}
+# What `.env` must provide; tests resolve the files with these and nothing from the caller's environment. Each
+# is as long as the services require of a secret (32 characters), so a service started from them starts.
+REQUIRED_ENV = {
+    name: f"test-{name.lower().replace('_', '-')}-0123456789abcdefghijklmnop"
+    for name in (
+        "API_TOKEN",
+        "REDIS_PASSWORD",
+        "REDIS_GENERATOR_PASSWORD",
+        "REDIS_SCORER_PASSWORD",
+        "REDIS_LEARNER_PASSWORD",
+        "PLUGIN_TOKEN",
+    )
+}
 
 
 # The client `make compose-env` installs from requirements/compose.txt (`make test` builds it first).

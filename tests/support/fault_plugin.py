@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
 from collections import Counter
 from typing import Any
 
@@ -107,6 +108,19 @@ def flaky_length(completions, completion_ids, **kwargs):
 def always_raises(completions, **kwargs):
     python_calls["always"] += 1
     raise ValueError("this reward has a bug")
+
+
+# hangs_first: how many calls hang, and the event that ends every hang (set it when the test is over).
+hang_script: dict[str, Any] = {"calls": 0, "release": threading.Event()}
+
+
+def hangs_first(completions, completion_ids, **kwargs):
+    """Hangs on its first ``hang_script["calls"]`` calls (until ``hang_script["release"]`` is set, at most
+    60 s), then gives each completion's number of token ids."""
+    python_calls["hang"] += 1
+    if python_calls["hang"] <= hang_script["calls"]:
+        hang_script["release"].wait(60)
+    return [float(len(ids)) for ids in completion_ids]
 
 
 if __name__ == "__main__":

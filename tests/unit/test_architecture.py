@@ -3,9 +3,11 @@
 Layers, lowest first (a module may import its own layer's package and the layers below, never above):
 
 1. ``shared``: wire records, transport, configuration, the service skeleton; never a service.
-2. ``services.generator``, ``services.scorer``, ``services.learner``, ``services.reward_plugin``: each imports
-   itself and ``shared`` only (services talk through the wire records, never through each other's code).
-3. ``services.launcher``: starts the services as processes; imports ``shared`` and itself.
+2. ``weight_sync``: both halves of the weight push (torch, vLLM imported lazily); imports ``shared`` and itself.
+3. ``services.generator``, ``services.scorer``, ``services.learner``, ``services.reward_plugin``: each imports
+   itself and ``shared`` only (services talk through the wire records, never through each other's code);
+   the generator and the learner, the two ends of a weight push, import ``weight_sync`` too.
+4. ``services.launcher``: starts the services as processes; imports ``shared`` and itself.
 
 Every import counts, also one inside a function; only ``if TYPE_CHECKING:`` blocks are left out.
 """
@@ -19,6 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("generator", "scorer", "learner", "reward_plugin")
+WEIGHT_SYNC_USERS = ("services.generator", "services.learner")  # the two ends of a weight push
 MAX_FUNCTION_LINES = 60
 MAX_P90_FUNCTION_LINES = 30
 
@@ -31,7 +34,8 @@ def _module_name(path: Path) -> str:
 
 
 def _sources() -> dict[str, Path]:
-    files = sorted((ROOT / "shared").rglob("*.py")) + sorted((ROOT / "services").rglob("*.py"))
+    packages = ("shared", "weight_sync", "services")
+    files = [path for package in packages for path in sorted((ROOT / package).rglob("*.py"))]
     return {_module_name(path): path for path in files}
 
 
@@ -100,10 +104,12 @@ def layer_of(module: str) -> tuple[int, str]:
     parts = module.split(".")
     if parts[0] == "shared":
         return 1, "shared"
+    if parts[0] == "weight_sync":
+        return 2, "weight_sync"
     if len(parts) > 1 and parts[1] in SERVICES:
-        return 2, f"services.{parts[1]}"
+        return 3, f"services.{parts[1]}"
     if len(parts) > 1 and parts[1] == "launcher":
-        return 3, "services.launcher"
+        return 4, "services.launcher"
     return 0, module  # services/__init__.py: a namespace, imports nothing
 
 
@@ -120,6 +126,30 @@ def test_no_module_imports_a_layer_above_or_another_service():
             target_layer, target_package = layer_of(target)
             if target_layer > layer or (target_layer == layer and target_package != package):
                 wrong.append(f"{module} imports {target}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_only_the_generator_and_the_learner_import_weight_sync():
+    """The scorer, the reward plugin and the launcher run without torch's weight push (the scorer's image
+    does not even ship ``weight_sync``)."""
+    wrong = [
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        for target in targets
+        if layer_of(target)[1] == "weight_sync" and layer_of(module)[1] not in (*WEIGHT_SYNC_USERS, "weight_sync")
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+    assert any(layer_of(t)[1] == "weight_sync" for m in GRAPH if m.startswith("services.learner") for t in GRAPH[m])
+
+
+def test_weight_sync_imports_shared_and_itself_only():
+    wrong = [
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.startswith("weight_sync")
+        for target in targets
+        if layer_of(target)[1] not in ("shared", "weight_sync")
+    ]
     assert not wrong, "\n".join(sorted(wrong))
 
 
@@ -192,3 +222,17 @@ def test_ninety_percent_of_functions_are_thirty_lines_or_shorter():
 def test_each_service_main_is_wiring_only(service):
     lines = (ROOT / "services" / service / "__main__.py").read_text().splitlines()
     assert len(lines) <= 40, f"services/{service}/__main__.py has {len(lines)} lines"
+
+
+def test_weight_sync_imports_vllm_only_inside_functions():
+    """The learner imports ``weight_sync`` without vLLM installed (a GPU learner needs it for NCCL alone)."""
+    eager = []
+    for module, path in MODULES.items():
+        if not module.startswith("weight_sync"):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            eager += [f"{module}: {name}" for name in names if name.split(".")[0] == "vllm"]
+    assert not eager, eager

@@ -215,10 +215,30 @@ def test_the_environment_is_checked_by_the_starting_service_only(config_file, mo
         with pytest.raises(SystemExit) as exited:
             load_or_exit(config_file, service)
         assert exited.value.code == 2 and needed in capsys.readouterr().err, service
-    monkeypatch.setenv("API_TOKEN", "tok")
+    monkeypatch.setenv("API_TOKEN", "tok-" + "x" * 28)  # 32 characters: the shortest accepted
     monkeypatch.setenv("JUDGE_TOKEN", "judge-secret")
-    assert load_or_exit(config_file, "generator").api_token.get_secret_value() == "tok"
+    assert load_or_exit(config_file, "generator").api_token.get_secret_value() == "tok-" + "x" * 28
     assert load_or_exit(config_file, "scorer").rewards[1].request_headers() == {"Authorization": "Bearer judge-secret"}
+
+
+def test_placeholder_and_short_secrets_are_refused_at_start(config_file, monkeypatch, capsys):
+    """Every service, with the fix named and the secret never printed; a settings object still takes any token
+    (tests build them with short ones): only the starting service checks."""
+    for token, problem in (("Change-Me-to-a-long-random-string", "placeholder"), ("x" * 31, "has 31 characters")):
+        monkeypatch.setenv("API_TOKEN", token)
+        for service in ("generator", "scorer", "learner"):
+            with pytest.raises(SystemExit) as exited:
+                load_or_exit(config_file, service)
+            err = capsys.readouterr().err
+            assert exited.value.code == 2 and f"{service}: api_token (API_TOKEN)" in err, err
+            assert problem in err and "secrets.token_urlsafe(32)" in err and token not in err, err
+    monkeypatch.setenv("API_TOKEN", "x" * 32)
+    assert load_or_exit(config_file, "generator").api_token.get_secret_value() == "x" * 32
+    monkeypatch.setenv("REDIS_URL", "redis://:change-me-to-another-long-random-string@127.0.0.1:6379/0")
+    with pytest.raises(SystemExit):
+        load_or_exit(config_file, "scorer")
+    err = capsys.readouterr().err
+    assert "the Redis password in redis_url is the placeholder" in err and "another-long" not in err, err
 
 
 def test_a_generator_without_api_token_refuses_to_start(config_file):

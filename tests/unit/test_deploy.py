@@ -15,11 +15,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from shared.allowed_hosts import HostAllowList
 from shared.config.generator import GeneratorSettings
 from shared.config.learner import LearnerSettings
 from shared.config.pipeline import PipelineConfig, PipelineError, load_service
 from shared.config.scorer import ScorerSettings
+from shared.keys import Keys
 from shared.placement import leasable_gpus, memory_share_error, parse_gpu_list
+from shared.redis_acl import ROLES, secret_name, server_arguments
 from tests.support import compose
 from tests.support.processes import ROOT
 
@@ -47,8 +50,14 @@ def test_compose_is_safe_and_complete(files):
         assert service.get("restart") in {"unless-stopped", "on-failure"}, name
     redis = services["redis"]
     assert "--requirepass" in " ".join(redis["command"]) and "REDISCLI_AUTH" in " ".join(redis["healthcheck"]["test"])
-    for name in ("generator", "scorer", "learner"):
-        assert compose.environment(services[name])["REDIS_URL"] == "redis://:test-password@redis:6379/0", name
+    for name in ("generator", "scorer", "learner"):  # each its own Redis user, never the administrator
+        url = f"redis://{name}:{compose.REQUIRED_ENV[secret_name(name)]}@redis:6379/0"
+        assert compose.environment(services[name])["REDIS_URL"] == url, name
+        assert "REDIS_PASSWORD" not in compose.environment(services[name]), name
+    for name in ("generator", "scorer", "learner", "reward-plugin"):
+        assert services[name]["cap_drop"] == ["ALL"] and "no-new-privileges:true" in services[name]["security_opt"]
+    assert "checkpoints:/checkpoints:ro" in services["generator"]["volumes"]  # only the learner writes them
+    assert "checkpoints:/checkpoints:rw" in services["learner"]["volumes"]
     for name in ("generator", "learner"):
         service = services[name]
         assert service["ipc"] == "host", name  # vLLM's shared memory; CUDA IPC between the two containers
@@ -63,7 +72,44 @@ def test_compose_is_safe_and_complete(files):
 
 
 @needs_compose
-@pytest.mark.parametrize("missing", ["API_TOKEN", "REDIS_PASSWORD"])
+def test_compose_makes_one_redis_user_per_service_from_shared_redis_acl():
+    """The redis container's --user arguments are exactly shared.redis_acl's, with .env's passwords and prefix."""
+    passwords = {role: compose.REQUIRED_ENV[secret_name(role)] for role in ROLES}
+    for prefix in ("grpo", "run-7"):
+        command = compose.resolved(DEFAULT, {"STREAM_PREFIX": prefix})["services"]["redis"]["command"]
+        base = ["redis-server", "--appendonly", "yes", "--appendfsync", "everysec", "--requirepass"]
+        assert command == [*base, compose.REQUIRED_ENV["REDIS_PASSWORD"], *server_arguments(passwords, Keys(prefix))]
+
+
+@needs_compose
+def test_compose_learner_contacts_only_generators_on_the_compose_network(monkeypatch):
+    resolved = compose.resolved(DEFAULT, {"COMPOSE_SUBNET": "10.77.0.0/16"})
+    assert resolved["networks"]["default"]["ipam"]["config"] == [{"subnet": "10.77.0.0/16"}]
+    env = compose.environment(resolved["services"]["learner"])
+    monkeypatch.setenv("LEARNER_ALLOWED_GENERATOR_HOSTS", env["LEARNER_ALLOWED_GENERATOR_HOSTS"])
+    learner = LearnerSettings.load(ROOT / "configs" / "gpu.toml")
+    assert learner.allowed_generator_hosts == ["10.77.0.0/16"] and learner.weight_sync_bind == ""
+    allowed = HostAllowList(learner.allowed_generator_hosts)
+    assert allowed.allows("http://10.77.0.5:8001") and not allowed.allows("http://192.168.1.5:8001")
+
+
+@needs_compose
+def test_compose_gives_the_reward_plugin_a_token_the_scorer_sends():
+    services = compose.resolved(DEFAULT)["services"]
+    token = compose.REQUIRED_ENV["PLUGIN_TOKEN"]
+    assert (
+        compose.environment(services["reward-plugin"])["PLUGIN_TOKEN"]
+        == compose.environment(services["scorer"])["PLUGIN_TOKEN"]
+        == token
+    )
+    for config in ("gpu.toml", "gpu-1.toml"):
+        rewards = tomllib.loads((ROOT / "configs" / config).read_text())["scorer"]["rewards"]
+        plugins = [reward for reward in rewards if "reward-plugin" in reward.get("url", "")]
+        assert plugins and all(reward["bearer_token_env"] == "PLUGIN_TOKEN" for reward in plugins), config
+
+
+@needs_compose
+@pytest.mark.parametrize("missing", sorted(compose.REQUIRED_ENV))
 def test_compose_refuses_to_run_without_its_secrets(missing):
     result = compose.resolve(DEFAULT, {missing: ""})
     assert result.returncode != 0 and f"set {missing} in .env" in result.stderr
@@ -149,6 +195,20 @@ def test_env_example_lists_every_variable_compose_reads():
     listed = set(re.findall(r"^([A-Z_][A-Z0-9_]*)=", (ROOT / ".env.example").read_text(), re.MULTILINE))
     assert read and read <= listed, f"missing from .env.example: {sorted(read - listed)}"
     assert {"API_TOKEN", "REDIS_PASSWORD", "LEARNER_GPUS", "GPU_COUNT", "GPU_HOST_KEY"} <= read
+    assert set(compose.REQUIRED_ENV) <= read
+
+
+def test_every_secret_placeholder_is_one_the_services_refuse_and_says_how_to_make_one():
+    """.env.example and the Kubernetes Secret ship placeholders a service refuses at start (change-me...), and
+    say how to make a real secret."""
+    example = (ROOT / ".env.example").read_text()
+    placeholders = dict(re.findall(r"^([A-Z_]+)=(.*)$", example, re.MULTILINE))
+    secret = _k8s("namespace-and-config.yaml", "Secret")["stringData"]
+    assert set(secret) == set(compose.REQUIRED_ENV)
+    for name in compose.REQUIRED_ENV:
+        assert placeholders[name].startswith("change-me") and secret[name].startswith("change-me"), name
+    make = 'python -c "import secrets; print(secrets.token_urlsafe(32))"'
+    assert make in example and make in (ROOT / "deploy" / "k8s" / "namespace-and-config.yaml").read_text()
 
 
 def test_compose_and_launcher_read_the_same_settings(monkeypatch):
@@ -172,6 +232,102 @@ def test_demo_config_is_valid(monkeypatch):
     monkeypatch.setenv("API_TOKEN", "x")
     pipeline = PipelineConfig.load(ROOT / "configs" / "demo-cpu.toml")
     assert pipeline.learner.model == "@smollm2"
+
+
+def _k8s_documents() -> list[dict]:
+    return [
+        document
+        for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
+        for document in yaml.safe_load_all(path.read_text())
+        if document
+    ]
+
+
+def _k8s(file: str, kind: str, name: str | None = None) -> dict:
+    documents = yaml.safe_load_all((ROOT / "deploy" / "k8s" / file).read_text())
+    return next(d for d in documents if d and d["kind"] == kind and name in (None, d["metadata"]["name"]))
+
+
+def _env(container: dict) -> dict[str, str]:
+    """A container's variables: a value, or ``secret:<key>`` / ``field:<path>`` where one comes from."""
+    out = {}
+    for variable in container.get("env", []):
+        source = variable.get("valueFrom", {})
+        if "secretKeyRef" in source:
+            out[variable["name"]] = f"secret:{source['secretKeyRef']['key']}"
+        elif "fieldRef" in source:
+            out[variable["name"]] = f"field:{source['fieldRef']['fieldPath']}"
+        else:
+            out[variable["name"]] = variable["value"]
+    return out
+
+
+def test_dockerfiles_run_as_a_user_of_their_own():
+    for path in (ROOT / "deploy").glob("*.Dockerfile"):
+        users = re.findall(r"^USER\s+(\S+)", path.read_text(), re.MULTILINE)
+        assert users and users[-1].split(":")[0] not in ("root", "0"), path.name
+
+
+def test_k8s_pods_run_without_privilege():
+    """Every pod: not root, no privilege escalation, no capability, a read-only root filesystem."""
+    pods = [d for d in _k8s_documents() if d["kind"] in ("Deployment", "StatefulSet", "Job")]
+    assert {pod["metadata"]["name"] for pod in pods} == {"generator", "learner", "scorer", "reward-plugin", "redis"}
+    for pod in pods:
+        spec = pod["spec"]["template"]["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] > 0
+        for container in spec["containers"]:
+            context = container["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False and context["readOnlyRootFilesystem"] is True
+            assert context["capabilities"] == {"drop": ["ALL"]}, pod["metadata"]["name"]
+    generator = _k8s("generator.yaml", "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": True} in generator["volumeMounts"]
+
+
+def test_k8s_services_log_in_to_redis_as_their_own_users_made_by_shared_redis_acl():
+    redis = _k8s("redis.yaml", "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+    env = _env(redis)
+
+    def expand(arg: str) -> str:  # as the kubelet expands $(NAME) from the container's variables
+        return re.sub(r"\$\((\w+)\)", lambda m: f"value-of-{env[m.group(1)].removeprefix('secret:')}", arg)
+
+    args = [expand(arg) for arg in redis["args"]]
+    passwords = {role: f"value-of-{secret_name(role)}" for role in ROLES}
+    assert args[args.index("--user") :] == server_arguments(passwords, Keys())
+    assert args[args.index("--requirepass") + 1] == "value-of-REDIS_PASSWORD"
+    for file, kind, role in [
+        ("generator.yaml", "Deployment", "generator"),
+        ("scorer.yaml", "Deployment", "scorer"),
+        ("learner.yaml", "Job", "learner"),
+    ]:
+        env = _env(_k8s(file, kind)["spec"]["template"]["spec"]["containers"][0])
+        assert env["REDIS_URL"] == f"redis://{role}:$({secret_name(role)})@redis:6379/0", role
+        assert env[secret_name(role)] == f"secret:{secret_name(role)}" and "REDIS_PASSWORD" not in env, role
+
+
+def test_k8s_network_policies_let_only_generators_reach_the_weight_store_and_services_reach_redis():
+    learner = _k8s("learner.yaml", "NetworkPolicy")["spec"]
+    assert learner["podSelector"] == {"matchLabels": {"app": "learner"}}
+    from_generators, http_only = learner["ingress"]
+    assert from_generators == {"from": [{"podSelector": {"matchLabels": {"app": "generator"}}}]}
+    assert http_only == {"ports": [{"port": 8003, "protocol": "TCP"}]}  # from anyone: HTTP, never 29500
+    redis = _k8s("redis.yaml", "NetworkPolicy")["spec"]
+    [rule] = redis["ingress"]
+    [selector] = rule["from"][0]["podSelector"]["matchExpressions"]
+    assert sorted(selector["values"]) == ["generator", "learner", "scorer"] and selector["operator"] == "In"
+    [plugin_rule] = _k8s("scorer.yaml", "NetworkPolicy")["spec"]["ingress"]
+    assert plugin_rule["from"] == [{"podSelector": {"matchLabels": {"app": "scorer"}}}]
+    learner_env = _env(_k8s("learner.yaml", "Job")["spec"]["template"]["spec"]["containers"][0])
+    assert learner_env["LEARNER_WEIGHT_SYNC_BIND"] == "field:status.podIP"  # the store: the pod's IP alone
+
+
+def test_k8s_configuration_is_valid_and_the_reward_plugin_takes_a_token(tmp_path, monkeypatch):
+    monkeypatch.setenv("API_TOKEN", "x")
+    config = tmp_path / "pipeline.toml"
+    config.write_text(_k8s("namespace-and-config.yaml", "ConfigMap")["data"]["pipeline.toml"])
+    pipeline = PipelineConfig.load(config)
+    assert pipeline.learner.allowed_generator_hosts == ["10.244.0.0/16"]
+    plugin = _k8s("scorer.yaml", "Deployment", "reward-plugin")["spec"]["template"]["spec"]["containers"][0]
+    assert _env(plugin)["PLUGIN_TOKEN"] == "secret:PLUGIN_TOKEN"
 
 
 def test_dockerfiles_pass_hadolint():

@@ -58,7 +58,7 @@ def no_processes(monkeypatch, tmp_path):
     model.mkdir()
     (model / "config.json").write_text("{}")
     monkeypatch.setattr(run_module, "prepare_smollm2", lambda cache=None: model)
-    monkeypatch.setattr(run_module, "use_or_start_redis", lambda: ("redis://127.0.0.1:1/0", None))
+    monkeypatch.setattr(run_module, "redis_for_run", lambda prefix: ({"REDIS_URL": "redis://127.0.0.1:1/0"}, None))
     monkeypatch.setattr(run_module, "Supervisor", _FakeSupervisor)
     _FakeSupervisor.made.clear()
     return model
@@ -182,3 +182,35 @@ def test_fixed_ports_and_a_learner_port_set_in_its_table_are_kept(tmp_path):
     assert free.learner == 8103 and free.weight_store not in (0, 29500)
     fixed = plan_ports(LauncherSettings(generators=2, first_generator_port=9000), learner)
     assert (fixed.generators, fixed.scorers, fixed.learner, fixed.weight_store) == ([9000, 9001], [9090], 8103, 29500)
+
+
+def test_every_service_of_a_run_binds_127_0_0_1_and_the_plugin_takes_a_token(tmp_path, monkeypatch):
+    """Issue 33: a run is one machine's; nothing of it listens on another interface, and the example reward
+    plugin requires a per-run token (a reward's bearer_token_env = "PLUGIN_TOKEN" sends it)."""
+    monkeypatch.delenv("PLUGIN_TOKEN", raising=False)
+    monkeypatch.delenv("API_TOKEN", raising=False)
+    supervisor = _supervisor(tmp_path, example_plugin=True)
+    started: dict[str, tuple[list[str], dict[str, str]]] = {}
+    monkeypatch.setattr(
+        supervisor, "_start", lambda name, command, env, to_terminal=False: started.update({name: (command, env)})
+    )
+    supervisor.start_all()
+    plugin_command, _ = started["reward-plugin"]
+    assert plugin_command[plugin_command.index("--host") + 1] == "127.0.0.1"
+    assert started["generator-0"][1]["GENERATOR_HOST"] == "127.0.0.1"
+    assert started["scorer-0"][1]["SCORER_HOST"] == "127.0.0.1"
+    learner = started["learner"][1]
+    assert learner["LEARNER_HOST"] == learner["LEARNER_WEIGHT_SYNC_HOST"] == learner["LEARNER_WEIGHT_SYNC_BIND"]
+    assert learner["LEARNER_HOST"] == "127.0.0.1"
+    assert len(supervisor.env["PLUGIN_TOKEN"]) >= 32 and len(supervisor.env["API_TOKEN"]) >= 32
+
+
+def test_a_run_whose_learner_would_refuse_its_own_generators_is_refused_before_starting(tmp_path, monkeypatch):
+    from shared.config.pipeline import PipelineConfig
+
+    monkeypatch.setenv("API_TOKEN", "x" * 32)
+    config = tmp_path / "c.toml"
+    text = DEMO.read_text()
+    config.write_text(text.replace("[learner]\n", '[learner]\nallowed_generator_hosts = ["10.0.0.0/8"]\n', 1))
+    assert any("leaves out 127.0.0.1" in p for p in PipelineConfig.load(config).launch_problems())
+    assert not any("127.0.0.1" in p for p in PipelineConfig.load(DEMO).launch_problems())

@@ -98,13 +98,17 @@ def test_function_plugin_serves_trl_functions_schema_and_auth():
     reply = client.post("/score", json=chat, headers={"Authorization": "Bearer s3cret"})
     assert reply.status_code == 200 and reply.json() == {"rewards": [0.0, 0.0], "extra": {"reward": "format"}}
     text = _request("What is 2+3?")
-    assert TestClient(build_app(reward_len)).post("/score", json=text).json()["rewards"] == [-2.0, -2.0]
-    assert TestClient(build_app(make_brevity(5))).post("/score", json=text).json()["rewards"] == [0.0, 0.0]
-    failing = TestClient(build_app(broken_reward)).post("/score", json=text)
+
+    def open_plugin(function) -> TestClient:  # --allow-no-token
+        return TestClient(build_app(function, token=None))
+
+    assert open_plugin(reward_len).post("/score", json=text).json()["rewards"] == [-2.0, -2.0]
+    assert open_plugin(make_brevity(5)).post("/score", json=text).json()["rewards"] == [0.0, 0.0]
+    failing = open_plugin(broken_reward).post("/score", json=text)
     assert failing.status_code == 500 and failing.json()["detail"] == "RuntimeError: this plugin always fails"
-    short = TestClient(build_app(lambda completions, **kw: [1.0])).post("/score", json=text)
+    short = open_plugin(lambda completions, **kw: [1.0]).post("/score", json=text)
     assert short.status_code == 500 and "returned 1 values for 2 items" in short.json()["detail"]
-    assert TestClient(build_app(reward_len)).post("/score", json={**text, "protocol": "v0"}).status_code == 422
+    assert open_plugin(reward_len).post("/score", json={**text, "protocol": "v0"}).status_code == 422
 
 
 def test_protocol_and_plugin_stay_light():

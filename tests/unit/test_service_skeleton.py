@@ -18,7 +18,7 @@ from pydantic import BaseModel, SecretStr
 import shared.lifecycle
 from shared.app import Probes, Readiness, service_app
 from shared.codec import encode
-from shared.http import ServiceState, state_dependency
+from shared.http import FiniteJsonRoute, ServiceState, state_dependency
 from shared.intake import decode_or_reject, reject
 from shared.lifecycle import NotStarting, Service, run_service
 from shared.records import PromptTask, Rollout
@@ -42,7 +42,7 @@ async def _readiness(state: ToyState) -> Readiness:
     return Readiness(False, Status(status="starting", detail="still loading"))
 
 
-_router = APIRouter()
+_router = APIRouter(route_class=FiniteJsonRoute)
 
 
 @_router.get("/whoami")
@@ -50,20 +50,23 @@ async def whoami(state: Annotated[ToyState, Depends(state_dependency(ToyState))]
     return {"ready": state.ready}
 
 
+PROBES = Probes(model=Status, ready=_readiness, ready_summary="toy")
+
+
 def _app(state: ServiceState) -> FastAPI:
-    probes = Probes(model=Status, ready=_readiness, ready_summary="toy")
-    return service_app(state, probes, title="toy", description="toy service", routers=[_router])
+    return service_app(state, PROBES, title="toy", description="toy service", routers=[_router])
 
 
 def test_every_app_has_health_ready_metrics_and_token_guarded_shutdown():
-    state = ToyState(api_token="s3cret")
+    state = ToyState(api_token="s3cret", max_request_bytes=1024)
     client = TestClient(_app(state))
     assert client.get("/health").json() == {"status": "alive", "detail": ""}
     starting = client.get("/ready")
     assert starting.status_code == 503 and starting.json()["detail"] == "still loading"
     state.ready = True
-    assert client.get("/ready").json()["status"] == "ready" and client.get("/whoami").json() == {"ready": True}
-    assert client.get("/metrics").status_code == 200
+    assert client.get("/ready").json()["status"] == "ready" and client.get("/metrics").status_code == 200
+    assert client.get("/whoami").status_code == 401  # every path but the probes needs the token
+    assert client.get("/whoami", headers={"Authorization": "bearer s3cret"}).json() == {"ready": True}
     assert client.post("/shutdown").status_code == 401
     assert client.post("/shutdown", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert not state.stop.is_set()
@@ -72,15 +75,22 @@ def test_every_app_has_health_ready_metrics_and_token_guarded_shutdown():
 
 
 def test_an_empty_token_opens_no_control_endpoint():
-    client = TestClient(_app(ToyState(api_token="")))
+    client = TestClient(_app(ToyState(api_token="", max_request_bytes=1024)))
     assert client.post("/shutdown", headers={"Authorization": "Bearer "}).status_code == 401
     assert client.post("/shutdown").status_code == 401
 
 
 def test_the_state_dependency_refuses_another_services_state():
-    client = TestClient(_app(ServiceState(api_token="t")), raise_server_exceptions=True)
+    client = TestClient(_app(ServiceState(api_token="t", max_request_bytes=1024)), raise_server_exceptions=True)
     with pytest.raises(TypeError, match="not a ToyState"):
-        client.get("/whoami")
+        client.get("/whoami", headers={"Authorization": "Bearer t"})
+
+
+def test_a_router_that_parses_json_leniently_is_refused():
+    loose = APIRouter()
+    loose.add_api_route("/loose", whoami)
+    with pytest.raises(TypeError, match=r"\['/loose'\] parse JSON leniently.*route_class=FiniteJsonRoute"):
+        service_app(ToyState(api_token="t", max_request_bytes=1024), PROBES, title="t", description="", routers=[loose])
 
 
 # Lifecycle ------------------------------------------------------------------------------------------------
@@ -108,7 +118,13 @@ def events(monkeypatch) -> list[str]:
 
 def _settings() -> SimpleNamespace:
     return SimpleNamespace(
-        redis_url="redis://fake", stream_prefix="toy", api_token=SecretStr("t"), host="127.0.0.1", port=0
+        redis_url="redis://fake",
+        stream_prefix="toy",
+        api_token=SecretStr("t"),
+        host="127.0.0.1",
+        port=0,
+        max_request_bytes=1024,
+        api_docs=False,
     )
 
 

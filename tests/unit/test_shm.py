@@ -1,5 +1,6 @@
-"""Shared-memory files of CPU weight pushes (``shared.shm``): probes, segments, their removal, and the sweep
-of files whose owner is gone - on a real tmpfs (/dev/shm) where the test needs its limits, else tmp_path."""
+"""Shared-memory files of CPU weight pushes (``shared.shm``, ``weight_sync.transport_shm``): probes,
+segments, their removal, and the sweep of files whose owner is gone - on a real tmpfs (/dev/shm) where the
+test needs its limits, else tmp_path."""
 
 from __future__ import annotations
 
@@ -11,7 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.shm import PROBE, SEGMENT, LockedFile, Segment, make_probe, map_file, probe_matches, sweep_stale, usable_dir
+import shared.shm
+from shared.shm import (
+    PROBE,
+    SEGMENT,
+    LockedFile,
+    make_probe,
+    probe_matches,
+    sweep_stale,
+    usable_dir,
+)
+from weight_sync.transport_shm import Segment, map_file, map_segment
 
 
 def test_usable_dir_is_a_writable_directory_or_none(tmp_path):
@@ -63,10 +74,58 @@ def test_probes_match_only_their_token_directory_and_name(tmp_path):
     assert not probe_matches(str(probe.path), token, tmp_path)
 
 
+def test_a_generator_maps_only_a_segment_of_its_own_user_that_no_one_else_can_write(tmp_path, monkeypatch):
+    """The learner's store names each segment's path; a name is not enough: whoever can write to the store or
+    make a file in /dev/shm (everyone) must not get a generator to map a file of theirs."""
+    segment = Segment(tmp_path, 4096)
+    segment.tensor[:3] = torch.tensor([7, 8, 9], dtype=torch.uint8)
+    mapped = map_segment(str(segment.path), 4096)
+    assert mapped[:3].tolist() == [7, 8, 9]
+    segment.tensor[3] = 5
+    assert int(mapped[3]) == 5  # the same memory
+
+    def made(name: str, mode: int = 0o600) -> str:
+        path = tmp_path / name
+        path.write_bytes(bytes(4096))
+        path.chmod(mode)
+        return str(path)
+
+    with pytest.raises(ValueError, match="not a weight segment"):
+        map_segment(made("not-a-segment"), 4096)
+    with pytest.raises(ValueError, match="writable by its group or others \\(mode 666\\)"):
+        map_segment(made(f"{SEGMENT}loose", 0o666), 4096)
+    with pytest.raises(ValueError, match="writable by its group or others"):
+        map_segment(made(f"{SEGMENT}group", 0o620), 4096)
+    link = tmp_path / f"{SEGMENT}link"
+    link.symlink_to(segment.path)
+    with pytest.raises(ValueError, match="a link is refused"):
+        map_segment(str(link), 4096)
+    (tmp_path / f"{SEGMENT}dir").mkdir()
+    with pytest.raises(ValueError, match="cannot be opened"):
+        map_segment(str(tmp_path / f"{SEGMENT}dir"), 4096)
+    with pytest.raises(ValueError, match="holds 4096 bytes, not the 100 expected"):
+        map_segment(str(segment.path), 100)
+    owner = os.getuid()
+    monkeypatch.setattr(shared.shm.os, "getuid", lambda: owner + 1)  # as if another user had made it
+    with pytest.raises(ValueError, match=f"is owned by uid {owner}, not this process's"):
+        map_segment(str(segment.path), 4096)
+    monkeypatch.undo()
+    segment.close()
+
+
+def test_a_probe_writable_by_others_does_not_count(tmp_path):
+    probe, token = make_probe(tmp_path)
+    assert probe_matches(str(probe.path), token, tmp_path)
+    probe.path.chmod(0o666)
+    assert not probe_matches(str(probe.path), token, tmp_path)
+    probe.close()
+
+
 HOLD = """
 import sys, time
 from pathlib import Path
-from shared.shm import Segment, make_probe
+from shared.shm import make_probe
+from weight_sync.transport_shm import Segment
 segment = Segment(Path(sys.argv[1]), 4096)
 probe, _ = make_probe(Path(sys.argv[1]))
 print(segment.path, probe.path, flush=True)

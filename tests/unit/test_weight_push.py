@@ -7,23 +7,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.generator.weight_receiver import (
+from shared.codec import decode, encode
+from shared.records import CudaIpcWeights, WeightVersionAnnouncement
+from weight_sync.direct_load import (
     DirectLoader,
     DirectLoadUnavailable,
     TargetParam,
     describe_targets,
-    ipc_rebuild_args,
     is_transposed,
     plan_direct_load,
     source_names,
     stack_rows,
-    unpack_bucket,
 )
-from services.learner.weight_push import pack_bucket, plan_buckets, slot_views
-from services.learner.weight_transport_ipc import ipc_record_from_args
-from shared.codec import decode, encode
-from shared.records import CudaIpcWeights, WeightVersionAnnouncement
-from shared.weights import bucket_byte_sizes
+from weight_sync.placement import slot_views
+from weight_sync.protocol import bucket_byte_sizes, pack_bucket, plan_buckets, read_layout, unpack_bucket
+from weight_sync.transport_ipc import ipc_rebuild_args, ipc_record_from_args
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -40,7 +38,7 @@ def _named():
 
 
 def _sizes(layout, num_buckets):
-    return bucket_byte_sizes(((s["dtype"], s["shape"], s["bucket"]) for s in layout), num_buckets)
+    return bucket_byte_sizes(read_layout(layout), num_buckets)
 
 
 def _buffers(named, specs, buckets, dtype):
@@ -57,7 +55,7 @@ def test_pack_and_unpack_round_trip_with_the_cast(dtype):
     assert [b.numel() for b in packed] == _sizes(layout, len(buckets))
     got = {}
     for index, buffer in enumerate(packed):
-        got.update(unpack_bucket(buffer, [s for s in layout if s["bucket"] == index]))
+        got.update(unpack_bucket(buffer, [s for s in read_layout(layout) if s.bucket == index]))
     for name, tensor in named:
         expected = tensor.to(getattr(torch, dtype)) if dtype else tensor
         assert got[name].dtype == expected.dtype and torch.equal(got[name], expected), name
@@ -139,7 +137,7 @@ def test_stack_rows_is_a_view_when_the_pieces_lie_back_to_back():
     named = _named()[1:4]
     specs, buckets = plan_buckets(named, bucket_bytes=1 << 20)
     [buffer] = [pack_bucket([named[i][1] for i in indices]) for indices in buckets]
-    pieces = [t for _, t in unpack_bucket(buffer, [s.model_dump() for s in specs])]
+    pieces = [t for _, t in unpack_bucket(buffer, specs)]
     stacked = stack_rows(pieces)
     assert torch.equal(stacked, torch.cat([t for _, t in named]))
     assert stacked.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # no copy
@@ -293,7 +291,7 @@ def _load(model, named, bucket_bytes: int, alias: bool, buffers=None, borrowed: 
     plan = plan_direct_load({s["name"]: tuple(s["shape"]) for s in layout}, targets)
     loader = DirectLoader(model, plan, targets, alias=alias, borrowed=borrowed)
     for index, buffer in enumerate(buffers):
-        loader.add_all(unpack_bucket(buffer, [s for s in layout if s["bucket"] == index]))
+        loader.add_all(unpack_bucket(buffer, [s for s in read_layout(layout) if s.bucket == index]))
     loader.finish()
     return loader, buffers
 
@@ -445,7 +443,7 @@ def test_slot_views_are_where_pack_bucket_puts_each_tensor_that_travels_uncast(d
 
 
 def test_placed_parameters_are_packed_by_no_copy_and_stay_exact_and_can_be_owned_again(monkeypatch):
-    from services.learner.weight_push import own_parameters, place_parameters
+    from weight_sync.placement import own_parameters, place_parameters
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
@@ -491,7 +489,8 @@ def test_placed_parameters_are_packed_by_no_copy_and_stay_exact_and_can_be_owned
 def test_the_pusher_packs_into_the_same_cpu_buffers_while_the_layout_holds():
     import threading
 
-    from services.learner.weight_push import WeightPusher, _Sender
+    from weight_sync.sender import WeightPusher
+    from weight_sync.sending import SendThread
 
     pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token="t", bucket_bytes=96)
     named = _named()
@@ -505,7 +504,7 @@ def test_the_pusher_packs_into_the_same_cpu_buffers_while_the_layout_holds():
     # A push whose sending thread still runs (it timed out, say) may still read its buffers: new ones.
     again = pusher._buffers_for(other_specs, len(other_buckets), shared=False)[0]
     release = threading.Event()
-    pusher._sender = _Sender(lambda: int(release.wait(30)))
+    pusher._sender = SendThread(lambda: int(release.wait(30)))
     try:
         assert pusher._buffers_for(other_specs, len(other_buckets), shared=False)[0] is not again
     finally:
@@ -559,7 +558,8 @@ def test_borrowed_buffers_are_never_aliased():
 
 
 def test_the_pusher_packs_into_kept_shared_memory_segments_and_removes_them(tmp_path):
-    from services.learner.weight_push import WeightPusher, _Sender
+    from weight_sync.sender import WeightPusher
+    from weight_sync.sending import SendThread
 
     pusher = WeightPusher(
         bind_port=0, advertise_host="127.0.0.1", api_token="t", bucket_bytes=96, shm_dir=str(tmp_path)
@@ -573,7 +573,7 @@ def test_the_pusher_packs_into_kept_shared_memory_segments_and_removes_them(tmp_
     again, same = pusher._buffers_for(specs, len(buckets), shared=True)
     assert same is segments and again == buffers
     # After a failed push a receiver may still read the segments: new ones, and the old files go.
-    failed = _Sender(lambda: 1 // 0)
+    failed = SendThread(lambda: 1 // 0)
     failed._thread.join()
     pusher._sender = failed
     _, fresh = pusher._buffers_for(specs, len(buckets), shared=True)
@@ -588,9 +588,9 @@ def test_the_pusher_packs_into_kept_shared_memory_segments_and_removes_them(tmp_
 
 
 def test_the_pusher_picks_shared_memory_only_for_probes_it_can_read(tmp_path):
-    from services.learner.weight_push import WeightPusher
     from shared.records import GeneratorRegistration
     from shared.shm import make_probe
+    from weight_sync.sender import WeightPusher
 
     here, elsewhere = tmp_path / "shm", tmp_path / "other"
     here.mkdir()
@@ -623,10 +623,10 @@ def test_no_room_for_segments_is_logged_and_the_push_goes_over_gloo(tmp_path, mo
     import errno
 
     import shared.shm
-    from services.learner.weight_push import WeightPusher
-    from services.learner.weight_transport import plan_push
     from shared.records import GeneratorRegistration
     from shared.shm import make_probe
+    from weight_sync.plan import plan_push
+    from weight_sync.sender import WeightPusher
 
     probe, token = make_probe(tmp_path)
     pusher = WeightPusher(
@@ -663,9 +663,9 @@ def test_a_push_the_learner_gives_up_on_stops_shared_memory_receivers_at_once(tm
     import time
     from datetime import timedelta
 
-    from services.learner.weight_push import WeightPusher
-    from services.learner.weight_transport import PushPlan
     from tests.gpu.standin import StandInWorker, build_model
+    from weight_sync.plan import PushPlan
+    from weight_sync.sender import WeightPusher
 
     pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token="t", bucket_bytes=1 << 16)
     worker = StandInWorker(build_model(seed=0, hidden=8, layers=1, device="cpu"), torch.device("cpu"))
@@ -718,7 +718,7 @@ def test_transposed_tensors_are_packed_as_their_transpose_and_unpack_to_the_same
     # The bytes are those of each transpose, contiguous: what the engine's prepacking reads.
     expected = torch.cat([(t.t().contiguous() if f else t).reshape(-1) for (_, t), f in zip(named, flags, strict=True)])
     assert torch.equal(packed.view(torch.float32), expected)
-    unpacked = dict(unpack_bucket(packed, [s.model_dump() for s in specs]))
+    unpacked = dict(unpack_bucket(packed, specs))
     for name, tensor in named:
         assert torch.equal(unpacked[name], tensor), name
         assert is_transposed(unpacked[name]) == (name in LINEAR), name
@@ -777,7 +777,7 @@ def test_transposed_pieces_reach_the_handle_transposed_and_the_engine_computes_t
     plan = plan_direct_load({s["name"]: tuple(s["shape"]) for s in layout}, targets)
     loader = DirectLoader(model, plan, targets, borrowed=borrowed)
     for index, buffer in enumerate(buffers):
-        loader.add_all(unpack_bucket(buffer, [s for s in layout if s["bucket"] == index]))
+        loader.add_all(unpack_bucket(buffer, [s for s in read_layout(layout) if s.bucket == index]))
     loader.finish()
     assert qkv.quant_method.layouts == [True]  # packed from [in, out] contiguous
     for key, value in model.outputs(x).items():
@@ -790,7 +790,7 @@ def test_transposed_pieces_reach_the_handle_transposed_and_the_engine_computes_t
 
 def test_placed_transposed_parameters_train_and_pack_by_no_copy(monkeypatch):
     from services.learner.policy import linear_weight_names
-    from services.learner.weight_push import place_parameters
+    from weight_sync.placement import place_parameters
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
@@ -829,7 +829,7 @@ def test_placed_transposed_parameters_train_and_pack_by_no_copy(monkeypatch):
     unpacked = {}
     specs, _ = plan_buckets(named, bucket_bytes=64, dtype="float32", transposed=linear)
     for index, buffer in enumerate(buffers):
-        unpacked.update(unpack_bucket(buffer, [s.model_dump() for s in specs if s.bucket == index]))
+        unpacked.update(unpack_bucket(buffer, [s for s in specs if s.bucket == index]))
     for name, param in model.named_parameters():
         assert torch.equal(unpacked[name], param), name
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from services.learner.policy import linear_weight_names
-from services.learner.weight_push import WeightPusher, own_parameters, place_parameters
 from tests.gpu import standin
 from tests.gpu.weight_path import digests, push, start_receiver, stop_receiver
+from weight_sync.placement import own_parameters, place_parameters
+from weight_sync.sender import WeightPusher
 
 
 def test_gloo_push_to_a_stand_in_receiver_is_bitwise_and_direct():

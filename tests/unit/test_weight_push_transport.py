@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.learner.weight_push import WeightPusher
-from services.learner.weight_transport import (
+from shared.records import GeneratorRegistration, RuntimeVersions
+from weight_sync.plan import (
     LearnerDevice,
     PushRefused,
     choose_transport,
@@ -14,7 +14,7 @@ from services.learner.weight_transport import (
     push_dtype,
     version_mismatches,
 )
-from shared.records import GeneratorRegistration, RuntimeVersions
+from weight_sync.sender import WeightPusher
 
 V = RuntimeVersions(torch="2.13.0+cu130", nccl="2.29.1", vllm="0.32.0")
 CPU = LearnerDevice("cpu", None, RuntimeVersions(torch="2.13.0+cpu", vllm="0.32.0"))

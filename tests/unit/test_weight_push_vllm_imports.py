@@ -1,5 +1,5 @@
 """Import smoke test of the generator's GPU path against the installed vLLM: every ``vllm`` module and name
-that services/generator imports (found by parsing the sources, so a new import is covered at once) must
+that services/generator and weight_sync import (found by parsing the sources, so a new import is covered at once) must
 exist. A vLLM that lacks one (the GPU image once had vLLM 0.11, without ``model_loader.reload``) fails here
 instead of at the first weight push. Run it inside an image to check that image's vLLM."""
 
@@ -13,15 +13,17 @@ import pytest
 
 pytestmark = pytest.mark.vllm
 
-GENERATOR = Path(__file__).resolve().parents[2] / "services" / "generator"
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = (ROOT / "services" / "generator", ROOT / "weight_sync")  # the engine, and the worker extension
 
 
 def vllm_imports() -> list[tuple[str, str | None, str]]:
-    """(module, name or None, where) for every vLLM import in services/generator, lazy ones included."""
+    """(module, name or None, where) for every vLLM import in services/generator and weight_sync, lazy ones
+    included."""
     found = []
-    for path in sorted(GENERATOR.glob("*.py")):
+    for path in [path for folder in SOURCES for path in sorted(folder.glob("*.py"))]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            where = f"{path.name}:{getattr(node, 'lineno', 0)}"
+            where = f"{path.parent.name}/{path.name}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "vllm":
                 found += [(node.module, alias.name, where) for alias in node.names]
             elif isinstance(node, ast.Import):
@@ -72,7 +74,7 @@ def test_the_vllm_api_the_generator_calls_exists():
     assert {"group", "device"} <= params(PyNcclCommunicator.__init__)
     assert {"tensor", "src", "stream"} <= params(PyNcclCommunicator.broadcast)
     # The direct loader accepts these quantization methods by class name; a rename must fail here.
-    from services.generator.weight_receiver import _PLAIN_METHODS
+    from weight_sync.direct_load import _PLAIN_METHODS
 
     assert {UnquantizedLinearMethod.__name__, UnquantizedEmbeddingMethod.__name__} == _PLAIN_METHODS
     assert hasattr(UnquantizedLinearMethod, "process_weights_after_loading")

@@ -8,13 +8,18 @@ means for the group - NaN for an optional reward, the group held back for a requ
 loop's decision. :func:`score_batch` is the simple form: the [G, F] matrix with NaN wherever a function
 failed.
 
-A failure is an *outage* or a *bug*. An HTTP plugin's failures, and a Python function's ``OSError``
-(``ConnectionError``, ``TimeoutError``, what ``requests`` and ``urllib`` raise) or ``httpx.HTTPError``, say
-"not now": something the function needs is out of reach, and a later call may succeed. Any other exception
+A failure is an *outage*, a *bug* or a *bad input*. An HTTP plugin's failures, and a Python function's
+``OSError`` (``ConnectionError``, ``TimeoutError``, what ``requests`` and ``urllib`` raise) or
+``httpx.HTTPError``, say "not now": something the function needs is out of reach, and a later call may
+succeed. A Python plugin that gives no answer within its ``timeout_s`` is such an outage too (its call is
+abandoned, see :mod:`services.scorer.rewards.threads`). Any other exception
 from a Python function (built-in or plugin), or an answer that is not G numbers, is a bug in the function:
 the same group would fail the same way again. A bug's traceback is logged at ERROR the first time each
 function has one (later ones are one line each) and counted in ``rewards/<name>/bugs``; the scoring loop
-stops the scorer on a required reward's bug (as TRL's trainer stops) instead of waiting it out.
+stops the scorer on a required reward's bug (as TRL's trainer stops) instead of waiting it out. A *bad input*
+(:class:`RewardInputError`: the group cannot even be put to the function, e.g. a column a plugin's JSON
+request cannot carry) is the record's fault, not the function's: it never counts against the breaker, and
+the scoring loop dead-letters the group as a bad record.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ import httpx
 import numpy as np
 
 from services.scorer.rewards.breaker import CircuitBreaker, CircuitOpenError
+from services.scorer.rewards.threads import RewardThreads, RewardTimeoutError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CircuitOpenError", "RewardBatch", "RewardError", "RewardFailure", "RewardFunction"]
+__all__ = ["CircuitOpenError", "RewardBatch", "RewardError", "RewardFailure", "RewardFunction", "RewardInputError"]
 
 # What a Python reward function raises when something it calls is out of reach: an outage, retried like an
 # HTTP plugin's. Anything else it raises is a bug in the function.
@@ -45,6 +51,10 @@ OUTAGE_EXCEPTIONS: tuple[type[Exception], ...] = (OSError, httpx.HTTPError)
 
 class RewardError(RuntimeError):
     """A reward function failed or answered something that is not G rewards."""
+
+
+class RewardInputError(RewardError):
+    """The group cannot be put to the function (its columns cannot be encoded): a bad record, not an outage."""
 
 
 class RewardBugError(RuntimeError):
@@ -80,6 +90,8 @@ class RewardStats:
     short_circuited: int = 0
     nan_values: int = 0
     bugs: int = 0  # failures of an in-process function that are not outages (see the module docstring)
+    bad_inputs: int = 0  # groups that could not be put to the function (RewardInputError)
+    timeouts: int = 0  # Python calls abandoned at timeout_s (outages, also counted in errors)
     retried_5xx: int = 0
     retried_transport: int = 0
     latency_s_total: float = 0.0
@@ -92,6 +104,8 @@ class RewardStats:
             f"rewards/{name}/short_circuited": self.short_circuited,
             f"rewards/{name}/nan_values": self.nan_values,
             f"rewards/{name}/bugs": self.bugs,
+            f"rewards/{name}/bad_inputs": self.bad_inputs,
+            f"rewards/{name}/timeouts": self.timeouts,
             f"rewards/{name}/retried_5xx": self.retried_5xx,
             f"rewards/{name}/retried_transport": self.retried_transport,
             f"rewards/{name}/latency_seconds_total": self.latency_s_total,
@@ -104,6 +118,7 @@ class RewardFunction:
 
     ``required``: a failure holds the group back (the scoring loop retries it) instead of giving NaN.
     ``in_process``: a Python function (built-in or plugin), whose failures other than outages are bugs.
+    ``threads``: the worker threads a Python plugin runs in (their ``hung`` count is a gauge).
     """
 
     name: str
@@ -112,6 +127,7 @@ class RewardFunction:
     required: bool = True
     breaker: CircuitBreaker | None = None
     in_process: bool = False
+    threads: RewardThreads | None = None
 
     def __post_init__(self) -> None:
         if self.breaker is None:
@@ -127,6 +143,7 @@ class RewardFailure:
     detail: str  # "HTTP 503 after 3 attempts: body 'boom'", "ValueError: x (at m.py:3 in f)", ...
     short_circuited: bool = False  # the breaker refused the call; nothing was sent
     bug: bool = False  # a bug in a Python function, not an outage: calling again would fail the same way
+    bad_input: bool = False  # the group could not be put to the function: the record is bad (RewardInputError)
 
     def __str__(self) -> str:
         return f"reward {self.reward} on group {self.group_id}: {self.detail}"
@@ -159,12 +176,17 @@ def trl_style(
     in_thread: bool,
     required: bool = True,
     breaker: CircuitBreaker | None = None,
+    timeout_s: float | None = None,
+    threads: int = 8,
 ) -> RewardFunction:
     """Wrap a function with TRL's convention ``f(prompts, completions, completion_ids, **columns)``.
 
-    Coroutine functions are awaited; plain ones run in a worker thread when ``in_thread`` (plugins, whose
-    cost is unknown) or inline (the fast built-ins).
+    Coroutine functions are awaited; plain ones run in one of ``threads`` worker threads of their own when
+    ``in_thread`` (plugins, whose cost is unknown) or inline (the fast built-ins). A call that gives no answer
+    within ``timeout_s`` (None: no limit; an inline call has none) raises :class:`RewardTimeoutError`, an
+    outage.
     """
+    runner = RewardThreads(name, threads) if in_thread else None
 
     async def call(batch: RewardBatch) -> Any:
         kwargs = dict(
@@ -174,18 +196,32 @@ def trl_style(
             **batch.columns,
         )
         if inspect.iscoroutinefunction(function):
-            return await function(**kwargs)
-        if in_thread:
-            return await asyncio.to_thread(function, **kwargs)
+            return await _awaited(function(**kwargs), timeout_s)
+        if runner is not None:
+            return await runner.run(function, kwargs, timeout_s, batch.group_id)
         return function(**kwargs)
 
-    return RewardFunction(name, call, required=required, breaker=breaker, in_process=True)
+    return RewardFunction(name, call, required=required, breaker=breaker, in_process=True, threads=runner)
+
+
+async def _awaited(coroutine: Any, timeout_s: float | None) -> Any:
+    """A coroutine reward's answer; :class:`RewardTimeoutError` (it is cancelled) after ``timeout_s``."""
+    deadline = asyncio.timeout(timeout_s)
+    try:
+        async with deadline:
+            return await coroutine
+    except TimeoutError:
+        if not deadline.expired():
+            raise  # the function's own TimeoutError: an outage it reports itself
+        raise RewardTimeoutError(f"no answer within timeout_s={timeout_s:g}") from None
 
 
 def failure_detail(exc: BaseException) -> str:
     """What went wrong, in one line: a RewardError's message, else the exception and where it was raised."""
     if isinstance(exc, RewardError):
         return str(exc)
+    if isinstance(exc, RewardTimeoutError):
+        return f"{type(exc).__name__}: {exc}"  # where the call was abandoned says nothing
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip() or type(exc).__name__
     frames = traceback.extract_tb(exc.__traceback__)
     if frames:
@@ -208,6 +244,9 @@ async def run_function(function: RewardFunction, batch: RewardBatch) -> list[flo
     function.stats.calls += 1
     try:
         values = validate_rewards(function.name, await function.call(batch), len(batch))
+    except RewardInputError as exc:
+        breaker.release_trial(trial)  # no answer either way: the function was never asked
+        return _bad_input(function, batch, exc)
     except Exception as exc:
         return _failed(function, batch, exc, trial, first=breaker.failures == 0)
     except BaseException:  # cancelled: the trial slot must not stay taken
@@ -229,6 +268,7 @@ def _failed(function: RewardFunction, batch: RewardBatch, exc: Exception, trial:
     bug = is_bug(function, exc)
     failure = RewardFailure(function.name, batch.group_id, failure_detail(exc), bug=bug)
     function.stats.errors += 1
+    function.stats.timeouts += isinstance(exc, RewardTimeoutError)
     function.stats.last_error = failure.detail
     assert function.breaker is not None
     function.breaker.failure(f"group {batch.group_id}: {failure.detail}", trial=trial)
@@ -239,6 +279,13 @@ def _failed(function: RewardFunction, batch: RewardBatch, exc: Exception, trial:
     what = "the group waits and is retried" if function.required else "its rewards are NaN for this group"
     # The first failure after a success carries the whole traceback; the rest one line each.
     log.warning("%s (%s)", failure, what, exc_info=exc if first and not isinstance(exc, RewardError) else None)
+    return failure
+
+
+def _bad_input(function: RewardFunction, batch: RewardBatch, exc: RewardInputError) -> RewardFailure:
+    function.stats.bad_inputs += 1
+    failure = RewardFailure(function.name, batch.group_id, str(exc), bad_input=True)
+    log.warning("%s: the group cannot be sent, so it is dead-lettered as a bad record", failure)
     return failure
 
 

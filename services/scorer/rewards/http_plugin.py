@@ -10,6 +10,11 @@ would get the same answer. Whatever still fails raises :class:`PluginCallError` 
 excerpt of the body; the caller (``functions.run_function``) counts it against the reward's breaker, and
 the scoring loop holds the group back (required reward) or uses NaN (optional). ``headers`` (including a
 bearer token) go with every request and are never logged.
+
+The request is built and encoded once per group, before anything is sent, with the protocol's own model: a
+group it cannot carry (a column that is not plain JSON, one named after a reward-function argument, more
+items than the protocol allows) raises :class:`RewardInputError`, a bad record rather than an outage, so
+the plugin's breaker and ``/ready`` are left alone.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from pydantic import ValidationError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
 from services.scorer.rewards.breaker import CircuitBreaker
-from services.scorer.rewards.functions import RewardBatch, RewardError, RewardFunction, RewardStats
-from shared.reward_protocol import PROTOCOL, RewardResponse
+from services.scorer.rewards.functions import RewardBatch, RewardError, RewardFunction, RewardInputError, RewardStats
+from shared.reward_protocol import PROTOCOL, RewardRequest, RewardResponse
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +130,11 @@ class HttpRewardPlugin:
         return False
 
     async def score(self, batch: RewardBatch) -> list[float | None]:
-        payload = {"protocol": PROTOCOL, "items": _items(batch)}
+        body = request_body(batch)
         async with self.semaphore:
-            return await self._post_with_retries(payload, len(batch), batch.group_id)
+            return await self._post_with_retries(body, len(batch), batch.group_id)
 
-    async def _post_with_retries(self, payload: dict, expected: int, group_id: str) -> list[float | None]:
+    async def _post_with_retries(self, body: bytes, expected: int, group_id: str) -> list[float | None]:
         retrying = AsyncRetrying(
             retry=retry_if_exception(_is_retryable),
             stop=stop_after_attempt(self.retries + 1),
@@ -142,7 +147,7 @@ class HttpRewardPlugin:
             async for attempt in retrying:
                 with attempt:
                     attempts += 1
-                    return await self._post(payload, expected)
+                    return await self._post(body, expected)
         except PluginCallError as exc:
             if attempts > 1:
                 raise PluginCallError(f"{exc} (after {attempts} attempts)", exc.status) from exc
@@ -162,9 +167,10 @@ class HttpRewardPlugin:
             self.name, group_id, exc, state.attempt_number, self.retries, delay,
         )  # fmt: skip
 
-    async def _post(self, payload: dict, expected: int) -> list[float | None]:
+    async def _post(self, body: bytes, expected: int) -> list[float | None]:
+        headers = {"Content-Type": "application/json", **self._headers}
         try:
-            reply = await self.client.post(self.url, json=payload, timeout=self.timeout_s, headers=self._headers)
+            reply = await self.client.post(self.url, content=body, timeout=self.timeout_s, headers=headers)
         except httpx.HTTPError as exc:
             raise PluginCallError(transport_detail(exc, self.timeout_s), retryable=True) from exc
         status = reply.status_code
@@ -179,6 +185,20 @@ class HttpRewardPlugin:
 
 def _is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, PluginCallError) and exc.retryable
+
+
+def request_body(batch: RewardBatch) -> bytes:
+    """The group's request as JSON bytes, checked by the protocol's model; RewardInputError saying why the
+    group cannot be sent (the record's fault: retrying would send the same bytes)."""
+    try:
+        request = RewardRequest.model_validate({"protocol": PROTOCOL, "items": _items(batch)})
+        return request.model_dump_json().encode()
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise RewardInputError(f"the group cannot be sent to the plugin: {where}: {error['msg']}") from None
+    except (TypeError, ValueError) as exc:  # what serialising a value pydantic let through may raise
+        raise RewardInputError(f"the group cannot be encoded as JSON: {type(exc).__name__}: {exc}") from None
 
 
 def _items(batch: RewardBatch) -> list[dict[str, Any]]:

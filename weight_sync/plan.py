@@ -11,7 +11,7 @@ NCCL group, whether versions agree, and which dtype the buckets carry.
 * Buckets carry the generators' engine dtype (the learner may hold float32 master weights while generators
   serve bf16): the cast happens once, while packing.
 
-:mod:`services.learner.weight_push` calls these; the CUDA-only code stays there and is thin.
+:mod:`weight_sync.sender` calls these; the CUDA-only code stays there and in the transport modules.
 """
 
 from __future__ import annotations

@@ -1,0 +1,219 @@
+"""Least privilege in Redis (``shared.redis_acl``), on a real redis-server that ``asyncgrpo run`` starts
+itself (``redis_for_run``): every service does its whole job as its own user through the project's own code
+(streams, registry, leases, announcements), and is refused every command and key it does not need - a scorer
+cannot register a generator, a generator cannot write scored groups, nobody but the administrator can
+``FLUSHALL``."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+
+from services.generator.registry import GpuLease
+from services.launcher.local_redis import redis_for_run
+from shared.codec import encode
+from shared.config.scorer import ScorerSettings
+from shared.keys import Keys
+from shared.records import CheckpointAnnouncement, GeneratorRegistration, WeightVersionAnnouncement
+from shared.redis_acl import ROLES, grants, server_arguments
+from shared.redis_conn import connect, make_client
+from shared.registry import deregister, latest_checkpoint, latest_weights_version, live_generators, register
+from shared.streams import Output, StreamConsumer, StreamProducer, group_backlog, stream_backlog
+
+pytestmark = pytest.mark.integration
+
+NOTHING_ANSWERS = "redis://127.0.0.1:1/0"  # so redis_for_run starts its own server, with the ACL users
+
+
+@pytest.fixture
+async def users():
+    """``(keys, {role: client}, admin client)`` on a Redis started as ``asyncgrpo run`` starts one."""
+    keys = Keys(f"acl-{uuid.uuid4().hex[:8]}")
+    urls, server = redis_for_run(keys.prefix, NOTHING_ANSWERS)
+    assert server is not None
+    clients = {}
+    try:
+        for role in ROLES:
+            url = urls[f"{role.upper()}_REDIS_URL"]
+            assert url.startswith(f"redis://{role}:") and server.password not in url
+            clients[role] = await connect(url, timeout_s=10)
+        admin = await connect(server.url, timeout_s=10)
+        yield keys, clients, admin
+        await admin.aclose()
+    finally:
+        for client in clients.values():
+            await client.aclose()
+        server.stop()
+
+
+def _consumer(client, keys: Keys, stream: str, group: str, name: str) -> StreamConsumer:
+    return StreamConsumer(client, keys, stream, group, name, block_ms=50, claim_idle_ms=100, max_deliveries=5)
+
+
+async def _learner_admits(learner, keys: Keys, task_ids: list[str]) -> None:
+    """As the learner's admission does: the task and the feeder's position in one transaction."""
+    prompts = StreamProducer(learner, keys.prompts)
+    for task_id in task_ids:
+        async with learner.pipeline(transaction=True) as pipe:
+            prompts.queue(pipe, task_id, b"task " + task_id.encode())
+            pipe.hset(keys.learner_state, "feeder_position", b"{}")
+            await pipe.execute()
+    assert await learner.hget(keys.learner_state, "feeder_position") == b"{}"
+    assert await learner.hexists(keys.learner_state, "feeder_position")  # its check that Redis kept its state
+    await learner.set(keys.weights, encode(WeightVersionAnnouncement(policy_version=1)))
+    await learner.set(keys.checkpoint, encode(CheckpointAnnouncement(policy_version=1, step=1, path="/ckpt/1")))
+
+
+async def _generator_works(generator, keys: Keys) -> None:
+    lease = GpuLease(generator, keys, "box", "gen-0", ttl_s=5)
+    assert await lease.acquire([0, 1], 1) == [0]
+    again = GpuLease(generator, keys, "box", "gen-0", ttl_s=5)  # the same replica, restarted: EVAL reclaims
+    assert await again.acquire([0], 1) == [0] and await again.holders([0, 1]) == {0: "gen-0"}
+    await again.release()
+    registration = GeneratorRegistration(generator_id="gen-0", url="http://127.0.0.1:8001", policy_version=1)
+    await register(generator, keys, registration, ttl_s=30)
+    assert await latest_weights_version(generator, keys) == 1
+    assert (await latest_checkpoint(generator, keys)).path == "/ckpt/1"
+    assert await stream_backlog(generator, keys.prompts) == 3
+    rollouts = StreamProducer(generator, keys.rollouts, max_backlog=8)
+    first = _consumer(generator, keys, keys.prompts, Keys.GENERATORS, "gen-a")
+    await first.start()
+    taken = await first.read(count=3)  # gen-a dies holding them; gen-b claims them (XAUTOCLAIM, XPENDING)
+    await first.keepalive()
+    assert len(taken) == 3
+    second = _consumer(generator, keys, keys.prompts, Keys.GENERATORS, "gen-b")
+    claimed = []
+    while len(claimed) < 3:
+        claimed += await second.read(count=3)
+    outputs = [Output(rollouts, d.record_id, b"rollout " + d.payload) for d in claimed[:2]]
+    assert await second.commit_many([(claimed[0], outputs[:1]), (claimed[1], outputs[1:])]) == [True, True]
+    await second.dead_letter(claimed[2], "a prompt this test gives up on")
+
+
+async def _scorer_works(scorer, keys: Keys) -> None:
+    scored = StreamProducer(scorer, keys.scored, max_backlog=8)
+    evaluated = StreamProducer(scorer, keys.evaluated)
+    consumer = _consumer(scorer, keys, keys.rollouts, Keys.SCORERS, "scorer-0")
+    await consumer.start()
+    first, second = await consumer.read(count=2)
+    assert await consumer.commit(first, [Output(scored, first.record_id, b"scored")])
+    assert await consumer.commit(second, [Output(evaluated, second.record_id, b"evaluated")])
+
+
+async def _learner_works(learner, admin, keys: Keys) -> None:
+    assert await group_backlog(learner, keys.prompts, Keys.GENERATORS) == 0
+    assert await group_backlog(learner, keys.rollouts, Keys.SCORERS) == 0
+    for stream in (keys.scored, keys.evaluated):
+        consumer = _consumer(learner, keys, stream, Keys.LEARNER, "learner")
+        await consumer.start()
+        [delivery] = await consumer.read()
+        assert await consumer.commit(delivery)
+    await admin.hset(keys.generators, "gen-bad", b"not a registration")  # set aside (EVAL: HGET, HDEL, XADD)
+    assert [g.generator_id for g in await live_generators(learner, keys)] == ["gen-0"]
+    assert not await admin.hexists(keys.generators, "gen-bad")
+
+
+async def test_every_service_does_its_whole_job_as_its_own_user(users):
+    keys, clients, admin = users
+    await _learner_admits(clients["learner"], keys, ["t1", "t2", "t3"])
+    await _generator_works(clients["generator"], keys)
+    await _scorer_works(clients["scorer"], keys)
+    await _learner_works(clients["learner"], admin, keys)
+    await deregister(clients["generator"], keys, "gen-0")
+    assert await admin.hlen(keys.generators) == 0
+    reasons = [fields[b"reason"] for _, fields in await admin.xrange(keys.dead_letter)]
+    assert reasons[0] == b"a prompt this test gives up on" and len(reasons) == 2
+
+
+REFUSED = {
+    "scorer": [
+        ("HSET", "{generators}", "gen-x", "registration"),  # would register a generator URL
+        ("SET", "{alive}", "1"),
+        ("XADD", "{prompts}", "*", "id", "x"),
+        ("SET", "{weights}", "x"),
+        ("XRANGE", "{dead}", "-", "+"),  # dead letters are written, never read
+        ("HGETALL", "{learner_state}"),
+    ],
+    "generator": [
+        ("XADD", "{scored}", "*", "id", "x", "data", "x"),  # would put groups of its own in training
+        ("XADD", "{evaluated}", "*", "id", "x", "data", "x"),
+        ("SET", "{weights}", "x"),
+        ("SET", "{checkpoint}", "x"),
+        ("HGETALL", "{generators}"),  # writes its own registration, reads nobody's
+        ("HSET", "{learner_state}", "runtime", "x"),
+        ("XADD", "other:rollouts", "*", "id", "x"),  # another pipeline's keys
+    ],
+    "learner": [
+        ("XADD", "{rollouts}", "*", "id", "x", "data", "x"),
+        ("SET", "{gpu}", "x"),
+        ("SET", "{alive}", "1"),
+        ("XADD", "other:prompts", "*", "id", "x"),
+    ],
+}
+EVERYONE_REFUSED = [
+    ("FLUSHALL",),
+    ("CONFIG", "GET", "*"),
+    ("KEYS", "*"),
+    ("SCAN", "0"),
+    ("ACL", "LIST"),
+    ("SCRIPT", "FLUSH"),
+    ("PUBLISH", "news", "x"),
+]
+
+
+def _key(name: str, keys: Keys) -> str:
+    named = {
+        "{generators}": keys.generators,
+        "{alive}": keys.generator_alive("gen-x"),
+        "{prompts}": keys.prompts,
+        "{rollouts}": keys.rollouts,
+        "{scored}": keys.scored,
+        "{evaluated}": keys.evaluated,
+        "{weights}": keys.weights,
+        "{checkpoint}": keys.checkpoint,
+        "{dead}": keys.dead_letter,
+        "{learner_state}": keys.learner_state,
+        "{gpu}": keys.gpu_lease("box", 0),
+    }
+    return named.get(name, name)
+
+
+async def test_every_user_is_refused_what_it_does_not_need(users):
+    keys, clients, admin = users
+    for role, refused in REFUSED.items():
+        for command in [*refused, *EVERYONE_REFUSED]:
+            args = [_key(part, keys) for part in command]
+            with pytest.raises(NoPermissionError):
+                await clients[role].execute_command(*args)
+    assert await admin.exists(keys.generators, keys.scored, keys.weights) == 0  # nothing got through
+
+
+async def test_the_default_user_needs_the_administrator_password_and_a_wrong_one_fails(users):
+    _, _, admin = users
+    port = admin.connection_pool.connection_kwargs["port"]
+    for url in (f"redis://127.0.0.1:{port}/0", f"redis://scorer:wrong-password@127.0.0.1:{port}/0"):
+        client = make_client(url)
+        try:
+            with pytest.raises((AuthenticationError, ResponseError)):  # no password, or a wrong one: nothing
+                await client.ping()
+        finally:
+            await client.aclose()
+
+
+def test_the_rules_are_made_from_the_key_names_and_escape_a_prefix_that_globs():
+    rules = grants(Keys("run-1"))["scorer"].rules()
+    assert rules[:3] == ["resetkeys", "resetchannels", "-@all"] and "+hset" not in rules
+    assert "~run-1:rollouts:applied:scorers:*" in rules and "%W~run-1:dead" in rules
+    assert "~a\\*b:scored" in grants(Keys("a*b"))["scorer"].rules()  # a prefix never widens the grant
+    arguments = server_arguments({role: f"pw-{role}" for role in ROLES}, Keys("run-1"))
+    assert arguments.count("--user") == 3 and ">pw-learner" in arguments
+
+
+def test_the_launcher_uses_an_operators_redis_as_its_url_says(redis_url, monkeypatch):
+    urls, server = redis_for_run("any-prefix", redis_url)
+    assert server is None and urls == {f"{role.upper()}_REDIS_URL": redis_url for role in ROLES}
+    monkeypatch.setenv("REDIS_URL", "redis://elsewhere:6379/0")
+    monkeypatch.setenv("SCORER_REDIS_URL", "redis://scorer:pw@127.0.0.1:6379/0")
+    assert ScorerSettings().redis_url == "redis://scorer:pw@127.0.0.1:6379/0"  # the service's own wins

