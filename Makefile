@@ -74,9 +74,11 @@ test-fast: $(STAMP) compose-env
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy shared services/learner/loss.py services/learner/importance.py services/learner/entropy.py \
-		weight_sync services/learner/batch.py services/learner/batch_metrics.py \
-		services/learner/completions_log.py services/learner/lm_head.py services/scorer/scoring.py
+	$(BIN)/mypy shared weight_sync services/scorer/scoring.py \
+		services/learner/objective/loss.py services/learner/objective/importance.py \
+		services/learner/objective/entropy_control.py services/learner/logprobs/entropy.py \
+		services/learner/logprobs/lm_head.py services/learner/data/batch.py services/learner/data/staleness.py \
+		services/learner/metrics/batch_metrics.py services/learner/metrics/completions_log.py
 
 demo: $(STAMP)
 	$(BIN)/python -m services.launcher demo

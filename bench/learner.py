@@ -48,9 +48,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from services.learner.batch import TrainBatch, collate  # noqa: E402
+from services.learner.data.batch import TrainBatch, collate  # noqa: E402
 from services.learner.hardware import Precision, compute_context, resolve_precision  # noqa: E402
-from services.learner.packing import attention_implementation  # noqa: E402
+from services.learner.logprobs.packing import attention_implementation  # noqa: E402
 from services.learner.trainer import Trainer  # noqa: E402
 from shared.config.learner import LearnerSettings  # noqa: E402
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, ScoredGroup  # noqa: E402
@@ -331,7 +331,7 @@ def main(args) -> None:
     ours_model = build_model(config, precision.param, args.device)
     trainer = Trainer(ours_model, settings)
     recompute = Trainer(ours_model, _settings(args, shape, "recompute"))  # only its no-grad pass runs
-    assert trainer.precision == precision
+    assert trainer.optimizer.precision == precision
     old_logprobs = float("inf")
     for _ in range(args.repeats):
         best["ours"] = min(best["ours"], _timed(args.device, lambda: trainer.train(batch)))
@@ -350,8 +350,8 @@ def report(args, shape, config, model, groups, tokens, trainer, precision, best,
         f"{args.threads} thread(s), best of {args.repeats}"
     )
     print(
-        f"ours: share_prompts={trainer.share_prompts}, packed={trainer.packed} "
-        f"(token budget {trainer.token_budget}); device {name}, dense bf16 peak "
+        f"ours: share_prompts={trainer.planner.share_prompts}, packed={trainer.planner.packed} "
+        f"(token budget {trainer.planner.token_budget}); device {name}, dense bf16 peak "
         f"{'unknown' if peak is None else f'{peak:.0f} TFLOP/s'}; model FLOPs per step {flops / 1e12:.3f} T"
     )
     print(f"{'loop':<6} {'seconds':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>7} {'peak MiB':>9}  ({memory})")

@@ -2,7 +2,7 @@
 
 Model: a Llama shape whose LM head dominates (``--vocab`` 32,000, hidden 256, 2 layers), random weights,
 float32. Batch: ``--rows`` completions of ``--tokens`` / 4 to ``--tokens`` tokens (evenly spread, right-padded
-to ``--tokens``) on a 64-token prompt. Each pass is the learner's (services/learner/policy.py, padded forward):
+to ``--tokens``) on a 64-token prompt. Each pass is the learner's (services/learner/logprobs/policy.py, padded forward):
 
 * "training": log-probabilities and the entropy with its gradient, then backward;
 * "no-grad": log-probabilities under ``torch.inference_mode`` (old logprobs, reference model).
@@ -38,7 +38,7 @@ _MMAP_THRESHOLD = "131072"  # bytes: larger allocations are mmap'd, and returned
 def _batch(rows: int, tokens: int, vocab: int):
     import torch
 
-    from services.learner.batch import TrainBatch
+    from services.learner.data.batch import TrainBatch
 
     ids = torch.randint(0, vocab, (rows, _PROMPT + tokens))
     lengths = torch.linspace(tokens // 4, tokens, rows).long()
@@ -63,7 +63,7 @@ def _child(args: argparse.Namespace) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from services.learner.policy import completion_logprobs_and_entropy
+    from services.learner.logprobs.policy import completion_logprobs_and_entropy
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -33,8 +33,8 @@ def main() -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from services.learner.data.tasks import arithmetic_rows
     from services.learner.hardware import auto_dtype
-    from services.learner.tasks import arithmetic_rows
     from services.scorer.rewards import builtin
 
     torch.set_num_threads(args.threads)

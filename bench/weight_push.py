@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from services.learner.policy import linear_weight_names  # noqa: E402
+from services.learner.model import linear_weight_names  # noqa: E402
 from shared.keys import Keys  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
-from shared.registry import live_generators  # noqa: E402
+from shared.registry import RegistryStats, live_generators  # noqa: E402
 from tests.support.processes import start_service  # noqa: E402
 from tests.support.redis_server import free_port, use_or_start_redis  # noqa: E402
 from tests.support.tiny_model import build_tiny_llama  # noqa: E402
@@ -115,7 +115,7 @@ def raw_broadcast(named, receivers: int, repeats: int, dtype: str) -> float:
 async def _registered(client, keys: Keys, count: int, timeout_s: float = 60.0):
     """The generators once all ``count`` have registered (their first heartbeat follows the ready line)."""
     deadline = time.monotonic() + timeout_s
-    while len(generators := await live_generators(client, keys)) < count:
+    while len(generators := await live_generators(client, keys, RegistryStats())) < count:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{len(generators)} of {count} generators registered")
         await asyncio.sleep(0.2)

@@ -255,7 +255,7 @@ class ServiceState:
     max_request_bytes: int
     api_docs: bool = False
     stop: asyncio.Event = field(default_factory=asyncio.Event)
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    prometheus: CollectorRegistry = field(default_factory=CollectorRegistry)
 
 
 S = TypeVar("S", bound=ServiceState)
@@ -287,8 +287,8 @@ def require_token(request: Request, state: ServiceStateDep, _: Annotated[Any, De
 Authorized = Depends(require_token)
 
 
-def metrics_response(registry: CollectorRegistry) -> Response:
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+def metrics_response(prometheus: CollectorRegistry) -> Response:
+    return Response(generate_latest(prometheus), media_type=CONTENT_TYPE_LATEST)
 
 
 class Stopping(BaseModel):
@@ -300,7 +300,7 @@ common_router = APIRouter(route_class=FiniteJsonRoute)
 
 @common_router.get("/metrics", summary="Prometheus metrics")
 async def metrics(state: ServiceStateDep) -> Response:
-    return metrics_response(state.registry)
+    return metrics_response(state.prometheus)
 
 
 @common_router.post(

@@ -29,7 +29,9 @@ from shared.config.base import ServiceSettings
 from shared.http import ServiceState
 from shared.keys import Keys
 from shared.redis_conn import connect
+from shared.registry import RegistryStats
 from shared.streams import StreamConsumer, StreamProducer
+from shared.telemetry import CallbackCollector
 
 S = TypeVar("S", bound=ServiceSettings)
 T = TypeVar("T")
@@ -146,7 +148,9 @@ class Service(Generic[S]):
         self.name, self.settings, self.client = name, settings, client
         self.keys = Keys(settings.stream_prefix)
         self.stop = stop_on_signals()
-        self.registry = CollectorRegistry()
+        self.prometheus = CollectorRegistry()
+        self.registry_stats = RegistryStats()  # what this process's registry reads found invalid
+        self.prometheus.register(CallbackCollector(counters=lambda: {"registry/invalid": self.registry_stats.invalid}))
         self.log = logging.getLogger(f"services.{name}")
         self._front = contextlib.AsyncExitStack()  # the HTTP server: closed first
         self._exits = contextlib.AsyncExitStack()
@@ -193,7 +197,7 @@ class Service(Generic[S]):
             max_request_bytes=settings.max_request_bytes,
             api_docs=settings.api_docs,
             stop=self.stop,
-            registry=self.registry,
+            prometheus=self.prometheus,
             **fields,
         )
 

@@ -65,9 +65,7 @@ async def deregister(client: aioredis.Redis, keys: Keys, generator_id: str) -> N
         await pipe.execute()
 
 
-async def live_generators(
-    client: aioredis.Redis, keys: Keys, stats: RegistryStats | None = None
-) -> list[GeneratorRegistration]:
+async def live_generators(client: aioredis.Redis, keys: Keys, stats: RegistryStats) -> list[GeneratorRegistration]:
     """Registered replicas whose heartbeat has not expired; expired ones are removed from the hash, ones that
     do not decode are set aside (see the module docstring)."""
     entries = await client.hgetall(keys.generators)
@@ -96,22 +94,18 @@ def _registration(raw_id: bytes, payload: bytes) -> GeneratorRegistration:
     return registration
 
 
-async def latest_checkpoint(
-    client: aioredis.Redis, keys: Keys, stats: RegistryStats | None = None
-) -> CheckpointAnnouncement | None:
+async def latest_checkpoint(client: aioredis.Redis, keys: Keys, stats: RegistryStats) -> CheckpointAnnouncement | None:
     """The learner's latest checkpoint announcement; None when there is none, or it does not decode."""
     return await _announcement(client, keys.checkpoint, CheckpointAnnouncement, stats)
 
 
-async def latest_weights_version(client: aioredis.Redis, keys: Keys, stats: RegistryStats | None = None) -> int | None:
+async def latest_weights_version(client: aioredis.Redis, keys: Keys, stats: RegistryStats) -> int | None:
     """The policy version the learner last announced; None when there is none, or it does not decode."""
     announcement = await _announcement(client, keys.weights, WeightVersionAnnouncement, stats)
     return None if announcement is None else announcement.policy_version
 
 
-async def _announcement(
-    client: aioredis.Redis, key: str, record_type: type[R], stats: RegistryStats | None
-) -> R | None:
+async def _announcement(client: aioredis.Redis, key: str, record_type: type[R], stats: RegistryStats) -> R | None:
     """The record under ``key``; None when there is none, or when it does not decode (logged and counted)."""
     raw = await client.get(key)
     if raw is None:
@@ -122,8 +116,7 @@ async def _announcement(
         log.warning(
             "ignoring the %s under %s, which does not decode (%s): %s", record_type.kind, key, exc, shown(_bytes(raw))
         )
-        if stats is not None:
-            stats.invalid += 1
+        stats.invalid += 1
         return None
 
 
@@ -133,7 +126,7 @@ async def set_aside(
     key: str,
     field_value: tuple[bytes, bytes],
     reason: str,
-    stats: RegistryStats | None = None,
+    stats: RegistryStats,
 ) -> bool:
     """Move the hash ``key``'s ``(field, value)`` to the dead-letter stream with ``reason`` and remove it, if
     the field still holds that value; False when someone changed it meanwhile (the next read looks again)."""
@@ -144,8 +137,7 @@ async def set_aside(
     moved = bool(await client.eval(_SET_ASIDE, 2, key, keys.dead_letter, *arguments))
     if moved:
         log.warning("set aside an invalid value of %s in the dead-letter stream: %s", key, reason)
-        if stats is not None:
-            stats.invalid += 1
+        stats.invalid += 1
     return moved
 
 

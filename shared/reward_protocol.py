@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.columns import RESERVED_COLUMNS, json_problem
 from shared.config.base import CONFIG_ENV
-from shared.records import RESERVED_COLUMNS, json_problem
 
 PROTOCOL = "asyncgrpo.reward/v1"
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "reward_v1.json"
@@ -39,19 +39,23 @@ class Message(BaseModel):
     content: str
 
 
+NonEmptyMessages = Annotated[list[Message], Field(min_length=1)]  # a reward reads the last message
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # vocabulary ids travel as int32
+
+
 class RewardItem(BaseModel):
     """One completion to judge, with what TRL would pass a reward function for it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    prompt: str | list[Message] = Field(
+    prompt: str | NonEmptyMessages = Field(
         description="The prompt: a string for a text prompt, else the chat messages (system, user, ...)."
     )
-    completion: str | list[Message] = Field(
+    completion: str | NonEmptyMessages = Field(
         description="A string for a text prompt; for a chat prompt one assistant message whose content is "
         "the task's assistant prefill (if any) followed by the sampled text."
     )
-    completion_ids: list[int] = Field(description="The sampled token ids (the prefill is not included).")
+    completion_ids: list[TokenId] = Field(description="The sampled token ids (the prefill is not included).")
     columns: dict[str, Any] = Field(
         description="The dataset row's other columns (e.g. answer), plus max_completion_length (an int); never "
         "one named after a reward-function argument.",

@@ -124,6 +124,24 @@ def probe_matches(path: str, token: str, directory: Path) -> bool:
         os.close(fd)
 
 
+def _remove_if_abandoned(path: Path, fd: int) -> int:
+    """1 when ``path`` (open as ``fd``) was this user's own file that no live process holds, now removed; else 0.
+    Another user's file, or a link or a FIFO in its place, is left alone."""
+    problem = private_file_problem(os.fstat(fd))
+    if problem:
+        log.warning("not sweeping %s: it %s", path, problem)
+        return 0
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0  # a live process holds it
+    try:
+        path.unlink()
+    except (FileNotFoundError, PermissionError):
+        return 0
+    return 1
+
+
 def sweep_stale(directory: Path) -> int:
     """Remove the segments and probes in ``directory`` that no live process holds (left by a SIGKILL);
     returns how many."""
@@ -131,19 +149,14 @@ def sweep_stale(directory: Path) -> int:
     for path in directory.glob(f"{PREFIX}*"):
         if not (path.name.startswith(SEGMENT) or path.name.startswith(PROBE)):
             continue
-        try:
-            fd = os.open(path, os.O_RDONLY)
+        try:  # never through a link, never blocking on a FIFO someone left under our prefix
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            removed += _remove_if_abandoned(path, fd)
+        finally:
             os.close(fd)
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed += 1
-        os.close(fd)
     if removed:
         log.warning("removed %d shared-memory file(s) left in %s by processes that are gone", removed, directory)
     return removed

@@ -71,8 +71,8 @@ def _families(values: Mapping[str, float]) -> dict[str, dict[tuple[str, ...], fl
 class MetricsGauges:
     """Exports a flat ``{name: float}`` dict (the services' metric vocabulary) as Prometheus gauges."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registry = registry
+    def __init__(self, prometheus: CollectorRegistry) -> None:
+        self.prometheus = prometheus
         self._gauges: dict[str, Gauge] = {}
 
     def update(self, metrics: Mapping[str, float]) -> None:
@@ -80,7 +80,7 @@ class MetricsGauges:
             family, labels = split_labels(name)
             gauge = self._gauges.get(family)
             if gauge is None:
-                gauge = Gauge(prometheus_name(family), f"{family} (last value)", list(labels), registry=self.registry)
+                gauge = Gauge(prometheus_name(family), f"{family} (last value)", list(labels), registry=self.prometheus)
                 self._gauges[family] = gauge
             (gauge.labels(**labels) if labels else gauge).set(float(value))
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -341,8 +342,9 @@ class WeightPusher:
             message = f"weight push {announcement.policy_version}: sending failed: {exc}"
             raise WeightPushError(message, list(announcement.transports)) from exc
 
-    async def _announce(self, announcement: WeightVersionAnnouncement, generators, http) -> list:
-        """POST the announcement to every generator; raises WeightPushError naming those that failed."""
+    async def _announce(self, announcement: WeightVersionAnnouncement, generators, http) -> list[dict[str, float]]:
+        """POST the announcement to every generator: each one's seconds per phase; raises WeightPushError naming
+        those that failed, or answered 200 with a body no generator sends."""
         body = announcement.model_dump(mode="json")
         headers = {"Authorization": f"Bearer {self.api_token}"}
         timeout = self.timeout.total_seconds() + 30
@@ -350,15 +352,7 @@ class WeightPusher:
             *(http.post(f"{g.url}/weights/update", json=body, headers=headers, timeout=timeout) for g in generators),
             return_exceptions=True,
         )
-        failed = {
-            g.generator_id: _describe(reply)
-            for g, reply in zip(generators, replies, strict=True)
-            if isinstance(reply, BaseException) or reply.status_code != 200
-        }
-        if failed:
-            detail = ", ".join(f"{gid} ({why})" for gid, why in failed.items())
-            raise WeightPushError(f"weight push {announcement.policy_version} failed on {detail}", list(failed))
-        return replies
+        return _phases_or_raise(announcement.policy_version, generators, replies)
 
 
 def _log_start(device: torch.device, learner: LearnerDevice, shm_dir: Path | None) -> None:
@@ -376,9 +370,45 @@ def _log_start(device: torch.device, learner: LearnerDevice, shm_dir: Path | Non
     )
 
 
-def _slowest_phases(replies: Sequence[httpx.Response]) -> dict[str, float]:
+def _phases_or_raise(policy_version: int, generators, replies) -> list[dict[str, float]]:
+    """Each generator's seconds per phase; WeightPushError naming every generator whose answer is not one."""
+    answers = [_phases_of(reply) for reply in replies]
+    failed = {
+        g.generator_id: _describe(answer)
+        for g, answer in zip(generators, answers, strict=True)
+        if not isinstance(answer, dict)
+    }
+    if failed:
+        detail = ", ".join(f"{gid} ({why})" for gid, why in failed.items())
+        raise WeightPushError(f"weight push {policy_version} failed on {detail}", list(failed))
+    return [answer for answer in answers if isinstance(answer, dict)]  # all of them, by now
+
+
+def _phases_of(reply: httpx.Response | BaseException) -> dict[str, float] | str | httpx.Response | BaseException:
+    """A 200 answer's seconds per phase, or why the answer is not one a generator gives (a str); other
+    answers as they are (the caller describes them)."""
+    if isinstance(reply, BaseException) or reply.status_code != 200:
+        return reply
+    try:
+        body = reply.json()
+    except ValueError:
+        return f"answered 200 with a body that is not JSON: {reply.text[:100]!r}"
+    if not isinstance(body, dict):
+        return f"answered 200 with {type(body).__name__}, not an object"
+    phases = {phase: body.get(phase, 0.0) for phase in _PHASES}
+    bad = [phase for phase, value in phases.items() if not _seconds(value)]
+    if bad:
+        return f"answered 200 with {', '.join(bad)} not a finite number of seconds"
+    return {phase: float(value) for phase, value in phases.items()}
+
+
+def _seconds(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _slowest_phases(answers: Sequence[dict[str, float]]) -> dict[str, float]:
     """Per phase, the slowest generator's seconds (from each generator's answer to the announcement)."""
-    return {phase: max(reply.json().get(phase, 0.0) for reply in replies) for phase in _PHASES}
+    return {phase: max(answer[phase] for answer in answers) for phase in _PHASES}
 
 
 def _log_push(report: PushReport, plan: PushPlan) -> None:
@@ -402,6 +432,8 @@ async def _health(http: httpx.AsyncClient, url: str) -> bool:
 
 
 def _describe(reply) -> str:
+    if isinstance(reply, str):  # a 200 whose body no generator sends (_phases_of)
+        return reply
     if isinstance(reply, BaseException):
         return f"{type(reply).__name__}: {reply}"
     return f"HTTP {reply.status_code}: {reply.text[:200]}"

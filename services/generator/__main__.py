@@ -20,7 +20,7 @@ async def start(service: Service[GeneratorSettings]) -> None:
 
     settings, keys, name = service.settings, service.keys, service.settings.generator_id
     lease = await take_gpus(service)
-    announced = partial(latest_weights_version, service.client, keys)
+    announced = partial(latest_weights_version, service.client, keys, service.registry_stats)
     state = service.app_state(GeneratorAppState, generator_id=name, announced_version=announced)
     port = await service.serve_http(build_app(state))
     state.engine = engine = await load_engine(service)

@@ -15,7 +15,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.generator.engine import Engine, InvalidPromptError, WeightUpdateError
+from services.generator.engine import Engine, InvalidPromptError
+from services.generator.weight_update import WeightUpdateError
 from shared.app import Probes, Readiness, service_app
 from shared.http import Authorized, FiniteJsonRoute, ServiceState, state_dependency
 from shared.records import ChatMessage, SamplingSpec, WeightVersionAnnouncement

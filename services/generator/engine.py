@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from services.generator.weight_update import Phases, Rendezvous, WeightUpdateError, rendezvous, update_report
 from shared.config.generator import GeneratorSettings
 from shared.records import ChatMessage, Completion, SamplingSpec, WeightVersionAnnouncement
 
@@ -37,47 +38,6 @@ class InvalidPromptError(ValueError):
 
 class PromptTooLongError(InvalidPromptError):
     """A prompt that cannot fit the engine's context with its completion budget (never retried)."""
-
-
-class WeightUpdateError(RuntimeError):
-    """A weight push that could not be applied; ``applied_nothing`` says whether the engine was untouched."""
-
-    def __init__(self, message: str, *, applied_nothing: bool) -> None:
-        super().__init__(message)
-        self.applied_nothing = applied_nothing
-
-
-async def _reachable(host: str, port: int, timeout_s: float) -> bool:
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=timeout_s)
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    return True
-
-
-@dataclass(frozen=True)
-class _Rendezvous:
-    """Where this replica joins a push (the learner's store) and how it receives (gloo, nccl, ipc or shm)."""
-
-    host: str
-    port: int
-    transport: str
-
-
-class _Phases:
-    """Seconds per phase of one weight update, each measured from the end of the one before."""
-
-    def __init__(self) -> None:
-        self.started = self._last = time.perf_counter()
-        self.seconds: dict[str, float] = {}
-
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[phase], self._last = now - self._last, now
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
 
 
 @dataclass(frozen=True)
@@ -248,32 +208,21 @@ class Engine:
         as it was (``applied_nothing``); one after it leaves sampling paused and ``weights_ok`` False until a
         push succeeds. The push's channel is closed on every path.
         """
-        rendezvous = await self._rendezvous(announcement, generator_id)
+        default_transport = "nccl" if self.runtime.get("device_uuids") else "gloo"
+        at = await rendezvous(announcement, generator_id, default_transport)
         async with self._update_lock:
-            phases = _Phases()
+            phases = Phases()
             try:
-                await self._join(announcement, generator_id, rendezvous)
+                await self._join(announcement, generator_id, at)
                 phases.mark("join_seconds")
                 results = await self._pause_and_receive(announcement, phases)
             finally:
                 await self._close_channel()
             phases.mark("close_seconds")
             await self._take_version(announcement.policy_version, phases)
-        return self._report(results, rendezvous.transport, phases)
+        return update_report(results, at.transport, phases, self.policy_version)
 
-    async def _rendezvous(self, announcement: WeightVersionAnnouncement, generator_id: str) -> _Rendezvous:
-        """Where and how this replica joins the push; checked before anything is touched."""
-        if not announcement.participates(generator_id) or not announcement.rendezvous:
-            raise WeightUpdateError(f"the announcement names no rank for {generator_id}", applied_nothing=True)
-        transport = announcement.transport_of(generator_id, "nccl" if self.runtime.get("device_uuids") else "gloo")
-        host, _, port = announcement.rendezvous.rpartition(":")
-        if not port.isdigit() or not await _reachable(host, int(port), timeout_s=10.0):
-            raise WeightUpdateError(
-                f"the learner's store at {announcement.rendezvous} is not reachable", applied_nothing=True
-            )
-        return _Rendezvous(host, int(port), transport)
-
-    async def _join(self, announcement: WeightVersionAnnouncement, generator_id: str, at: _Rendezvous) -> None:
+    async def _join(self, announcement: WeightVersionAnnouncement, generator_id: str, at: Rendezvous) -> None:
         """Join the push's group first: if a member never arrives, the engine has not been touched."""
         args = (
             at.host,
@@ -293,7 +242,7 @@ class Engine:
                 f"could not join the push's group: {type(exc).__name__}: {exc}", applied_nothing=True
             ) from exc
 
-    async def _pause_and_receive(self, announcement: WeightVersionAnnouncement, phases: _Phases) -> list[dict]:
+    async def _pause_and_receive(self, announcement: WeightVersionAnnouncement, phases: Phases) -> list[dict]:
         """Pause sampling, then receive and load every bucket; each worker's bytes and seconds."""
         layout = [spec.model_dump() for spec in announcement.layout]
         with self._failing_update(announcement.policy_version):
@@ -317,7 +266,7 @@ class Engine:
         except Exception:
             log.exception("could not close the weight push's channel")
 
-    async def _take_version(self, policy_version: int, phases: _Phases) -> None:
+    async def _take_version(self, policy_version: int, phases: Phases) -> None:
         """With the new weights loaded: reset the prefix cache, serve ``policy_version``, resume sampling."""
         with self._failing_update(policy_version):
             # In-flight requests are preempted and recomputed under the new weights.
@@ -342,40 +291,6 @@ class Engine:
                 "sampling stays paused until a push succeeds",
                 applied_nothing=False,
             ) from exc
-
-    def _report(self, results: list[dict], transport: str, phases: _Phases) -> dict[str, Any]:
-        """The update's figures (bytes, seconds, phases: the slowest worker's receive and load), logged."""
-        seconds = phases.elapsed()
-        received = sum(r["bytes"] for r in results)
-        phases.seconds["receive_wait_seconds"] = max(r["receive_wait_seconds"] for r in results)
-        phases.seconds["load_seconds"] = max(r["load_seconds"] for r in results)
-        direct = all(r["direct"] for r in results)
-        in_place = sum(r.get("aliased_bytes", 0.0) for r in results)
-        copied = sum(r.get("copied_borrowed_bytes", 0.0) for r in results)
-        if copied:
-            log.warning(
-                "%.1f MB of layers kept pointing into the learner's shared memory and were copied (slower loads)",
-                copied / 1e6,
-            )
-        log.info(
-            "policy version %d loaded over %s (%s): %.1f MB in %.2f s, %.1f MB of it received in place (%s)",
-            self.policy_version,
-            transport,
-            "direct copy" if direct else "layerwise reload",
-            received / 1e6,
-            seconds,
-            in_place / 1e6,
-            ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.seconds.items()),
-        )
-        return {
-            "bytes": received,
-            "seconds": seconds,
-            "transport": transport,
-            "direct_load": direct,
-            "in_place_bytes": in_place,
-            "copied_shared_bytes": copied,
-            **phases.seconds,
-        }
 
     async def pause(self) -> None:
         self.paused_by_operator = True

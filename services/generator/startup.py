@@ -1,7 +1,7 @@
 """The generator's start-up decisions: which GPU(s) this replica takes, and which weights it loads first.
 
 * GPU lease: every replica of a host takes its own free GPU indices in the host's lease namespace before
-  CUDA starts, and makes them the only ones CUDA sees (:class:`services.generator.registry.GpuLease`).
+  CUDA starts, and makes them the only ones CUDA sees (:class:`services.generator.gpu_lease.GpuLease`).
   No free GPU, or an impossible placement: the replica does not start (exit status 2, the fix named).
   The one-GPU memory split between vLLM and the learner is checked by the pipeline config, at every start.
 * Late joining: a replica that starts after the learner published a checkpoint loads that checkpoint and
@@ -22,7 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.generator.registry import GpuLease, LeaseLost, NoFreeGpuError, host_gpu_count
+from services.generator.gpu_lease import GpuLease, LeaseLost, NoFreeGpuError, host_gpu_count
 from shared.config.generator import GeneratorSettings
 from shared.lifecycle import NotStarting, Service
 from shared.placement import PlacementError, leasable_gpus
@@ -105,7 +105,9 @@ async def load_engine(service: Service[GeneratorSettings]) -> Engine:
     effect once the load is over: the caller then ends without joining."""
     from services.generator.engine import Engine
 
-    model_path, version = initial_weights(await latest_checkpoint(service.client, service.keys), service.settings.model)
+    model_path, version = initial_weights(
+        await latest_checkpoint(service.client, service.keys, service.registry_stats), service.settings.model
+    )
     if model_path != service.settings.model:
         log.info("joining late: loading checkpoint %s (policy version %d)", model_path, version)
     # On a thread: vLLM's start blocks until the model is loaded (minutes on a GPU), and on the event loop it

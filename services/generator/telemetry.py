@@ -14,7 +14,7 @@ import time
 import redis.asyncio as aioredis
 
 from services.generator.engine import Engine
-from services.generator.registry import GpuLease, heartbeat_forever
+from services.generator.gpu_lease import GpuLease, heartbeat_forever
 from services.generator.rollout_loop import RolloutLoop
 from shared.config.generator import GeneratorSettings
 from shared.keys import Keys
@@ -96,7 +96,7 @@ class GeneratorTelemetry:
 
         probe = leave_shm_probe(service, lease)
         telemetry = cls(service.client, service.keys, service.settings, engine, loop, consumer, lease, url, probe)
-        service.registry.register(telemetry.collector())
+        service.prometheus.register(telemetry.collector())
         service.on_exit(telemetry.leave)
         service.spawn(telemetry.run)
         return telemetry

@@ -13,9 +13,10 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from shared.config.base import COMMON_ENV, DEFAULT_TEXT
+from shared.config.data import DataSettings
 from shared.config.generator import GeneratorSettings
 from shared.config.launcher import LauncherSettings
-from shared.config.learner import DataSettings, LearnerSettings
+from shared.config.learner import LearnerSettings
 from shared.config.scorer import RewardSpec, ScorerSettings
 
 # (class, environment prefix, TOML table), in the README's order.

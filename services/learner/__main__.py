@@ -11,12 +11,14 @@ from shared.service import main
 
 
 async def lead(service: Service[LearnerSettings], topology) -> None:
-    from services.learner import app, setup  # setup imports torch: after the config check
+    from services.learner import app, startup  # startup imports torch: after the config check
 
     state = service.app_state(app.LearnerAppState)
     await service.serve_http(app.build_app(state))
     http = await service.enter(httpx.AsyncClient())
-    loop, resumed = await setup.build_learner(service.settings, service.client, http, service.registry, topology)
+    loop, resumed = await startup.build_learner(
+        service.settings, service.client, http, service.prometheus, topology, service.registry_stats
+    )
     service.on_exit(loop.sink.close)
     service.on_exit(loop.pusher.close)
     state.loop = loop
@@ -28,7 +30,7 @@ async def lead(service: Service[LearnerSettings], topology) -> None:
 
 
 async def serve(settings: LearnerSettings) -> int:
-    from services.learner.setup import run_rank
+    from services.learner.startup import run_rank
 
     return await run_rank(settings, lambda s, topology: run_service("learner", s, partial(lead, topology=topology)))
 

@@ -98,7 +98,7 @@ def save_checkpoint(directory: Path, trainer, tokenizer, state: LearnerState, ke
     staging.mkdir()
     model = trainer.model
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with trainer.full_weights() as named:
+    with trainer.export.full_weights() as named:
         tensors = {name: tensor.contiguous().clone() for name, tensor in named}
     trainer.save_optimizer(staging / "optimizer")
     from safetensors.torch import save_file

@@ -5,8 +5,9 @@ leader, is the learner every single-process run has: Redis, HTTP, admission, wei
 Every rank holds a shard of the parameters, gradients and AdamW state (``fully_shard`` on each decoder
 layer, then on the root) and trains on its share of each batch:
 
-* the leader sends each command to every rank (:class:`Channel`), in the order it runs them: train this
-  batch, gather the full weights (for a push or a checkpoint), save the optimizer's shards, stop;
+* the leader sends each command to every rank (:class:`services.learner.ranks.RankChannel`), in the order it
+  runs them: train this batch, gather the full weights (for a push or a checkpoint), save the optimizer's
+  shards, stop;
 * each rank takes its contiguous block of the batch's rows (:func:`split_rows`); the loss normalisers are
   the whole batch's (token count, number of sequences), so the gradient FSDP reduces is the gradient a
   single process computes on the whole batch;
@@ -17,9 +18,9 @@ layer, then on the root) and trains on its share of each batch:
 Precision: the shards (master weights) and AdamW state stay float32; with a bf16 ``compute_dtype`` each unit
 is gathered in bf16 and its gradients are reduce-scattered in float32 (FSDP2's ``MixedPrecisionPolicy``).
 
-Followers (ranks > 0) open no port and no Redis connection: :func:`follow` runs the leader's commands
-until it says stop. LoRA is not supported across ranks (a clear error says so); a reference model (beta > 0)
-is a full, frozen replica on every rank.
+Followers (ranks > 0) open no port and no Redis connection: :func:`services.learner.ranks.follow` runs the
+leader's commands until it says stop. LoRA is not supported across ranks (a clear error says so); a reference
+model (beta > 0) is a full, frozen replica on every rank.
 """
 
 from __future__ import annotations
@@ -240,42 +241,3 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, pat
     state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
     dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
-
-
-class Channel:
-    """The leader's commands to the other ranks, in order (a broadcast from rank 0)."""
-
-    TRAIN, WEIGHTS, SAVE_OPTIMIZER, STOP = "train", "weights", "save_optimizer", "stop"
-
-    def __init__(self, topology: Topology) -> None:
-        self.topology = topology
-        self.stopped = False
-
-    def send(self, command: str, payload: Any = None) -> None:
-        if self.topology.distributed and self.topology.is_leader and not self.stopped:
-            dist.broadcast_object_list([(command, payload)], src=0)
-            self.stopped = command == self.STOP
-
-    def receive(self) -> tuple[str, Any]:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-
-def follow(trainer) -> int:
-    """A follower's life: run the leader's commands until it says stop; returns optimizer steps taken."""
-    channel = trainer.channel
-    while True:
-        command, payload = channel.receive()
-        if command == Channel.TRAIN:
-            trainer.train_shard(payload)
-        elif command == Channel.WEIGHTS:
-            with full_weights(trainer.model):
-                pass
-        elif command == Channel.SAVE_OPTIMIZER:
-            save_optimizer(trainer.model, trainer.optimizer, Path(payload))
-        elif command == Channel.STOP:
-            log.info("rank %d: the leader said stop at step %d", channel.topology.rank, trainer.step)
-            return trainer.step
-        else:
-            raise RuntimeError(f"unknown command from the leader: {command!r}")

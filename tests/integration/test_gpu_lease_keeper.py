@@ -3,7 +3,7 @@
 vLLM's engine start blocks the generator's event loop for minutes, longer than the lease's TTL
 (``heartbeat_ttl_s``). Renewed on the loop (by the heartbeat, which starts after the engine), the lease lapsed
 meanwhile and the next replica to start took the same GPU. The lease is now renewed from a thread of its own
-(:class:`services.generator.registry.LeaseKeeper`); a replica whose GPU another holds anyway stops with an error.
+(:class:`services.generator.gpu_lease.LeaseKeeper`); a replica whose GPU another holds anyway stops with an error.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from services.generator.registry import GpuLease, LeaseLost, NoFreeGpuError
+from services.generator.gpu_lease import GpuLease, LeaseLost, NoFreeGpuError
 from services.generator.startup import fail_when_lost, take_gpus
 from shared.config.generator import GeneratorSettings
 from shared.lifecycle import Service

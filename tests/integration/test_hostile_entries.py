@@ -240,26 +240,28 @@ async def test_bad_announcements_are_read_as_absent_and_counted(redis_client, ke
 
 async def test_a_value_changed_or_removed_meanwhile_is_not_set_aside(redis_client, keys):
     await redis_client.hset(keys.generators, b"g", b"new value")
-    assert not await set_aside(redis_client, keys, keys.generators, (b"g", b"old value"), "stale read")
-    assert not await set_aside(redis_client, keys, keys.generators, (b"gone", b"old value"), "stale read")
+    assert not await set_aside(redis_client, keys, keys.generators, (b"g", b"old value"), "stale read", RegistryStats())
+    assert not await set_aside(
+        redis_client, keys, keys.generators, (b"gone", b"old value"), "stale read", RegistryStats()
+    )
     assert await redis_client.hgetall(keys.generators) == {b"g": b"new value"}
     assert await redis_client.xlen(keys.dead_letter) == 0
 
 
 @pytest.mark.parametrize("saved", [b"\xff", b"", b"[]", b'{"epoch": -1, "index": 0}', b'{"epoch": 0}'])
 async def test_a_bad_saved_feeder_position_is_set_aside(redis_client, keys, saved):
-    from services.learner.setup import saved_feeder_position
-    from services.learner.train_loop import FEEDER_POSITION
+    from services.learner.data.admission import FEEDER_POSITION
+    from services.learner.startup import saved_feeder_position
 
     await redis_client.hset(keys.learner_state, FEEDER_POSITION, saved)
-    assert await saved_feeder_position(redis_client, keys) is None
+    assert await saved_feeder_position(redis_client, keys, RegistryStats()) is None
     assert await redis_client.hexists(keys.learner_state, FEEDER_POSITION) == 0
     [(_, letter)] = await redis_client.xrange(keys.dead_letter)
     assert letter[b"reason"].startswith(b"feeder position: ValidationError") and decoded_raw(letter) == {
         FEEDER_POSITION: saved
     }
     await redis_client.hset(keys.learner_state, FEEDER_POSITION, b'{"epoch": 1, "index": 5}')
-    position = await saved_feeder_position(redis_client, keys)
+    position = await saved_feeder_position(redis_client, keys, RegistryStats())
     assert (position.epoch, position.index) == (1, 5)
 
 

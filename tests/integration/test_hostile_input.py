@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 import os
 import secrets
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import psutil
@@ -70,29 +72,53 @@ def _post(service: ServiceProcess, path: str, body, authorization: str | None = 
     return httpx.post(f"{service.url}{path}", content=body, headers=headers, timeout=120)
 
 
-def _rss(service: ServiceProcess) -> int:
-    return psutil.Process(service.process.pid).memory_info().rss
+def _peak_rss_since_reset(service: ServiceProcess) -> int:
+    """The server's peak resident memory (VmHWM) after resetting it to the current RSS: what reading a body
+    would cost at its worst, which the RSS after the request (memory given back) does not show."""
+    pid = service.process.pid
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # 5: reset the peak RSS to the current RSS (Linux 4.0)
+    return psutil.Process(pid).memory_info().rss
+
+
+def _peak_rss(service: ServiceProcess) -> int:
+    status = Path(f"/proc/{service.process.pid}/status").read_text()
+    [line] = [line for line in status.splitlines() if line.startswith("VmHWM:")]
+    return int(line.split()[1]) * 1024
 
 
 @pytest.mark.parametrize("name", list(ROUTES))
 def test_a_request_without_the_token_is_refused_before_its_body_is_read(servers, name):
     service, path = servers[name], ROUTES[name]
-    before = _rss(service)
+    before = _peak_rss_since_reset(service)
     for authorization in (None, *WRONG):
         reply = _post(service, path, _hostile_body(), authorization)
         assert reply.status_code == 401, (authorization, reply.status_code, reply.text[:300])
         assert reply.headers["www-authenticate"] == "Bearer" and reply.json() == {
             "detail": "missing or wrong bearer token"
         }
-    grown = _rss(service) - before
-    assert grown < MAX_GROWTH, f"{name} grew {grown >> 20} MiB refusing {len(WRONG) + 1} unauthorised requests"
+    grown = _peak_rss(service) - before
+    assert grown < MAX_GROWTH, f"{name} peaked {grown >> 20} MiB higher refusing {len(WRONG) + 1} requests"
+
+
+@pytest.mark.parametrize("name", list(ROUTES))
+def test_the_401_comes_before_the_body_is_sent(servers, name):
+    """Headers and the first 64 KiB of a 50 MB body: a server that reads the body before the token would wait
+    for the rest; ours answers 401 at once."""
+    head = (
+        f"POST {ROUTES[name]} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {HOSTILE_BYTES}\r\nAuthorization: Bearer wrong\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", servers[name].port), timeout=10) as connection:
+        connection.sendall(head + _hostile_body()[: 64 << 10])
+        answer = connection.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
 
 
 @pytest.mark.parametrize("name", list(ROUTES))
 def test_a_body_past_the_limit_gets_413_as_it_streams_in(servers, name):
     service, path = servers[name], ROUTES[name]
     authorization = f"Bearer {TOKEN}"
-    before = _rss(service)
+    before = _peak_rss_since_reset(service)
     declared = _post(service, path, _hostile_body(), authorization)  # Content-Length: refused before reading
     assert declared.status_code == 413, declared.text[:300]
     setting = "--max-request-bytes" if name == "reward_plugin" else "max_request_bytes setting"
@@ -105,12 +131,31 @@ def test_a_body_past_the_limit_gets_413_as_it_streams_in(servers, name):
 
         streamed = _post(service, path, chunks(), authorization)
         assert streamed.status_code == 413, streamed.text[:300]
-    grown = _rss(service) - before
-    assert grown < MAX_GROWTH, f"{name} grew {grown >> 20} MiB refusing bodies past {LIMIT} bytes"
+    grown = _peak_rss(service) - before
+    assert grown < MAX_GROWTH, f"{name} peaked {grown >> 20} MiB higher refusing bodies past {LIMIT} bytes"
     assert httpx.get(f"{service.url}/health").status_code == 200  # still serving (and /shutdown never ran)
 
 
 NON_FINITE = ("NaN", "Infinity", "-Infinity", "1e999")
+_ITEM = '{{"prompt": {prompt}, "completion": {completion}, "completion_ids": {ids}, "columns": {{}}}}'
+OUT_OF_RANGE = {
+    "generator": [
+        '{"prompts": ["hi"], "sampling": {"temperature": "Infinity"}}',  # a string pydantic would read as inf
+        '{"prompts": ["hi"], "sampling": {"repetition_penalty": "nan"}}',
+        '{"prompts": ["hi"], "sampling": {"seed": 100000000000000000000000}}',
+    ],
+    "reward_plugin": [
+        '{"protocol": "asyncgrpo.reward/v1", "items": ['
+        + _ITEM.format(prompt='"p"', completion="[]", ids="[1]")
+        + "]}",
+        '{"protocol": "asyncgrpo.reward/v1", "items": ['
+        + _ITEM.format(prompt="[]", completion='"c"', ids="[1]")
+        + "]}",
+        '{"protocol": "asyncgrpo.reward/v1", "items": ['
+        + _ITEM.format(prompt='"p"', completion='"c"', ids="[-1]")
+        + "]}",
+    ],
+}
 
 
 @pytest.mark.parametrize("name", list(BODY_ROUTES))
@@ -126,6 +171,9 @@ def test_non_finite_numbers_and_invalid_bodies_get_a_short_422(servers, name):
         reply = _post(service, path, body.encode(), authorization)
         assert reply.status_code == 422, (number, reply.status_code, reply.text[:300])
         assert "not a finite number" in reply.text, reply.text
+    for body in OUT_OF_RANGE[name]:  # numbers JSON can carry that no valid request holds: 422 too
+        reply = _post(service, path, body.encode(), authorization)
+        assert reply.status_code == 422, (body, reply.status_code, reply.text[:300])
     invalid = b'{"prompts": 3, "items": 3, "protocol": "' + b"x" * (LIMIT // 2) + b'"}'  # wrong, and large
     reply = _post(service, path, invalid, authorization)
     assert reply.status_code == 422 and len(reply.content) < 2000, (reply.status_code, len(reply.content))

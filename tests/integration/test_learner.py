@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.learner.setup import build_learner
+from services.learner.startup import build_learner
 from shared.codec import decode
 from shared.config.learner import LearnerSettings
 from shared.keys import Keys

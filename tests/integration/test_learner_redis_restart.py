@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.learner.setup import build_learner
+from services.learner.startup import build_learner
 from shared.config.learner import LearnerSettings
 from shared.keys import Keys
 from shared.records import GeneratorRegistration

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.learner.batch import collate
+from services.learner.data.batch import collate
 from services.learner.distributed import Topology, mesh_device_type, micro_batch_plan, split_rows
 from shared.config.learner import LearnerSettings
 from tests.support.factories import make_task
@@ -102,8 +102,8 @@ def test_two_ranks_take_the_single_process_step_through_a_checkpoint(tmp_path):
     # The sharded learner runs the padded forward (equal pass counts on every rank). The shared-prompt and
     # packed forwards give the same logprobs to ~1e-15, but AdamW's first steps amplify such rounding in
     # near-zero gradients to ~1e-6 in the weights, so the comparison uses the same forward.
-    single.share_prompts = False
-    single.token_budget = 0
+    single.planner.share_prompts = False
+    single.planner.token_budget = 0
     expected_metrics = single.train(first) + single.train(second)
     got_metrics = json.loads((tmp_path / "a" / "metrics.json").read_text())
     got_metrics += json.loads((tmp_path / "b" / "metrics.json").read_text())

@@ -11,7 +11,7 @@ import uuid
 import pytest
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
-from services.generator.registry import GpuLease
+from services.generator.gpu_lease import GpuLease
 from services.launcher.local_redis import redis_for_run
 from shared.codec import encode
 from shared.config.scorer import ScorerSettings
@@ -19,7 +19,14 @@ from shared.keys import Keys
 from shared.records import CheckpointAnnouncement, GeneratorRegistration, WeightVersionAnnouncement
 from shared.redis_acl import ROLES, grants, server_arguments
 from shared.redis_conn import connect, make_client
-from shared.registry import deregister, latest_checkpoint, latest_weights_version, live_generators, register
+from shared.registry import (
+    RegistryStats,
+    deregister,
+    latest_checkpoint,
+    latest_weights_version,
+    live_generators,
+    register,
+)
 from shared.streams import Output, StreamConsumer, StreamProducer, group_backlog, stream_backlog
 
 pytestmark = pytest.mark.integration
@@ -74,8 +81,8 @@ async def _generator_works(generator, keys: Keys) -> None:
     await again.release()
     registration = GeneratorRegistration(generator_id="gen-0", url="http://127.0.0.1:8001", policy_version=1)
     await register(generator, keys, registration, ttl_s=30)
-    assert await latest_weights_version(generator, keys) == 1
-    assert (await latest_checkpoint(generator, keys)).path == "/ckpt/1"
+    assert await latest_weights_version(generator, keys, RegistryStats()) == 1
+    assert (await latest_checkpoint(generator, keys, RegistryStats())).path == "/ckpt/1"
     assert await stream_backlog(generator, keys.prompts) == 3
     rollouts = StreamProducer(generator, keys.rollouts, max_backlog=8)
     first = _consumer(generator, keys, keys.prompts, Keys.GENERATORS, "gen-a")
@@ -111,7 +118,7 @@ async def _learner_works(learner, admin, keys: Keys) -> None:
         [delivery] = await consumer.read()
         assert await consumer.commit(delivery)
     await admin.hset(keys.generators, "gen-bad", b"not a registration")  # set aside (EVAL: HGET, HDEL, XADD)
-    assert [g.generator_id for g in await live_generators(learner, keys)] == ["gen-0"]
+    assert [g.generator_id for g in await live_generators(learner, keys, RegistryStats())] == ["gen-0"]
     assert not await admin.hexists(keys.generators, "gen-bad")
 
 

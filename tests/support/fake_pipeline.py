@@ -60,7 +60,7 @@ async def run_fake_pipeline(
     client, keys: Keys, stop: asyncio.Event, version_of: Callable[[PromptTask], int] | None = None
 ) -> None:
     from shared.codec import decode
-    from shared.registry import latest_weights_version
+    from shared.registry import RegistryStats, latest_weights_version
 
     consumer = StreamConsumer(client, keys, keys.prompts, Keys.GENERATORS, "fake", block_ms=100)
     await consumer.start()
@@ -72,7 +72,7 @@ async def run_fake_pipeline(
             if version_of is not None:
                 version = version_of(task)
             else:
-                version = await latest_weights_version(client, keys) or 0
+                version = await latest_weights_version(client, keys, RegistryStats()) or 0
             group = scored_group_for(task, version)
             stream = scored if task.eval_step is None else evaluated
             await consumer.commit(delivery, [Output(stream, group.group_id, encode(group))])

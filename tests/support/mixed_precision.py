@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from services.learner.batch import collate
-from services.learner.policy import load_policy
+from services.learner.data.batch import collate
+from services.learner.model import load_policy
 from services.learner.trainer import Trainer
 from shared.config.learner import LearnerSettings
 from tests.support.factories import make_task

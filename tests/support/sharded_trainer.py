@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from services.learner import distributed
+from services.learner import distributed, ranks
 from services.learner.hardware import Precision, resolve_precision
-from services.learner.policy import reference_model
+from services.learner.model import reference_model
 from services.learner.trainer import Trainer
 from shared.config.learner import LearnerSettings
 
@@ -66,7 +66,7 @@ def main() -> int:
     if args.resume:
         trainer.load_state_dict(torch.load(Path(args.resume) / "trainer.pt", weights_only=False), Path(args.resume))
     if not topology.is_leader:
-        distributed.follow(trainer)
+        ranks.follow(trainer)
         distributed.stop()
         return 0
     out = Path(args.out)
@@ -76,7 +76,7 @@ def main() -> int:
     (out / "state").mkdir(parents=True, exist_ok=True)
     trainer.save_optimizer(out / "state" / "optimizer")
     torch.save(trainer.state_dict(), out / "state" / "trainer.pt")
-    with trainer.full_weights() as named:
+    with trainer.export.full_weights() as named:
         torch.save({name: tensor.clone() for name, tensor in named}, out / "weights.pt")
     trainer.stop_followers()
     distributed.stop()

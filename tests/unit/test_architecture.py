@@ -1,4 +1,4 @@
-"""The shape of the code, checked: layering, no import cycles, functions short enough to read at once.
+"""The shape of the code, checked: layering, no import cycles, modules, classes and functions short enough to read.
 
 Layers, lowest first (a module may import its own layer's package and the layers below, never above):
 
@@ -22,8 +22,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("generator", "scorer", "learner", "reward_plugin")
 WEIGHT_SYNC_USERS = ("services.generator", "services.learner")  # the two ends of a weight push
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 250
 MAX_FUNCTION_LINES = 60
-MAX_P90_FUNCTION_LINES = 30
+MAX_P90_FUNCTION_LINES = 25
 
 
 def _module_name(path: Path) -> str:
@@ -197,25 +199,50 @@ def test_there_are_no_import_cycles():
     assert _cycles(GRAPH) == []
 
 
-def function_lengths() -> dict[str, int]:
-    """``path:line name`` -> lines, for every function and method of the product code."""
+def definition_lengths(kinds: tuple[type[ast.AST], ...]) -> dict[str, int]:
+    """``path:line name`` -> lines, for every definition of ``kinds`` in the product code."""
     out = {}
     for path in MODULES.values():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            if isinstance(node, kinds):
                 out[f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"] = node.end_lineno - node.lineno + 1
     return out
 
 
+def function_lengths() -> dict[str, int]:
+    """``path:line name`` -> lines, for every function and method of the product code."""
+    return definition_lengths((ast.FunctionDef, ast.AsyncFunctionDef))
+
+
+def _over(lengths: dict[str, int], limit: int) -> str:
+    """The definitions longer than ``limit`` lines, longest first, one per line (empty when none)."""
+    return "\n".join(f"{n:5} {name}" for name, n in sorted(lengths.items(), key=lambda i: -i[1]) if n > limit)
+
+
+def test_no_module_is_over_five_hundred_lines():
+    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in MODULES.values()}
+    long = _over(lengths, MAX_MODULE_LINES)
+    assert not long, f"modules over {MAX_MODULE_LINES} lines:\n{long}"
+
+
+def test_no_class_is_over_two_hundred_fifty_lines():
+    long = _over(definition_lengths((ast.ClassDef,)), MAX_CLASS_LINES)
+    assert not long, f"classes over {MAX_CLASS_LINES} lines:\n{long}"
+
+
 def test_no_function_is_over_sixty_lines():
-    long = {name: n for name, n in function_lengths().items() if n > MAX_FUNCTION_LINES}
-    assert not long, long
+    long = _over(function_lengths(), MAX_FUNCTION_LINES)
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n{long}"
 
 
-def test_ninety_percent_of_functions_are_thirty_lines_or_shorter():
+def test_ninety_percent_of_functions_are_twenty_five_lines_or_shorter():
     lengths = sorted(function_lengths().values())
     p90 = lengths[int(0.9 * (len(lengths) - 1))]
     assert p90 <= MAX_P90_FUNCTION_LINES, f"90th percentile {p90} lines over {len(lengths)} functions"
+
+
+def test_the_size_checks_find_an_offender():
+    assert _over({"a.py:1 long": 61, "a.py:9 short": 60}, 60) == "   61 a.py:1 long"
 
 
 @pytest.mark.parametrize("service", ["generator", "scorer", "learner"])

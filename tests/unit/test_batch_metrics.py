@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.learner.batch_metrics import (
+from services.learner.metrics.batch_metrics import (
     batch_metrics,
     clip_ratio_extremes,
     sampling_logp_difference_metrics,
     terminated_length_metrics,
 )
-from services.learner.train_loop import Counters
+from services.learner.metrics.counters import Counters
 from shared.advantages import group_advantages
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, SamplingSpec, ScoredGroup
 

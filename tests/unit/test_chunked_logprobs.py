@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.learner.batch import TrainBatch, collate
-from services.learner.lm_head import chunked_token_stats, token_stats
-from services.learner.policy import completion_logprobs_and_entropy, load_policy, logprobs_no_grad, reference_model
+from services.learner.data.batch import TrainBatch, collate
+from services.learner.logprobs.lm_head import chunked_token_stats, token_stats
+from services.learner.logprobs.policy import completion_logprobs_and_entropy, logprobs_no_grad
+from services.learner.model import load_policy, reference_model
 from services.learner.trainer import Trainer
 from shared.config.learner import LearnerSettings
 from tests.support.factories import make_rollout, make_scored, make_task
@@ -248,7 +249,7 @@ def _prepared_and_grads(tiny, **overrides):
     prepared = trainer.prepare(batch)
     assert any(modes), "the no-grad passes ran under inference_mode"
     assert not prepared.old_logprobs.is_inference() and not prepared.ref_logprobs.is_inference()
-    trainer.optimizer.zero_grad()
+    trainer.optimizer.adamw.zero_grad()
     trainer.accumulate_gradients(batch, prepared)  # the loss may save the prepared tensors for its backward
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return prepared, grads

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from services.learner.completions_log import (
+from services.learner.metrics.completions_log import (
     cell_text,
     completion_rows,
     completions_due,

@@ -271,7 +271,7 @@ def test_the_file_named_by_the_environment_is_read_whole(config_file, monkeypatc
 
 
 def test_one_context_check_for_the_settings_and_the_loaded_model():
-    from services.learner.setup import check_context
+    from services.learner.startup import check_context
 
     settings = LearnerSettings(model="/m", max_prompt_length=400, max_completion_length=200)
     message = "max_prompt_length (400) + max_completion_length (200) exceeds the model's context (512); lower either"

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from services.learner.feeder import DataError, PromptFeeder, build_prompt, load_rows, plain_value
+from services.learner.data.feeder import DataError, PromptFeeder, build_prompt, load_rows, plain_value
 from services.scorer.scoring import reward_batch
-from shared.config.learner import DataSettings
+from shared.config.data import DataSettings
 from shared.config.pipeline import PipelineConfig
 from shared.records import ChatMessage, Completion, SamplingSpec
 from tests.support.factories import make_rollout

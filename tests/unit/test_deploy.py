@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.reward_plugin.cli import is_loopback as cli_loopback
+from services.reward_plugin.cli import parse_args as parse_plugin_args
 from shared.allowed_hosts import HostAllowList
 from shared.config.generator import GeneratorSettings
 from shared.config.learner import LearnerSettings
@@ -318,6 +320,25 @@ def test_k8s_network_policies_let_only_generators_reach_the_weight_store_and_ser
     assert plugin_rule["from"] == [{"podSelector": {"matchLabels": {"app": "scorer"}}}]
     learner_env = _env(_k8s("learner.yaml", "Job")["spec"]["template"]["spec"]["containers"][0])
     assert learner_env["LEARNER_WEIGHT_SYNC_BIND"] == "field:status.podIP"  # the store: the pod's IP alone
+
+
+def _plugin_binds_beyond_loopback(command: list[str], monkeypatch) -> bool:
+    """Whether the plugin started with ``command`` (``python -m services.reward_plugin ...``) listens where
+    another container or pod can reach it (its own parser reads the arguments; no PLUGIN_HOST is set)."""
+    monkeypatch.delenv("PLUGIN_HOST", raising=False)
+    args = parse_plugin_args("", command[command.index("services.reward_plugin") + 1 :])
+    return not cli_loopback(args.host)
+
+
+@needs_compose
+def test_compose_reward_plugin_is_reachable_from_the_scorer(monkeypatch):
+    entrypoint = compose.resolved(DEFAULT)["services"]["reward-plugin"]["entrypoint"]
+    assert _plugin_binds_beyond_loopback(entrypoint, monkeypatch), entrypoint
+
+
+def test_k8s_reward_plugin_is_reachable_from_the_scorer(monkeypatch):
+    plugin = _k8s("scorer.yaml", "Deployment", "reward-plugin")["spec"]["template"]["spec"]["containers"][0]
+    assert _plugin_binds_beyond_loopback(plugin["command"], monkeypatch), plugin["command"]
 
 
 def test_k8s_configuration_is_valid_and_the_reward_plugin_takes_a_token(tmp_path, monkeypatch):

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from services.learner.batch import collate
-from services.learner.loss import BatchNormalisers, LossInputs, compute_loss
-from services.learner.policy import completion_logprobs, load_policy, logprobs_no_grad
-from services.learner.trainer import Trainer, lr_lambda
+from services.learner.data.batch import collate
+from services.learner.logprobs.policy import completion_logprobs, logprobs_no_grad
+from services.learner.model import load_policy
+from services.learner.objective.loss import BatchNormalisers, LossInputs, compute_loss
+from services.learner.optimizer import lr_lambda
+from services.learner.trainer import Trainer
 from shared.advantages import group_advantages
 from shared.config.learner import LearnerSettings
 from shared.config.objective import Objective

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.learner.batch import collate
 from services.learner.checkpoint import LearnerState, save_checkpoint
-from services.learner.policy import load_policy
+from services.learner.data.batch import collate
+from services.learner.model import load_policy
 from services.learner.trainer import Trainer
 from shared.config.learner import LearnerSettings
 from tests.support.factories import make_task
@@ -48,11 +48,11 @@ def test_lora_trains_adapters_only_and_pushes_merged_weights(tmp_path):
     assert float(delta.abs().max()) > 1e-4, "the adapters did not train"
 
     q_name = "model.layers.0.self_attn.q_proj.weight"
-    with trainer.full_weights() as named:
+    with trainer.export.full_weights() as named:
         weights = {name: tensor.clone() for name, tensor in named}
     assert set(weights) == {n.replace(".base_layer", "") for n in before}
     # The linear weights as the push names them (to travel transposed to CPU engines): the merged ones.
-    linear = trainer.linear_weights
+    linear = trainer.export.linear_weights
     assert q_name in linear and "model.layers.0.mlp.down_proj.weight" in linear
     assert linear <= set(weights) and "model.embed_tokens.weight" not in linear
     q_base = before["model.layers.0.self_attn.q_proj.base_layer.weight"]
@@ -96,7 +96,7 @@ def test_lora_under_bf16_compute_trains_float32_adapters_over_a_bf16_base(tmp_pa
 
     q_base = frozen["model.layers.0.self_attn.q_proj.base_layer.weight"]
     for _ in range(3):  # pushes never round the frozen base: nothing is merged into it in place
-        with trainer.full_weights() as named:
+        with trainer.export.full_weights() as named:
             weights = dict(named)
         torch.testing.assert_close(weights["model.layers.0.self_attn.q_proj.weight"], q_base.float() + delta)
     for name, param in base.named_parameters():

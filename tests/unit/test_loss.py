@@ -8,14 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.learner.importance import (
-    importance_weight_metrics,
-    importance_weights,
-    is_stale,
-    min_fresh_version,
-    staleness,
-)
-from services.learner.loss import BatchNormalisers, LossInputs, aggregate, compute_loss, k3_kl
+from services.learner.data.staleness import is_stale, min_fresh_version, staleness
+from services.learner.objective.importance import importance_weight_metrics, importance_weights
+from services.learner.objective.loss import BatchNormalisers, LossInputs, aggregate, compute_loss, k3_kl
 from shared.config.objective import Objective
 
 TOL = 1e-6

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from services.learner.checkpoint import LearnerState, save_checkpoint
 from services.learner.distributed import mixed_precision_policy
 from services.learner.hardware import Precision, compute_context, resolve_precision
-from services.learner.policy import load_policy, reference_model
+from services.learner.model import load_policy, reference_model
 from services.learner.trainer import Trainer
 from shared.config.learner import LearnerSettings
 from tests.support.mixed_precision import fixed_batch, moved_fraction, relative_l2, train_update, update_of
@@ -80,13 +80,13 @@ def test_optimizer_state_and_gradients_are_float32_under_bf16_compute(tiny):
     )
     model, _ = load_policy(settings, str(tiny))
     trainer = Trainer(model, settings, reference_model(model, torch.bfloat16))
-    assert trainer.precision == Precision(param=torch.float32, compute=torch.bfloat16)
+    assert trainer.optimizer.precision == Precision(param=torch.float32, compute=torch.bfloat16)
     batch = fixed_batch()
-    trainer.optimizer.zero_grad()
+    trainer.optimizer.adamw.zero_grad()
     trainer.accumulate_gradients(batch, trainer.prepare(batch))
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
-    trainer.optimizer.step()
-    states = [s for s in trainer.optimizer.state.values()]
+    trainer.optimizer.adamw.step()
+    states = [s for s in trainer.optimizer.adamw.state.values()]
     assert states and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.float32 for s in states)
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in trainer.reference.parameters())
 

@@ -14,18 +14,19 @@ import numpy as np
 import pytest
 import torch
 
-from services.learner import entropy as entropy_module
-from services.learner.batch import collate
-from services.learner.batch_metrics import finalize_advantages
-from services.learner.feeder import replacement_cap_reached
-from services.learner.loss import (
+from services.learner.data.batch import collate
+from services.learner.data.collector import replacement_cap_reached
+from services.learner.logprobs import entropy as entropy_module
+from services.learner.logprobs.policy import completion_logprobs_and_entropy
+from services.learner.metrics.batch_metrics import finalize_advantages
+from services.learner.model import load_policy, reference_model
+from services.learner.objective.loss import (
     BatchNormalisers,
     LossInputs,
     adaptive_entropy_coef,
     compute_loss,
     entropy_threshold,
 )
-from services.learner.policy import completion_logprobs_and_entropy, load_policy, reference_model
 from services.learner.trainer import Trainer
 from shared.advantages import compute_advantages
 from shared.config.learner import LearnerSettings

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from services.learner.batch import TrainBatch
-from services.learner.packing import (
+from services.learner.data.batch import TrainBatch
+from services.learner.logprobs.packing import (
     attention_implementation,
     check_attention,
     pack,
@@ -21,7 +21,8 @@ from services.learner.packing import (
     resolve_token_budget,
     sequence_lengths,
 )
-from services.learner.policy import completion_logprobs_and_entropy, load_policy
+from services.learner.logprobs.policy import completion_logprobs_and_entropy
+from services.learner.model import load_policy
 from services.learner.trainer import Trainer
 from shared.config.learner import LearnerSettings
 from tests.support.tiny_model import build_tiny_llama
@@ -203,13 +204,13 @@ def test_packed_step_gradient_equals_the_padded_step_gradient_in_float64(tiny, l
     """Packed micro-batches of the padded ones' rows, and (but for kl_cov, which ranks tokens within a
     micro-batch as verl does) packed micro-batches split by a small token budget: the same gradient."""
     padded, trainer = _step_gradient(tiny, 0, share, loss_type=loss_type)
-    assert not trainer.packed and trainer.share_prompts is (share == "on")
+    assert not trainer.planner.packed and trainer.planner.share_prompts is (share == "on")
     same_rows, trainer = _step_gradient(tiny, 10_000, share, loss_type=loss_type)
-    assert trainer.packed
+    assert trainer.planner.packed
     assert_grads_close(same_rows, padded, rel=1e-10)
     if loss_type != "kl_cov":
         by_tokens, trainer = _step_gradient(tiny, 25, share, loss_type=loss_type)
-        assert trainer.token_budget == 25
+        assert trainer.planner.token_budget == 25
         assert_grads_close(by_tokens, padded, rel=1e-10)
 
 
@@ -217,5 +218,5 @@ def test_packed_step_with_entropy_terms_and_a_token_split_equals_the_padded_step
     overrides = dict(loss_type="grpo", entropy_coef=0.05, top_entropy_quantile=0.5, micro_batch_size=4)
     padded, _ = _step_gradient(tiny, 0, "on", **overrides)
     packed, trainer = _step_gradient(tiny, 30, "on", **overrides)
-    assert len(trainer._plan(_batch(_groups(trainer.model, seed=5)))[1]) > 2  # the budget, not the rows, splits
+    assert len(trainer.planner.plan(_batch(_groups(trainer.model, seed=5)))[1]) > 2  # the budget, not the rows, splits
     assert_grads_close(packed, padded, rel=1e-10)

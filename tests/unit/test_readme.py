@@ -6,9 +6,10 @@ from __future__ import annotations
 import socket
 
 from services.launcher.docs_tables import TABLES, default_text, settings_tables
+from shared.config.data import DataSettings
 from shared.config.generator import GeneratorSettings
 from shared.config.launcher import LauncherSettings
-from shared.config.learner import DataSettings, LearnerSettings
+from shared.config.learner import LearnerSettings
 from shared.config.scorer import RewardSpec, ScorerSettings
 from tests.support.processes import ROOT
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from services.scorer.holding import retry_delay
 from services.scorer.rewards.breaker import CircuitBreaker, CircuitOpenError
 from services.scorer.rewards.builtin import (
     correctness,
@@ -34,7 +35,7 @@ from services.scorer.rewards.functions import (
     validate_rewards,
 )
 from services.scorer.scoring import reward_batch, scored_group
-from services.scorer.scoring_loop import ScoringLoop, retry_delay
+from services.scorer.scoring_loop import ScoringLoop
 from shared.config.scorer import RewardSpec, ScorerSettings
 from shared.records import AdvantageSpec, ChatMessage
 from shared.reward_protocol import load_reward_function

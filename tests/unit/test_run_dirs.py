@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from services.learner.observability import MetricsSink
+from services.learner.metrics.telemetry import MetricsSink
 from shared.config.learner import LearnerSettings
 from shared.runs import RUN_FILE, ResumeRefused, checkpoint_to_resume, run_identity
 from shared.telemetry import MetricsGauges
@@ -181,7 +181,7 @@ def test_completion_tables_start_afresh_in_a_new_run_and_drop_the_retrained_step
 def test_the_learner_continues_its_own_run_and_refuses_another_model(tmp_path):
     """The learner itself (``build_trainer``, every rank): a real checkpoint carries its run's identity."""
     from services.learner.checkpoint import LearnerState, save_checkpoint
-    from services.learner.setup import build_trainer
+    from services.learner.startup import build_trainer
     from shared.lifecycle import NotStarting
     from shared.runs import write_run_file
     from tests.support.tiny_model import build_tiny_llama

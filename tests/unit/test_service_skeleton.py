@@ -226,3 +226,13 @@ async def test_undecodable_records_are_dead_lettered_with_their_reason():
     assert consumer.dead[0][1] == "WireError: kind: expected a rollout record, got prompt_task"
     assert consumer.dead[1][1].startswith("WireError: not a msgpack record")
     assert consumer.dead[2][1] == "ValueError: prompt too long"
+
+
+async def test_every_service_counts_and_exports_the_invalid_registry_values_it_reads(events):
+    """A service's registry reads count what they set aside or ignore; /metrics shows it."""
+    from prometheus_client import generate_latest
+
+    service = Service("toy", _settings(), FakeRedis(events))
+    assert b"asyncgrpo_registry_invalid_total 0.0" in generate_latest(service.prometheus)
+    service.registry_stats.invalid += 2
+    assert b"asyncgrpo_registry_invalid_total 2.0" in generate_latest(service.prometheus)

@@ -153,3 +153,28 @@ def test_the_sweep_removes_exactly_the_files_of_processes_that_are_gone(tmp_path
         held.kill()
         held.wait()
     assert sweep_stale(tmp_path) == 2 and [p.name for p in tmp_path.iterdir()] == ["someone-elses-file"]
+
+
+def test_the_sweep_leaves_links_fifos_and_other_users_files_alone(tmp_path):
+    """A local user may plant anything under our prefix in a shared /dev/shm: the sweep neither hangs on a FIFO,
+    follows a link, nor fails on a file it may not remove."""
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep")
+    (tmp_path / "asyncgrpo-weights-link").symlink_to(target)
+    os.mkfifo(tmp_path / "asyncgrpo-weights-fifo")
+    foreign = tmp_path / "asyncgrpo-probe-foreign"
+    foreign.write_bytes(b"x")
+    if os.getuid() == 0:
+        os.chown(foreign, 4242, 4242)  # another user's (needs root to make one here)
+    writable = tmp_path / "asyncgrpo-weights-shared"
+    writable.write_bytes(b"x")
+    writable.chmod(0o666)
+    assert sweep_stale(tmp_path) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "asyncgrpo-probe-foreign",
+        "asyncgrpo-weights-fifo",
+        "asyncgrpo-weights-link",
+        "asyncgrpo-weights-shared",
+        "precious",
+    ]
+    assert target.read_bytes() == b"keep"

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from services.learner.tasks import (
+from services.learner.data.tasks import (
     BUILTIN_TASKS,
     ITEMS,
     WORDS,

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from services.learner.observability import MetricsSink
-from services.learner.trackers import TrackingRun, open_trackers, project_name, table_cells
+from services.learner.metrics.telemetry import MetricsSink
+from services.learner.metrics.trackers import TrackingRun, open_trackers, project_name, table_cells
 from shared.config.learner import LearnerSettings
 from shared.config.pipeline import load_or_exit
 from shared.lifecycle import NotStarting
@@ -49,7 +49,7 @@ def test_a_tracker_that_is_not_installed_refuses_the_start_with_the_install_comm
 
 def test_the_learner_process_refuses_before_anything_starts(monkeypatch, tmp_path, capsys):
     """The learner's start checks (shared.service.main) and build_learner, before the model loads."""
-    from services.learner.setup import build_learner
+    from services.learner.startup import build_learner
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     config = tmp_path / "pipeline.toml"
@@ -59,7 +59,7 @@ def test_the_learner_process_refuses_before_anything_starts(monkeypatch, tmp_pat
     assert exited.value.code == 2 and "pip install wandb" in capsys.readouterr().err
     settings = LearnerSettings.load(config)
     with pytest.raises(NotStarting, match="pip install wandb"):
-        asyncio.run(build_learner(settings, client=None, http=None, registry=CollectorRegistry()))
+        asyncio.run(build_learner(settings, client=None, http=None, prometheus=CollectorRegistry()))
 
 
 def test_report_to_defaults_to_tensorboard_and_names_each_tracker_once():

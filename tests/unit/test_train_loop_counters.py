@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typing
 
-from services.learner.train_loop import Counters, DropReason
+from services.learner.metrics.counters import Counters, DropReason
 
 
 def test_each_drop_reason_counts_in_its_own_field():

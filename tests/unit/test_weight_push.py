@@ -4,6 +4,7 @@ that needs no engine and no GPU."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from weight_sync.direct_load import (
 )
 from weight_sync.placement import slot_views
 from weight_sync.protocol import bucket_byte_sizes, pack_bucket, plan_buckets, read_layout, unpack_bucket
+from weight_sync.sender import _PHASES, _describe, _phases_of, _slowest_phases
 from weight_sync.transport_ipc import ipc_rebuild_args, ipc_record_from_args
 
 PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -789,7 +791,7 @@ def test_transposed_pieces_reach_the_handle_transposed_and_the_engine_computes_t
 
 
 def test_placed_transposed_parameters_train_and_pack_by_no_copy(monkeypatch):
-    from services.learner.policy import linear_weight_names
+    from services.learner.model import linear_weight_names
     from weight_sync.placement import place_parameters
 
     torch.manual_seed(0)
@@ -835,7 +837,7 @@ def test_placed_transposed_parameters_train_and_pack_by_no_copy(monkeypatch):
 
 
 def test_linear_weight_names_leave_out_weights_tied_to_an_embedding():
-    from services.learner.policy import linear_weight_names
+    from services.learner.model import linear_weight_names
 
     class Tied(torch.nn.Module):
         def __init__(self) -> None:
@@ -847,3 +849,22 @@ def test_linear_weight_names_leave_out_weights_tied_to_an_embedding():
             self.head.weight = self.embed.weight
 
     assert linear_weight_names(Tied()) == {"proj.weight"}
+
+
+def test_a_generator_answer_no_generator_gives_fails_the_push_for_it_not_the_learner():
+    """A 200 whose body is not a generator's (an impostor, a proxy's page) is that generator's failure, named;
+    it never raises out of the push as a JSON or type error."""
+    good = httpx.Response(200, json={"pause_seconds": 0.1, "load_seconds": 2})
+    assert _phases_of(good) == {phase: {"pause_seconds": 0.1, "load_seconds": 2.0}.get(phase, 0.0) for phase in _PHASES}
+    for body, why in (
+        (b"<html>", "not JSON"),
+        (b"[1, 2]", "list, not an object"),
+        (b'{"load_seconds": "slow"}', "load_seconds not a finite number"),
+        (b'{"load_seconds": -1}', "load_seconds not a finite number"),
+        (b'{"load_seconds": true}', "load_seconds not a finite number"),
+    ):
+        answer = _phases_of(httpx.Response(200, content=body))
+        assert isinstance(answer, str) and why in _describe(answer), (body, answer)
+    refused = httpx.Response(401, text="missing or wrong bearer token")
+    assert _phases_of(refused) is refused and _describe(refused).startswith("HTTP 401")
+    assert _slowest_phases([_phases_of(good), {phase: 1.0 for phase in _PHASES}])["load_seconds"] == 2.0

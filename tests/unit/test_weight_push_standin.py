@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.learner.policy import linear_weight_names
+from services.learner.model import linear_weight_names
 from tests.gpu import standin
 from tests.gpu.weight_path import digests, push, start_receiver, stop_receiver
 from weight_sync.placement import own_parameters, place_parameters

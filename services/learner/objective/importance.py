@@ -1,4 +1,4 @@
-"""Importance weights for stale samples, and the staleness rule.
+"""Importance weights for stale samples (the staleness rule itself is :mod:`services.learner.data.staleness`).
 
 Asynchronous GRPO trains on completions sampled by an older policy (the behaviour policy, whose per-token
 logprobs the generator recorded). Following AReaL's decoupled objective, the learner recomputes
@@ -76,20 +76,3 @@ def importance_weight_metrics(weights: torch.Tensor, mask: torch.Tensor) -> dict
         "sampling/importance_sampling_ratio/mean": float(active.mean()),
         "sampling/importance_sampling_ratio/max": float(active.max()),
     }
-
-
-def staleness(current_version: int, rollout_version: int) -> int:
-    """How many policy versions old a rollout is: current_version - rollout_version (never negative)."""
-    if rollout_version > current_version:
-        raise ValueError(f"rollout version {rollout_version} is newer than the learner's {current_version}")
-    return current_version - rollout_version
-
-
-def min_fresh_version(current_version: int, max_staleness: int) -> int:
-    """The oldest policy version still trainable: groups sampled before it are dropped."""
-    return current_version - max_staleness
-
-
-def is_stale(current_version: int, rollout_version: int, max_staleness: int) -> bool:
-    """True when a group is older than ``max_staleness`` versions and must be dropped (and counted)."""
-    return staleness(current_version, rollout_version) > max_staleness

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from services.learner.completions_log import Row, jsonl_records
-from services.learner.trackers import TENSORBOARD_DIR, TrackingRun, open_trackers
+from services.learner.metrics.completions_log import Row, jsonl_records
+from services.learner.metrics.trackers import TENSORBOARD_DIR, TrackingRun, open_trackers
 from shared.telemetry import MetricsGauges
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class MetricsSink:
         self._batches.flush()
 
     def write_completions(self, step: int, rows: list[Row]) -> None:
-        """A table of sampled completions and their rewards (:mod:`services.learner.completions_log`), one
+        """A table of sampled completions and their rewards (:mod:`services.learner.metrics.completions_log`), one
         ``completions.jsonl`` line per completion and one table per tracker."""
         if not rows:
             return

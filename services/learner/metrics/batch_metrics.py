@@ -1,7 +1,7 @@
 """Batch-level figures and advantage finalisation for the groups of one optimizer step (pure).
 
 The advantage maths is :mod:`shared.advantages` (numpy, shared with the scorer); tensors appear only in
-what :func:`finalize_advantages` returns, for :func:`services.learner.batch.collate`.
+what :func:`finalize_advantages` returns, for :func:`services.learner.data.batch.collate`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from services.learner.importance import staleness
+from services.learner.data.staleness import staleness
 from shared.advantages import completion_metrics, compute_advantages, reward_function_metrics, reward_metrics
 from shared.records import ScoredGroup
 

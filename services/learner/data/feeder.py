@@ -1,6 +1,6 @@
 """The prompt feeder: the learner owns the data, so it can bound how many groups are in flight.
 
-Rows come from :mod:`services.learner.data_sources` (files, ``save_to_disk`` directories, cached ``datasets``
+Rows come from :mod:`services.learner.data.sources` (files, ``save_to_disk`` directories, cached ``datasets``
 names, built-in tasks). Each row becomes a :class:`Row`, following TRL's rules:
 
 * the prompt: a list of ``{"role", "content"}`` messages is a conversation (the generator applies the chat
@@ -12,11 +12,8 @@ names, built-in tasks). Each row becomes a :class:`Row`, following TRL's rules:
   ``reward_model.ground_truth`` is also passed as ``ground_truth``.
 
 Each epoch visits the rows in an order shuffled with ``shuffle_seed + epoch``; the position (epoch, index) is
-saved so a restarted learner continues where it stopped.
-
-Admission control (AReaL-style): the loop publishes tasks only while fewer than
-``(max_staleness + 1) * groups_per_step`` groups are in flight, so few samples ever age past
-``max_staleness``. :func:`admission_budget` is that rule.
+saved so a restarted learner continues where it stopped. How many tasks it hands out, and when, is admission
+control's (:mod:`services.learner.data.admission`).
 """
 
 from __future__ import annotations
@@ -31,23 +28,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from services.learner.data_sources import DataError, read_source
+from services.learner.data.sources import DataError, read_source
 from shared.config.learner import DataSettings
 from shared.records import ChatMessage, DatasetPosition, PromptTask, SamplingSpec, column_problem
 
 __all__ = ["DataError", "PromptFeeder", "Row", "build_prompt", "load_rows", "prepare_rows"]
-
-
-def admission_budget(in_flight: int, bound: int) -> int:
-    """How many more groups may be admitted now: ``bound - in_flight``, never negative."""
-    return max(0, bound - in_flight)
-
-
-def replacement_cap_reached(skipped: int, cap: int | None, collected: int) -> bool:
-    """Dynamic sampling's bound (verl ``max_num_gen_batches``, in groups): once a step has skipped more than
-    ``cap`` zero-std groups while waiting for replacements, it trains on the ``collected`` groups it has
-    (never on none)."""
-    return cap is not None and skipped > cap and collected > 0
 
 
 @dataclass(frozen=True)

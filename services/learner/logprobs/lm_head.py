@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from services.learner.entropy import token_entropy
+from services.learner.logprobs.entropy import token_entropy
 
 EntropyMode = Literal["none", "value", "grad"]
 Stats = tuple[torch.Tensor, torch.Tensor | None]
@@ -44,7 +44,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch
     the entropy of softmax(logits / T) from the same scaled logits ("grad": differentiable; "value": not).
 
     logits [..., V], targets [...], temperatures broadcastable to targets ([B, 1] for [B, T]). No
-    [tokens x vocab] tensor is added for the entropy (:mod:`services.learner.entropy`).
+    [tokens x vocab] tensor is added for the entropy (:mod:`services.learner.logprobs.entropy`).
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> float32
     scaled = logits.to(dtype) / temperatures.to(logits.device, dtype).unsqueeze(-1)

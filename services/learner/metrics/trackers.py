@@ -1,6 +1,6 @@
 """Experiment trackers the learner reports to besides ``metrics.jsonl`` (``learner.report_to``, TRL's name and
 values): TensorBoard, Weights & Biases, trackio. Each gets every step's metrics at its step and the completion
-tables (:mod:`services.learner.completions_log`).
+tables (:mod:`services.learner.metrics.completions_log`).
 
 A tracker asked for is never skipped in silence: W&B and trackio missing is a refusal to start naming the
 install command (:func:`shared.config.learner.missing_trackers`). TensorBoard keeps its old rule: the learner's
@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from services.learner.completions_log import Row, cell_text, markdown_table, table_columns
+from services.learner.metrics.completions_log import Row, cell_text, markdown_table, table_columns
 from shared.config.learner import DEFAULT_REPORT_TO, LearnerSettings, ReportTo, missing_trackers
 from shared.lifecycle import NotStarting
 

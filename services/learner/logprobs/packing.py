@@ -1,6 +1,6 @@
 """Padding-free micro-batches: completions split by a token budget and packed into one row without padding.
 
-The padded layout (:mod:`services.learner.batch`) pads every prompt to the longest prompt and every completion to
+The padded layout (:mod:`services.learner.data.batch`) pads every prompt to the longest prompt and every completion to
 the longest completion of the micro-batch, and computes the padding. Here a micro-batch's sequences are laid end
 to end in one row ``[1, N]``, N = the micro-batch's real tokens, each with its own position ids (0, 1, ... from
 its first token, as the generator saw it), and attention is kept inside each sequence:
@@ -18,8 +18,8 @@ its first token, as the generator saw it), and attention is kept inside each seq
 
 Either way every completion token's log-probability is computed from exactly the tokens it sees in the padded
 forward, so the values and gradients are the padded forward's (float64 tests, tests/unit/test_packing.py); the
-loss and its normalisers (:mod:`services.learner.loss`) are unchanged, since the results come back in the padded
-[b, T] layout.
+loss and its normalisers (:mod:`services.learner.objective.loss`) are unchanged, since the results come back in
+the padded [b, T] layout.
 
 :func:`plan_micro_batches` splits a batch into consecutive rows by ``max_tokens_per_micro_batch`` (the packed
 row's length) and ``micro_batch_size`` (an upper bound on completions).
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.learner.batch import TrainBatch
-from services.learner.lm_head import (
+from services.learner.data.batch import TrainBatch
+from services.learner.logprobs.lm_head import (
     EntropyMode,
     Stats,
     chunked_token_stats,

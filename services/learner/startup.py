@@ -16,23 +16,24 @@ import torch
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from services.learner import distributed
+from services.learner import distributed, ranks
 from services.learner.checkpoint import LearnerState, load_state
+from services.learner.data.admission import FEEDER_POSITION, RUNTIME
+from services.learner.data.feeder import PromptFeeder, load_rows
 from services.learner.distributed import Topology
 from services.learner.evaluation import Evaluator, eval_sampling, load_eval_rows
-from services.learner.feeder import PromptFeeder, load_rows
 from services.learner.hardware import resolve_precision
-from services.learner.observability import MetricsSink
-from services.learner.policy import load_policy, reference_model
-from services.learner.trackers import TrackingRun
-from services.learner.train_loop import FEEDER_POSITION, RUNTIME, LearnerLoop
+from services.learner.metrics.telemetry import MetricsSink
+from services.learner.metrics.trackers import TrackingRun
+from services.learner.model import load_policy, reference_model
+from services.learner.train_loop import LearnerLoop
 from services.learner.trainer import Trainer
 from shared.codec import encode
 from shared.config.learner import LearnerSettings, missing_trackers
 from shared.keys import Keys
 from shared.lifecycle import NotStarting, start_consumer
 from shared.records import ChatMessage, DatasetPosition, SamplingSpec
-from shared.registry import set_aside
+from shared.registry import RegistryStats, set_aside
 from shared.runs import ResumeRefused, checkpoint_to_resume, run_identity, write_run_file
 from shared.streams import StreamProducer
 from shared.telemetry import MetricsGauges
@@ -122,10 +123,10 @@ def sampling_spec(settings: LearnerSettings) -> SamplingSpec:
 
 
 async def build_feeder(
-    settings: LearnerSettings, client: aioredis.Redis, keys: Keys, state: LearnerState, tokenizer
+    settings: LearnerSettings, client: aioredis.Redis, keys: Keys, state: LearnerState, tokenizer, stats: RegistryStats
 ) -> PromptFeeder:
     """The prompt feeder, at the position saved with the last admitted prompt (else the checkpoint's)."""
-    position = await saved_feeder_position(client, keys) or DatasetPosition(
+    position = await saved_feeder_position(client, keys, stats) or DatasetPosition(
         epoch=state.feeder_epoch, index=state.feeder_index
     )
     return PromptFeeder(
@@ -139,7 +140,7 @@ async def build_feeder(
     )
 
 
-async def saved_feeder_position(client: aioredis.Redis, keys: Keys) -> DatasetPosition | None:
+async def saved_feeder_position(client: aioredis.Redis, keys: Keys, stats: RegistryStats) -> DatasetPosition | None:
     """The feeder's position saved with the last admitted prompt; None without one, or when it is not a
     position (then set aside in the dead-letter stream, and the checkpoint's position is used)."""
     saved = await client.hget(keys.learner_state, FEEDER_POSITION)
@@ -149,7 +150,7 @@ async def saved_feeder_position(client: aioredis.Redis, keys: Keys) -> DatasetPo
         return DatasetPosition.model_validate_json(saved)
     except ValidationError as exc:
         reason = f"feeder position: ValidationError: {exc.errors()[0]['msg']}"
-        await set_aside(client, keys, keys.learner_state, (FEEDER_POSITION, saved), reason)
+        await set_aside(client, keys, keys.learner_state, (FEEDER_POSITION, saved), reason, stats)
         return None
 
 
@@ -216,17 +217,20 @@ async def build_learner(
     settings: LearnerSettings,
     client: aioredis.Redis,
     http: httpx.AsyncClient,
-    registry: CollectorRegistry,
+    prometheus: CollectorRegistry,
     topology: Topology | None = None,
+    registry_stats: RegistryStats | None = None,
 ) -> tuple[LearnerLoop, bool]:
-    """The learner loop (the leader's, on several ranks), and whether it resumed from a checkpoint."""
+    """The learner loop (the leader's, on several ranks), and whether it resumed from a checkpoint.
+    ``registry_stats`` count the invalid registry values it reads (the service exports them; default: new)."""
+    registry_stats = registry_stats or RegistryStats()
     problems = missing_trackers(settings.report_to)  # before the model loads: the fix is an install
     if problems:
         raise NotStarting("; ".join(problems))
     keys = Keys(settings.stream_prefix)
     trainer, tokenizer, state, resumed = build_trainer(settings, topology)
     ranks = rank_devices(settings)  # with the followers (see follow)
-    feeder = await build_feeder(settings, client, keys, state, tokenizer)
+    feeder = await build_feeder(settings, client, keys, state, tokenizer, registry_stats)
     consumer = await start_consumer(
         client,
         keys,
@@ -239,7 +243,7 @@ async def build_learner(
     evaluator = await build_evaluator(settings, client, keys, tokenizer)
     pusher = await start_pusher(settings, client, keys, ranks)
     write_run_file(settings, run_identity(settings))
-    gauges = MetricsGauges(registry)
+    gauges = MetricsGauges(prometheus)
     resumed_step = state.step if resumed else None
     tracking = TrackingRun.from_settings(settings)
     sink = MetricsSink(Path(settings.log_dir), gauges, settings.max_steps, settings.progress, resumed_step, tracking)
@@ -256,6 +260,7 @@ async def build_learner(
         sink=sink,
         state=state,
         evaluator=evaluator,
+        registry_stats=registry_stats,
     )
     return loop, resumed
 
@@ -289,7 +294,7 @@ def follow(settings: LearnerSettings, topology: Topology) -> int:
     try:
         trainer, _, _, _ = build_trainer(settings, topology)
         rank_devices(settings)  # with the leader (see build_learner)
-        steps = distributed.follow(trainer)
+        steps = ranks.follow(trainer)
     except Exception:
         log.exception("learner rank %d stopped on an error", topology.rank)
         return 1

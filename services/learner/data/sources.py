@@ -3,7 +3,7 @@
 =======================================  ===============================================================
 ``source``                               read with
 =======================================  ===============================================================
-``builtin:arithmetic``                   :mod:`services.learner.tasks` (conversational: the question is
+``builtin:arithmetic``                   :mod:`services.learner.data.tasks` (conversational: the question is
                                          the user's turn)
 a ``.jsonl``/``.json``/``.parquet``/     ``datasets.load_dataset("json" | "parquet" | "csv")``; a
 ``.csv`` file, a list of them, or a      directory's files are read whole, or only those whose name holds
@@ -14,7 +14,7 @@ any other name (``openai/gsm8k``)        ``datasets.load_dataset(name, dataset_c
                                          reach; the error says how to put it there
 =======================================  ===============================================================
 
-Which columns reach the reward functions, and how the prompt is built, is :mod:`services.learner.feeder`'s.
+Which columns reach the reward functions, and how the prompt is built, is :mod:`services.learner.data.feeder`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services.learner.tasks import BUILTIN_TASKS, held_out_rows
+from services.learner.data.tasks import BUILTIN_TASKS, held_out_rows
 from shared.config.learner import DataSettings
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

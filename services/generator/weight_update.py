@@ -1,0 +1,108 @@
+"""The weight update's pieces that hold no engine state: where a replica joins a push, the seconds of each
+phase, the figures an update reports, and the error a failed one raises.
+
+:class:`~services.generator.engine.Engine` runs the update itself (pause, receive, load, resume) on its vLLM
+engine; the byte protocol of the push is :mod:`weight_sync`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shared.records import WeightVersionAnnouncement
+
+log = logging.getLogger(__name__)
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight push that could not be applied; ``applied_nothing`` says whether the engine was untouched."""
+
+    def __init__(self, message: str, *, applied_nothing: bool) -> None:
+        super().__init__(message)
+        self.applied_nothing = applied_nothing
+
+
+async def reachable(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=timeout_s)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where this replica joins a push (the learner's store) and how it receives (gloo, nccl, ipc or shm)."""
+
+    host: str
+    port: int
+    transport: str
+
+
+class Phases:
+    """Seconds per phase of one weight update, each measured from the end of the one before."""
+
+    def __init__(self) -> None:
+        self.started = self._last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase], self._last = now - self._last, now
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+
+async def rendezvous(announcement: WeightVersionAnnouncement, generator_id: str, default_transport: str) -> Rendezvous:
+    """Where and how this replica joins the push (``default_transport`` where the announcement names none);
+    checked before anything is touched."""
+    if not announcement.participates(generator_id) or not announcement.rendezvous:
+        raise WeightUpdateError(f"the announcement names no rank for {generator_id}", applied_nothing=True)
+    transport = announcement.transport_of(generator_id, default_transport)
+    host, _, port = announcement.rendezvous.rpartition(":")
+    if not port.isdigit() or not await reachable(host, int(port), timeout_s=10.0):
+        raise WeightUpdateError(
+            f"the learner's store at {announcement.rendezvous} is not reachable", applied_nothing=True
+        )
+    return Rendezvous(host, int(port), transport)
+
+
+def update_report(results: list[dict], transport: str, phases: Phases, policy_version: int) -> dict[str, Any]:
+    """The update's figures (bytes, seconds, phases: the slowest worker's receive and load), logged."""
+    seconds = phases.elapsed()
+    received = sum(r["bytes"] for r in results)
+    phases.seconds["receive_wait_seconds"] = max(r["receive_wait_seconds"] for r in results)
+    phases.seconds["load_seconds"] = max(r["load_seconds"] for r in results)
+    direct = all(r["direct"] for r in results)
+    in_place = sum(r.get("aliased_bytes", 0.0) for r in results)
+    copied = sum(r.get("copied_borrowed_bytes", 0.0) for r in results)
+    if copied:
+        log.warning(
+            "%.1f MB of layers kept pointing into the learner's shared memory and were copied (slower loads)",
+            copied / 1e6,
+        )
+    log.info(
+        "policy version %d loaded over %s (%s): %.1f MB in %.2f s, %.1f MB of it received in place (%s)",
+        policy_version,
+        transport,
+        "direct copy" if direct else "layerwise reload",
+        received / 1e6,
+        seconds,
+        in_place / 1e6,
+        ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.seconds.items()),
+    )
+    return {
+        "bytes": received,
+        "seconds": seconds,
+        "transport": transport,
+        "direct_load": direct,
+        "in_place_bytes": in_place,
+        "copied_shared_bytes": copied,
+        **phases.seconds,
+    }

@@ -1,0 +1,1 @@
+"""What the learner reports: batch figures, the completions log, the metrics sink and experiment trackers."""

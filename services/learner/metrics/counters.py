@@ -1,0 +1,79 @@
+"""The run's counts of groups and weight pushes: what became of every admitted group, and of every push.
+
+Checkpointed with the learner's state (so a resumed run goes on counting) and written with every step's
+metrics as ``counters/<name>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Literal
+
+DropReason = Literal["already_trained", "zero_std_dropped", "from_lost_versions", "stale_dropped"]
+
+
+@dataclasses.dataclass
+class Counters:
+    """The run's counts of groups and weight pushes: checkpointed with the learner's state and written with
+    every step's metrics as ``counters/<name>``. Changed only through the methods below."""
+
+    groups_admitted: int = 0
+    groups_trained: int = 0
+    groups_stale_dropped: int = 0
+    groups_zero_std_dropped: int = 0
+    groups_from_lost_versions: int = 0
+    groups_already_trained: int = 0
+    groups_rejected: int = 0
+    weight_pushes: int = 0
+    weight_push_failures: int = 0
+    input_tokens_seen: int = 0  # prompt + completion tokens of every trained completion (TRL's num_tokens)
+
+    @classmethod
+    def restore(cls, saved: Mapping[str, float]) -> Counters:
+        """The counters a checkpoint saved (names this version does not know are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{name: int(value) for name, value in saved.items() if name in names})
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def admitted(self, groups: int) -> None:
+        self.groups_admitted += groups
+
+    def trained(self, groups: int) -> None:
+        self.groups_trained += groups
+
+    def tokens_seen(self, tokens: float) -> int:
+        self.input_tokens_seen += int(tokens)
+        return self.input_tokens_seen
+
+    def rejected(self) -> None:
+        self.groups_rejected += 1
+
+    def dropped(self, reason: DropReason) -> None:
+        match reason:
+            case "already_trained":
+                self.groups_already_trained += 1
+            case "zero_std_dropped":
+                self.groups_zero_std_dropped += 1
+            case "from_lost_versions":
+                self.groups_from_lost_versions += 1
+            case "stale_dropped":
+                self.groups_stale_dropped += 1
+
+    def pushed(self, *, ok: bool) -> None:
+        if ok:
+            self.weight_pushes += 1
+        else:
+            self.weight_push_failures += 1
+
+    def group_fates(self) -> str:
+        """What became of the admitted groups: "2000 admitted: 8 trained, 1992 stale_dropped"."""
+        counts = self.as_dict()
+        fates = [f"{counts['groups_trained']} trained"] + [
+            f"{n} {name.removeprefix('groups_')}"
+            for name, n in counts.items()
+            if n and name.startswith("groups_") and name not in ("groups_admitted", "groups_trained")
+        ]
+        return f"{counts['groups_admitted']} admitted: {', '.join(fates)}"

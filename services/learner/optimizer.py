@@ -1,0 +1,93 @@
+"""The optimizer step and its precision: AdamW over the trainable parameters, the learning-rate schedule,
+gradient clipping, and the dtypes the weights and the forwards use.
+
+Precision (:mod:`services.learner.hardware`): the weights, their gradients and AdamW's state are in
+``param_dtype`` (float32); forwards run in ``compute_dtype`` under autocast on one device (FSDP2 casts the
+gathered weights itself under torchrun, so there the autocast is a no-op :class:`Precision`).
+
+On one rank the optimizer's state travels in the trainer's state dict; on several, each rank writes and
+reads its own shards under a checkpoint's ``optimizer/`` (:func:`distributed.save_optimizer`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from services.learner import distributed
+from services.learner.distributed import Topology
+from services.learner.hardware import Precision, resolve_precision
+from shared.config.learner import LearnerSettings
+
+
+def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total_steps``."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class OptimizerStep:
+    """AdamW and its warm-up + cosine schedule (:func:`lr_lambda`) over ``model``'s trainable parameters, the
+    precision they train in, and the count of steps taken (the policy version)."""
+
+    def __init__(self, model: torch.nn.Module, settings: LearnerSettings, topology: Topology) -> None:
+        s = settings
+        self.model, self.topology, self.max_grad_norm = model, topology, s.max_grad_norm
+        self.precision = resolve_precision(s.param_dtype, s.compute_dtype, s.device)
+        # Sharded, FSDP2's MixedPrecisionPolicy casts the gathered weights (distributed.shard_model).
+        self.autocast = Precision() if topology.distributed else self.precision
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.adamw = torch.optim.AdamW(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.adamw, lambda step: lr_lambda(step, s.warmup_steps, s.max_steps, s.min_lr_ratio)
+        )
+        self.step = 0
+
+    def zero_grad(self) -> None:
+        self.adamw.zero_grad(set_to_none=True)
+
+    def apply(self) -> dict[str, float]:
+        """Clip the accumulated gradients, step AdamW and the schedule; ``learning_rate`` (the one this step
+        used) and ``grad_norm`` (before clipping)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in self.model.parameters() if p.requires_grad], self.max_grad_norm
+        )
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor when the parameters are sharded
+            grad_norm = grad_norm.full_tensor()
+        learning_rate = float(self.scheduler.get_last_lr()[0])
+        self.adamw.step()
+        self.scheduler.step()
+        self.step += 1
+        return {"learning_rate": learning_rate, "grad_norm": float(grad_norm)}
+
+    def state_dict(self) -> dict:
+        """Scheduler and step; the optimizer too on one rank (on several, :meth:`save` writes it)."""
+        state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "ranks": self.topology.world_size}
+        if not self.topology.distributed:
+            state["optimizer"] = self.adamw.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict, checkpoint: Path | None = None) -> None:
+        """Restore :meth:`state_dict`; on several ranks the optimizer comes from ``checkpoint``/optimizer."""
+        if self.topology.distributed:
+            if checkpoint is None:
+                raise ValueError("a sharded learner restores its optimizer from a checkpoint directory")
+            distributed.load_optimizer(self.model, self.adamw, checkpoint / "optimizer")
+        elif "optimizer" in state:
+            self.adamw.load_state_dict(state["optimizer"])
+        else:
+            raise ValueError(
+                f"this checkpoint was written by {state.get('ranks')} learner ranks (its optimizer is sharded "
+                "under optimizer/); resume it with torchrun, or start from its model with resume = false"
+            )
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+
+    def save(self, path: Path) -> None:
+        """On several ranks: this rank's optimizer shards under ``path`` (every rank calls it)."""
+        distributed.save_optimizer(self.model, self.adamw, path)
