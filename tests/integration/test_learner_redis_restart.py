@@ -203,12 +203,9 @@ class MissingGenerator:
         return PushReport(policy_version, reached, 0, 0.0)
 
 
-async def test_a_generator_that_missed_pushes_is_pushed_again(tiny, tmp_path, redis_client, redis_url, keys):
-    """The generator misses the pushes of versions 3 and 4, so from version 4 on everything it samples is 2
-    versions old, past max_staleness 1. Without a push while it waits, the learner dropped each such group and
-    admitted the next prompt in its place until every row was spent, then ended as if the data had run out
-    (the fault test's "learner finished: step 42" after a Redis restart)."""
-    settings = LearnerSettings(
+def _in_process_settings(tiny: Path, tmp: Path, redis_url: str, keys: Keys, **overrides) -> LearnerSettings:
+    """A small learner run in this process (two groups of 4 a step, a tiny model)."""
+    return LearnerSettings(
         model=str(tiny),
         redis_url=redis_url,
         stream_prefix=keys.prefix,
@@ -216,16 +213,23 @@ async def test_a_generator_that_missed_pushes_is_pushed_again(tiny, tmp_path, re
         group_size=4,
         groups_per_step=GROUPS_PER_STEP,
         micro_batch_size=4,
-        max_steps=6,
-        max_staleness=1,
         max_completion_length=8,
         max_prompt_length=200,
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        log_dir=str(tmp_path / "logs"),
+        checkpoint_dir=str(tmp / "ckpt"),
+        log_dir=str(tmp / "logs"),
         weight_sync_port=0,
-        min_generators=1,
         progress="off",
-        lr=1e-3,
+        **overrides,
+    )
+
+
+async def test_a_generator_that_missed_pushes_is_pushed_again(tiny, tmp_path, redis_client, redis_url, keys):
+    """The generator misses the pushes of versions 3 and 4, so from version 4 on everything it samples is 2
+    versions old, past max_staleness 1. Without a push while it waits, the learner dropped each such group and
+    admitted the next prompt in its place until every row was spent, then ended as if the data had run out
+    (the fault test's "learner finished: step 42" after a Redis restart)."""
+    settings = _in_process_settings(
+        tiny, tmp_path, redis_url, keys, max_steps=6, max_staleness=1, min_generators=1, lr=1e-3
     )
     keys = Keys(keys.prefix)
     generator = MissingGenerator(redis_client, keys)
@@ -250,24 +254,8 @@ async def test_a_generator_that_missed_pushes_is_pushed_again(tiny, tmp_path, re
 async def test_a_run_whose_data_ran_out_says_so(tiny, tmp_path, redis_client, redis_url, keys):
     """Five rows, two groups a step: steps 1 and 2, a partial step 3 on the last group, then the run ends on
     the data, which its last line says with what became of every group."""
-    settings = LearnerSettings(
-        model=str(tiny),
-        redis_url=redis_url,
-        stream_prefix=keys.prefix,
-        api_token=TOKEN,
-        group_size=4,
-        groups_per_step=GROUPS_PER_STEP,
-        micro_batch_size=4,
-        max_steps=10,
-        max_completion_length=8,
-        max_prompt_length=200,
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        log_dir=str(tmp_path / "logs"),
-        weight_sync_port=0,
-        min_generators=0,
-        progress="off",
-        data={"source": "builtin:arithmetic", "builtin_size": 5, "epochs": 1},
-    )
+    data = {"source": "builtin:arithmetic", "builtin_size": 5, "epochs": 1}
+    settings = _in_process_settings(tiny, tmp_path, redis_url, keys, max_steps=10, min_generators=0, data=data)
     stop = asyncio.Event()
     async with httpx.AsyncClient() as http:
         loop, _ = await build_learner(settings, redis_client, http, CollectorRegistry())
