@@ -22,7 +22,7 @@ import httpx
 import msgpack
 import pytest
 
-from shared.codec import decode, encode
+from shared.codec import WireError, decode, encode
 from shared.keys import Keys
 from shared.records import GeneratorRegistration, PromptTask, Rollout, ScoredGroup
 from shared.redis_conn import RedisRetry
@@ -35,6 +35,7 @@ from tests.support.tiny_model import build_tiny_llama
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 STREAMS = {"prompts": Keys.GENERATORS, "rollouts": Keys.SCORERS, "scored": Keys.LEARNER}  # stream -> its reader
+READERS = {**STREAMS, "evaluated": Keys.LEARNER}  # the evaluated stream is read in the start's evaluation
 VALID_PER_STREAM = 3
 FEEDER_POSITION = b"feeder_position"  # services.learner.data.admission.FEEDER_POSITION (no torch)
 
@@ -70,6 +71,8 @@ log_dir = "{tmp}/logs"
 weight_sync_port = 0
 progress = "off"
 min_generators = 1
+eval_data = "held_out"  # the start's evaluation reads the evaluated stream, garbage included
+eval_samples = 2
 
 [data]
 source = "builtin:arithmetic"
@@ -100,8 +103,21 @@ class Audit:
             for name, consumer in consumers.items():
                 for delivery in await self.retry.run(consumer.read, f"auditing {name}"):
                     self.seen[name][delivery.record_id] += 1
-                    self.sample.setdefault(name, delivery.payload)
+                    if name not in self.sample and _is_training_record(name, delivery.payload):
+                        self.sample[name] = delivery.payload  # copies of it must go where training goes
                     await consumer.commit(delivery)
+
+
+def _is_training_record(name: str, payload: bytes) -> bool:
+    """Whether a payload of stream ``name`` is a valid record of training, not of a held-out evaluation (nor
+    one of the malformed payloads this test writes)."""
+    try:
+        if name == "prompts":
+            return decode(payload, PromptTask).eval_step is None
+        rollout = decode(payload, Rollout) if name == "rollouts" else decode(payload, ScoredGroup).rollout
+    except WireError:
+        return False
+    return rollout.task.eval_step is None
 
 
 def _copies(name: str, sample: bytes) -> list[tuple[str, bytes]]:
@@ -153,12 +169,13 @@ def _hostile_column_entries(name: str, sample: bytes) -> dict[str, tuple[dict, s
     return out
 
 
-async def _inject(client, keys: Keys, name: str, sample: bytes) -> tuple[list[str], dict[str, dict]]:
-    """Valid copies and malformed entries, interleaved; returns the valid record ids and the bad entries."""
+async def _inject(client, keys: Keys, name: str, sample: bytes | None) -> tuple[list[str], dict[str, dict]]:
+    """Valid copies and malformed entries, interleaved; returns the valid record ids and the bad entries.
+    Without a ``sample`` record, the malformed entries alone."""
     stream = getattr(keys, name)
-    hostile = [fields for fields, _ in _hostile_column_entries(name, sample).values()]
+    hostile = [fields for fields, _ in _hostile_column_entries(name, sample).values()] if sample else []
     bad_entries = [*EDGE_ENTRIES, {b"id": f"bad-payload-{name}".encode(), b"data": b"\x93 not a record"}, *hostile]
-    valid = _copies(name, sample)
+    valid = _copies(name, sample) if sample else []
     bad: dict[str, dict] = {}
     for i, fields in enumerate(bad_entries):
         if i < len(valid):
@@ -233,6 +250,7 @@ async def test_hostile_entries_in_every_stream_and_registry_key_stop_no_service(
         metrics = httpx.get(f"http://127.0.0.1:{ports['generator']}/metrics", timeout=10).text
         [invalid] = [line for line in metrics.splitlines() if line.startswith("asyncgrpo_registry_invalid_total")]
         assert float(invalid.split()[-1]) >= 1, invalid  # counted, not only logged
+        evaluated = await _inject(client, keys, "evaluated", None)  # read by the learner's first evaluation
         learner = start_service("learner", "services.learner", {**env, "LEARNER_PORT": str(ports["learner"])})
         services.append(learner)
         await asyncio.to_thread(learner.wait_for_line, "learner ready", 300)
@@ -242,6 +260,7 @@ async def test_hostile_entries_in_every_stream_and_registry_key_stop_no_service(
 
         await _wait(samples_taken, "a record in every stream", services)
         injected = {name: await _inject(client, keys, name, audit.sample[name]) for name in STREAMS}
+        injected["evaluated"] = evaluated
         live = decode(await client.hget(keys.generators, "gen-0"), GeneratorRegistration)
         await client.hset(keys.generators, mapping=(run_garbage := _garbage_registrations(live, b"-2")))
 
@@ -264,7 +283,7 @@ async def test_hostile_entries_in_every_stream_and_registry_key_stop_no_service(
     _check_registry_letters(letters, keys, startup_garbage, [first_garbage, run_garbage])
     for name, (valid_ids, _) in injected.items():
         for record_id in valid_ids:
-            assert await client.exists(keys.applied(getattr(keys, name), STREAMS[name], record_id)) == 1, record_id
+            assert await client.exists(keys.applied(getattr(keys, name), READERS[name], record_id)) == 1, record_id
     for record_id in injected["prompts"][0]:
         assert audit.seen["rollouts"][record_id] == 1, "a valid prompt became exactly one rollout"
     for record_id in injected["rollouts"][0]:
@@ -278,10 +297,10 @@ async def _all_handled(client, keys: Keys, audit: Audit, injected) -> bool:
     letters = await _letters(client, keys)
     seen = {(letter[b"group"].decode(), letter[b"entry_id"].decode()) for letter in letters}
     for name, (valid_ids, bad) in injected.items():
-        if not all((STREAMS[name], entry_id) in seen for entry_id in bad):
+        if not all((READERS[name], entry_id) in seen for entry_id in bad):
             return False
         for record_id in valid_ids:
-            if not await client.exists(keys.applied(getattr(keys, name), STREAMS[name], record_id)):
+            if not await client.exists(keys.applied(getattr(keys, name), READERS[name], record_id)):
                 return False
     registry = [letter for letter in letters if letter[b"stream"] == keys.generators.encode()]
     return (
@@ -294,7 +313,7 @@ async def _all_handled(client, keys: Keys, audit: Audit, injected) -> bool:
 def _check_stream_letters(letters: list[dict[bytes, bytes]], keys: Keys, injected) -> None:
     """Each bad entry dead-lettered once by its service's group, with its reason and its exact fields."""
     for name, (_, bad) in injected.items():
-        group, stream = STREAMS[name], getattr(keys, name)
+        group, stream = READERS[name], getattr(keys, name)
         mine = {}
         for letter in letters:
             if letter[b"stream"] == stream.encode() and letter[b"group"] == group.encode():
