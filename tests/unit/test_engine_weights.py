@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from services.generator.weight_update import WeightUpdateError
 
 from services.generator.engine import Engine
+from services.generator.weight_update import WeightUpdateError
 from shared.config.generator import GeneratorSettings
 from shared.records import WeightVersionAnnouncement
 
