@@ -12,8 +12,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.scorer.rewards.breaker import CircuitBreaker
 from services.scorer.rewards.functions import RewardFailure
+from shared.resilience import CircuitBreaker
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 import httpx
 import numpy as np
 
-from services.scorer.rewards.breaker import CircuitBreaker
 from services.scorer.rewards.builtin import BUILTINS
 from services.scorer.rewards.functions import RewardBatch, RewardFunction, trl_style
 from services.scorer.rewards.http_plugin import HttpRewardPlugin
@@ -32,6 +31,7 @@ from shared.advantages import (
 )
 from shared.config.scorer import RewardSpec
 from shared.records import AdvantageSpec, Rollout, ScoredGroup
+from shared.resilience import CircuitBreaker
 from shared.reward_protocol import load_reward_function
 
 

@@ -14,16 +14,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.reward_plugin.app import build_app, make_brevity, trl_arguments
-from services.scorer.rewards.http_plugin import (
-    PROTOCOL,
-    PluginCallError,
-    _items,
-    body_excerpt,
-    parse_answer,
-    transport_detail,
-)
+from services.scorer.rewards.http_plugin import PROTOCOL, PluginCallError, _items, parse_answer
 from services.scorer.scoring import reward_batch
 from shared.records import ChatMessage
+from shared.resilience import body_excerpt, transport_detail
 from shared.reward_protocol import SCHEMA_PATH, RewardRequest, schema_text
 from tests.support.factories import make_rollout, make_task
 from tests.support.trl_doc_rewards import broken_reward, format_reward_func, reward_len

@@ -11,7 +11,6 @@ import pytest
 from pydantic import ValidationError
 
 from services.scorer.holding import retry_delay
-from services.scorer.rewards.breaker import CircuitBreaker, CircuitOpenError
 from services.scorer.rewards.builtin import (
     correctness,
     digit,
@@ -38,6 +37,7 @@ from services.scorer.scoring import reward_batch, scored_group
 from services.scorer.scoring_loop import ScoringLoop
 from shared.config.scorer import RewardSpec, ScorerSettings
 from shared.records import AdvantageSpec, ChatMessage
+from shared.resilience import CircuitBreaker, CircuitOpenError
 from shared.reward_protocol import load_reward_function
 from tests.support.factories import make_rollout, make_task
 
@@ -163,7 +163,7 @@ def test_plugin_paths_are_checked():
 def test_circuit_breaker_opens_half_opens_lets_one_trial_through_and_closes(caplog):
     now = [0.0]
     breaker = CircuitBreaker("judge", threshold=2, reset_s=10, clock=lambda: now[0])
-    caplog.set_level(logging.WARNING, logger="services.scorer.rewards.breaker")
+    caplog.set_level(logging.WARNING, logger="shared.resilience")
     assert breaker.before_call() is False
     breaker.failure("group g1: HTTP 503; body 'boom'")
     assert breaker.refresh() == "closed"

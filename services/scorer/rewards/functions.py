@@ -37,8 +37,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from services.scorer.rewards.breaker import CircuitBreaker, CircuitOpenError
 from services.scorer.rewards.threads import RewardThreads, RewardTimeoutError
+from shared.resilience import CircuitBreaker, CircuitOpenError
 
 log = logging.getLogger(__name__)
 
