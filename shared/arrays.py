@@ -63,3 +63,4 @@ def _array_type(dtype: str, ndim: int, item_schema: dict) -> Any:
 Int32Array = _array_type("int32", 1, {"type": "integer"})
 Float32Array = _array_type("float32", 1, {"type": "number"})
 Float32Matrix = _array_type("float32", 2, {"type": "number"})
+UInt8Array = _array_type("uint8", 1, {"type": "integer", "minimum": 0, "maximum": 255})

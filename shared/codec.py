@@ -6,6 +6,9 @@ followed by the raw little-endian bytes.
 Decoding checks the kind, the schema version and then validates the body with the record's model in wire
 mode (exact dtypes, lengths that agree, G that matches); every failure raises :class:`WireError`, whose
 message names the offending field.
+
+Versions: a record is written as the lowest schema version that carries it (``WireModel.wire_version``), so a
+single-turn record is still v1 byte for byte; the reader takes v1 and v2 (docs/design/multi_turn.md §2.2).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import msgpack
 import numpy as np
 from pydantic import ValidationError
 
-from shared.records import RECORDS_BY_KIND, SCHEMA_VERSION, WireModel
+from shared.records import READABLE_VERSIONS, RECORDS_BY_KIND, WireModel
 
 _ARRAY_EXT = 1
 # Only these dtypes cross the wire (code -> dtype); anything else in a payload is corruption.
@@ -82,7 +85,7 @@ def encode(record: WireModel) -> bytes:
     """Encode a record to bytes."""
     body = record.model_dump(mode="python", exclude={"schema_version"})
     return msgpack.packb(
-        {"kind": record.kind, "v": record.schema_version, "body": body},
+        {"kind": record.kind, "v": record.wire_version(), "body": body},
         default=_pack_default,
         use_bin_type=True,
     )
@@ -112,11 +115,23 @@ def decode(data: bytes, expected: type[R] | None = None) -> R:
         raise WireError(f"unknown record kind {kind!r}", "kind")
     if expected is not None and cls is not expected:
         raise WireError(f"expected a {expected.kind} record, got {kind}", "kind")
-    if version != SCHEMA_VERSION:
-        raise WireError(f"schema version {version!r} is not supported (this build reads {SCHEMA_VERSION})", "v")
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        readable = " and ".join(str(v) for v in READABLE_VERSIONS)
+        raise WireError(f"schema version {version!r} is not supported (this build reads {readable})", "v")
     if not isinstance(body, dict):
         raise WireError("body must be a map", "body")
+    if version == 1:
+        body = _upgrade_v1(kind, body)
     try:
-        return cls.model_validate(body, context={"wire": True})  # type: ignore[return-value]
+        record = cls.model_validate(body, context={"wire": True})
     except ValidationError as exc:
         raise WireError(exc.errors()[0]["msg"], _field_of(exc)) from None
+    if record.wire_version() > version:
+        raise WireError(f"a schema v{version} record cannot carry fields of v{record.wire_version()}", "v")
+    return record  # type: ignore[return-value]
+
+
+def _upgrade_v1(kind: str, body: dict) -> dict:
+    """A v1 body as this build's models read it: unchanged, since every v2 field is optional with a default
+    (the version check that a v1 record sets none of them follows validation, in :func:`decode`)."""
+    return body

@@ -2,7 +2,8 @@
 
 Each record is a frozen pydantic model with ``extra="forbid"`` and a schema version. The comment above each
 says who writes it and who reads it. Records are encoded by :mod:`shared.codec` (msgpack, arrays packed as
-raw little-endian bytes); never pickled.
+raw little-endian bytes); never pickled. A completion and its chat messages (with schema v2's tool calls and
+trajectories) are defined in :mod:`shared.trajectory`.
 
 Identity: a ``PromptTask``'s ``task_id`` is also the ``group_id`` of the ``Rollout`` and ``ScoredGroup``
 made from it, so every stage can deduplicate a redelivered entry by the same id.
@@ -20,8 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from shared.arrays import Float32Array, Float32Matrix, Int32Array
 from shared.columns import column_problem
+from shared.trajectory import ChatMessage, Completion, uses_v2
 
-SCHEMA_VERSION: Final = 1
+# The newest schema this build reads and writes. A record is written as the lowest version that carries it
+# (``WireModel.wire_version``): v2 only where a v2 field (``shared.trajectory``) is set.
+SCHEMA_VERSION: Final = 2
+READABLE_VERSIONS: Final = (1, 2)
 
 
 def new_id() -> str:
@@ -39,16 +44,13 @@ class WireModel(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     kind: ClassVar[str] = ""
-    schema_version: Literal[1] = SCHEMA_VERSION
+    # Not the record's version (the envelope's ``v``, from ``wire_version``, is): schema v1 wrote this field
+    # inside nested records (a Rollout's task), so it stays, always 1, for v1 encodings to stay byte-identical.
+    schema_version: Literal[1] = 1
 
-
-class ChatMessage(BaseModel):
-    """One chat turn: role and text content."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    def wire_version(self) -> int:
+        """The schema version this record is written as: 2 only when it sets a v2 field."""
+        return 2 if uses_v2(self) else 1
 
 
 class SamplingSpec(BaseModel):
@@ -129,32 +131,6 @@ class PromptTask(WireModel):
             if problem:
                 raise ValueError(problem)
         return columns
-
-
-FinishReason = Literal["stop", "length"]
-
-
-class Completion(BaseModel):
-    """One sampled completion: token ids as sampled (never re-tokenized), their behaviour logprobs."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
-
-    text: str
-    token_ids: Int32Array
-    behaviour_logprobs: Float32Array
-    finish_reason: FinishReason
-    # Policy version that sampled each token, where the engine reports it (a weight update can land while a
-    # completion is being generated); None when only the start version is known.
-    token_versions: Int32Array | None = None
-
-    @model_validator(mode="after")
-    def _lengths_agree(self) -> Completion:
-        n = len(self.token_ids)
-        if len(self.behaviour_logprobs) != n:
-            raise ValueError(f"behaviour_logprobs has {len(self.behaviour_logprobs)} entries but token_ids has {n}")
-        if self.token_versions is not None and len(self.token_versions) != n:
-            raise ValueError(f"token_versions has {len(self.token_versions)} entries but token_ids has {n}")
-        return self
 
 
 class RolloutTimings(BaseModel):

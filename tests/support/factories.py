@@ -14,6 +14,7 @@ from shared.records import (
     SamplingSpec,
     ScoredGroup,
 )
+from shared.trajectory import ToolCall, ToolFunction, TrajectoryInfo
 
 
 def make_task(group_size: int = 4, policy_version: int = 0, **overrides) -> PromptTask:
@@ -71,3 +72,37 @@ def make_scored(rollout: Rollout | None = None, num_funcs: int = 2) -> ScoredGro
         advantages=(rewards - rewards.mean()).astype(np.float32),
         metrics={"reward": float(rewards.mean())},
     )
+
+
+def make_trajectory_completion(**overrides) -> Completion:
+    """A two-turn tool-using completion (schema v2): sampled call, tool result (context), sampled answer."""
+    fields = dict(
+        text="<tool_call>{}</tool_call><tool>5</tool><answer>5</answer>",
+        token_ids=np.array([10, 11, 12, 20, 21, 30, 31], dtype=np.int32),
+        behaviour_logprobs=np.array([-0.5, -0.25, -0.125, 0.0, 0.0, -1.0, -0.75], dtype=np.float32),
+        finish_reason="stop",
+        token_versions=np.array([3, 3, 3, -1, -1, 4, 4], dtype=np.int32),
+        loss_mask=np.array([1, 1, 1, 0, 0, 1, 1], dtype=np.uint8),
+        messages=(
+            ChatMessage(
+                role="assistant",
+                content="",
+                tool_calls=(ToolCall(id="call-0", function=ToolFunction(name="add", arguments={"a": 2, "b": 3})),),
+                reasoning_content="2+3 needs the tool",
+            ),
+            ChatMessage(role="tool", content="5", tool_call_id="call-0", name="add"),
+            ChatMessage(role="assistant", content="<answer>5</answer>"),
+        ),
+        trajectory=TrajectoryInfo(
+            turns=2, tool_calls=1, tool_errors=0, env_reward=1.0, env_latency_s=np.array([0.01, 0.02], np.float32)
+        ),
+    )
+    fields.update(overrides)
+    return Completion(**fields)
+
+
+def make_trajectory_rollout(group_size: int = 2) -> Rollout:
+    """A group of tool-using trajectories (schema v2)."""
+    task = make_task(group_size=group_size, policy_version=3)
+    completions = tuple(make_trajectory_completion() for _ in range(group_size))
+    return make_rollout(task, completions=completions, finished_policy_version=4)

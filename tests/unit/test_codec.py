@@ -23,7 +23,7 @@ from shared.records import (
     TensorSpec,
     WeightVersionAnnouncement,
 )
-from tests.support.factories import make_rollout, make_scored, make_task
+from tests.support.factories import make_rollout, make_scored, make_task, make_trajectory_rollout
 
 
 def _all_records():
@@ -44,6 +44,8 @@ def _all_records():
             world_size=2,
         ),
         CheckpointAnnouncement(policy_version=4, step=8, path="/tmp/ckpt/step-8"),
+        make_trajectory_rollout(),  # schema v2: tool calls, loss mask, trajectory
+        make_scored(make_trajectory_rollout()),
     ]
 
 
