@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from shared.arrays import Float32Array, Float32Matrix, Int32Array
 from shared.columns import column_problem
+from shared.staleness import trajectory_version
 from shared.trajectory import ChatMessage, Completion, uses_v2
 
 # The newest schema this build reads and writes. A record is written as the lowest version that carries it
@@ -168,7 +169,19 @@ class Rollout(WireModel):
             raise ValueError("group_id must equal task.task_id")
         if self.finished_policy_version < self.policy_version:
             raise ValueError("finished_policy_version must not be below policy_version")
+        self._policy_version_bounds_tokens()
         return self
+
+    def _policy_version_bounds_tokens(self) -> None:
+        """Staleness reads ``policy_version``: it must be no newer than any sampled token's version."""
+        for i, completion in enumerate(self.completions):
+            oldest = trajectory_version(completion.token_versions, completion.loss_mask)
+            if oldest is not None and self.policy_version > oldest:
+                raise ValueError(
+                    f"policy_version ({self.policy_version}) exceeds completion {i}'s oldest sampled token version "
+                    f"({oldest}); policy_version must be the version when sampling started, at most every "
+                    "sampled token's (shared.staleness.trajectory_version)"
+                )
 
     @property
     def group_size(self) -> int:
