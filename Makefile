@@ -74,7 +74,7 @@ test-fast: $(STAMP) compose-env
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy shared weight_sync services/scorer/scoring.py \
+	$(BIN)/mypy shared weight_sync environments services/scorer/scoring.py \
 		services/learner/objective/loss.py services/learner/objective/importance.py \
 		services/learner/objective/entropy_control.py services/learner/logprobs/entropy.py \
 		services/learner/logprobs/lm_head.py services/learner/data/batch.py services/learner/data/staleness.py \

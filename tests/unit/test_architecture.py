@@ -4,9 +4,12 @@ Layers, lowest first (a module may import its own layer's package and the layers
 
 1. ``shared``: wire records, transport, configuration, the service skeleton; never a service.
 2. ``weight_sync``: both halves of the weight push (torch, vLLM imported lazily); imports ``shared`` and itself.
+   ``environments``: both halves of the environment protocol (no torch, no vLLM); imports ``shared`` and itself.
+   The two are separate packages of one layer: neither imports the other.
 3. ``services.generator``, ``services.scorer``, ``services.learner``, ``services.reward_plugin``: each imports
    itself and ``shared`` only (services talk through the wire records, never through each other's code);
-   the generator and the learner, the two ends of a weight push, import ``weight_sync`` too.
+   the generator and the learner, the two ends of a weight push, import ``weight_sync`` too; the generator and
+   the environment server, the two ends of the environment protocol, import ``environments``.
 4. ``services.launcher``: starts the services as processes; imports ``shared`` and itself.
 
 Every import counts, also one inside a function; only ``if TYPE_CHECKING:`` blocks are left out.
@@ -22,6 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("generator", "scorer", "learner", "reward_plugin")
 WEIGHT_SYNC_USERS = ("services.generator", "services.learner")  # the two ends of a weight push
+ENVIRONMENT_USERS = ("services.generator", "services.env_server")  # the two ends of the environment protocol
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 250
 MAX_FUNCTION_LINES = 60
@@ -36,7 +40,7 @@ def _module_name(path: Path) -> str:
 
 
 def _sources() -> dict[str, Path]:
-    packages = ("shared", "weight_sync", "services")
+    packages = ("shared", "weight_sync", "environments", "services")
     files = [path for package in packages for path in sorted((ROOT / package).rglob("*.py"))]
     return {_module_name(path): path for path in files}
 
@@ -106,8 +110,8 @@ def layer_of(module: str) -> tuple[int, str]:
     parts = module.split(".")
     if parts[0] == "shared":
         return 1, "shared"
-    if parts[0] == "weight_sync":
-        return 2, "weight_sync"
+    if parts[0] in ("weight_sync", "environments"):
+        return 2, parts[0]
     if len(parts) > 1 and parts[1] in SERVICES:
         return 3, f"services.{parts[1]}"
     if len(parts) > 1 and parts[1] == "launcher":
@@ -153,6 +157,43 @@ def test_weight_sync_imports_shared_and_itself_only():
         if layer_of(target)[1] not in ("shared", "weight_sync")
     ]
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_environments_imports_shared_and_itself_only():
+    wrong = [
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.startswith("environments")
+        for target in targets
+        if layer_of(target)[1] not in ("shared", "environments")
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+    assert "shared.trajectory" in GRAPH["environments.protocol"]
+
+
+def test_only_the_environment_protocols_two_ends_import_environments():
+    """The scorer, the learner, the reward plugin and the launcher never open an environment session."""
+    wrong = [
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        for target in targets
+        if layer_of(target)[1] == "environments" and not module.startswith((*ENVIRONMENT_USERS, "environments"))
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_environments_imports_neither_torch_nor_vllm():
+    """The environment server and a CPU generator's environment client run without torch or vLLM installed."""
+    heavy = []
+    for module, path in MODULES.items():
+        if not module.startswith("environments"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            heavy += [f"{module}: {name}" for name in names if name.split(".")[0] in ("torch", "vllm")]
+    assert not heavy, heavy
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
