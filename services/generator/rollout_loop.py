@@ -34,6 +34,7 @@ class GeneratorStats:
     tokens_generated: int = 0
     failures: int = 0
     rejected: int = 0
+    rolled_back: int = 0  # groups sampled while the weights went back to an older version: sampled again
     _recent: deque = field(default_factory=deque)  # (time, tokens) of recent groups
 
     def completed(self, completions: int, tokens: int) -> None:
@@ -92,12 +93,21 @@ class RolloutLoop:
             for delivery in deliveries:
                 task = asyncio.create_task(self._handle(delivery, time.time()))
                 self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(self._finished)
         if self._tasks:
             log.info("finishing %d prompts in flight before stopping", len(self._tasks))
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.fatal is not None:
             raise self.fatal
+
+    def _finished(self, task: asyncio.Task) -> None:
+        """A prompt's task is done; a failure nobody handled is logged and counted (its prompt stays pending and
+        is delivered again after ``claim_idle_ms``)."""
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        self.stats.failures += 1
+        log.error("handling a prompt failed; it will be delivered again", exc_info=task.exception())
 
     async def _wait_for_room(self, stop: asyncio.Event) -> None:
         waiters = [asyncio.ensure_future(stop.wait()), *self._tasks]
@@ -125,7 +135,18 @@ class RolloutLoop:
             log.exception("prompt %s failed (delivery %d); it will be retried", delivery.record_id, delivery.deliveries)
             await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
             return
+        if group.finished_policy_version < group.policy_version:
+            await self._sample_again(delivery, group)
+            return
         await self._commit(delivery, task, prompt_ids, group, received_at)
+
+    async def _sample_again(self, delivery: Delivery, group: SampledGroup) -> None:
+        """The weights went back while the group was sampled (a restarted learner's reset push): no version
+        describes its tokens, so the prompt is released and sampled again with the weights served now."""
+        self.stats.rolled_back += 1
+        reason = f"the weights went back from version {group.policy_version} to {group.finished_policy_version}"
+        log.warning("prompt %s: %s while it was sampled; it is sampled again", delivery.record_id, reason)
+        await self.consumer.release(delivery, reason)
 
     async def _commit(
         self, delivery: Delivery, task: PromptTask, prompt_ids: list[int], group: SampledGroup, received_at: float
