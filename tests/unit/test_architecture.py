@@ -148,26 +148,19 @@ def test_only_the_generator_and_the_learner_import_weight_sync():
     assert any(layer_of(t)[1] == "weight_sync" for m in GRAPH if m.startswith("services.learner") for t in GRAPH[m])
 
 
-def test_weight_sync_imports_shared_and_itself_only():
+@pytest.mark.parametrize("layer", ["weight_sync", "environments"])
+def test_a_middle_layer_imports_shared_and_itself_only(layer):
     wrong = [
         f"{module} imports {target}"
         for module, targets in GRAPH.items()
-        if module.startswith("weight_sync")
+        if module.startswith(layer)
         for target in targets
-        if layer_of(target)[1] not in ("shared", "weight_sync")
+        if layer_of(target)[1] not in ("shared", layer)
     ]
     assert not wrong, "\n".join(sorted(wrong))
 
 
-def test_environments_imports_shared_and_itself_only():
-    wrong = [
-        f"{module} imports {target}"
-        for module, targets in GRAPH.items()
-        if module.startswith("environments")
-        for target in targets
-        if layer_of(target)[1] not in ("shared", "environments")
-    ]
-    assert not wrong, "\n".join(sorted(wrong))
+def test_the_environment_protocol_reuses_the_chat_records():
     assert "shared.trajectory" in GRAPH["environments.protocol"]
 
 
