@@ -111,7 +111,7 @@ class LearnerLoop:
         sink: MetricsSink,
         state: LearnerState,
         evaluator: Evaluator | None = None,
-        registry_stats: RegistryStats | None = None,
+        registry_stats: RegistryStats,
     ) -> None:
         self.settings, self.client, self.keys = settings, client, keys
         self.trainer, self.tokenizer, self.feeder = trainer, tokenizer, feeder
@@ -127,7 +127,7 @@ class LearnerLoop:
         self.evaluated_step: int | None = None  # the step of the last evaluation
         self.weights = WeightPublisher(
             settings=settings, client=client, keys=keys, trainer=trainer, pusher=pusher, http=http,
-            counters=self.counters, redis=self.redis, registry_stats=registry_stats or RegistryStats(),
+            counters=self.counters, redis=self.redis, registry_stats=registry_stats,
         )  # fmt: skip
         self.admission = Admission(
             settings=settings, client=client, keys=keys, feeder=feeder, counters=self.counters, redis=self.redis,

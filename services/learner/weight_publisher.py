@@ -26,7 +26,7 @@ from services.learner.trainer import Trainer
 from shared.codec import encode
 from shared.config.learner import LearnerSettings
 from shared.keys import Keys
-from shared.records import WeightVersionAnnouncement
+from shared.records import GeneratorRegistration, WeightVersionAnnouncement
 from shared.redis_conn import RedisRetry
 from shared.registry import RegistryStats, live_generators
 from weight_sync.placement import own_parameters, place_parameters
@@ -75,9 +75,7 @@ class WeightPublisher:
         started = time.perf_counter()
         failed: set[str] = set()
         for attempt in (1, 2):
-            generators = await self.redis.run(
-                lambda: live_generators(self.client, self.keys, self.registry_stats), "listing generators"
-            )
+            generators = await self._live_generators()
             generators = [
                 g for g in generators if g.generator_id not in failed and (only is None or g.generator_id in only)
             ]  # the retry skips the failed ones
@@ -130,9 +128,7 @@ class WeightPublisher:
         if self.pushed_version is None or time.monotonic() < self.next_catch_up:
             return
         self.next_catch_up = time.monotonic() + _CATCH_UP_CHECK_S
-        live = await self.redis.run(
-            lambda: live_generators(self.client, self.keys, self.registry_stats), "listing generators"
-        )
+        live = await self._live_generators()
         missed = {
             g.generator_id: g.policy_version
             for g in self.pusher.allowed(live)
@@ -147,13 +143,17 @@ class WeightPublisher:
             await self.push(only=missed)
             self.next_catch_up = time.monotonic() + _CATCH_UP_RETRY_S
 
+    async def _live_generators(self) -> list[GeneratorRegistration]:
+        """The registered generators whose heartbeat is live (invalid registrations set aside and counted)."""
+        return await self.redis.run(
+            lambda: live_generators(self.client, self.keys, self.registry_stats), "listing generators"
+        )
+
     async def wait_for_generators(self, stop: asyncio.Event) -> None:
         """Until ``min_generators`` live generators this learner may push to are registered, or ``stop``."""
         last_log = 0.0
         while not stop.is_set():
-            live = await self.redis.run(
-                lambda: live_generators(self.client, self.keys, self.registry_stats), "listing generators"
-            )
+            live = await self._live_generators()
             live = self.pusher.allowed(live)  # one at a host it may not contact does not count
             if len(live) >= self.settings.min_generators:
                 return
