@@ -262,12 +262,14 @@ class HttpEndpoint:
         *,
         url: str | None = None,
         body: bytes | None = None,
+        ok: Collection[int] = (200,),
+        method: str | None = None,
         context: str = "",
     ) -> T:
         """:meth:`request` through the breaker: refused while it is open, its outcome counted."""
         trial = self.breaker.before_call()
         try:
-            result = await self.request(parse, url=url, body=body, context=context)
+            result = await self.request(parse, url=url, body=body, ok=ok, method=method, context=context)
         except HttpCallError as exc:
             self.breaker.failure(f"{context}: {exc}" if context else str(exc), trial=trial)
             raise
@@ -284,16 +286,18 @@ class HttpEndpoint:
         url: str | None = None,
         body: bytes | None = None,
         ok: Collection[int] = (200,),
+        method: str | None = None,
         context: str = "",
     ) -> T:
-        """POST ``body`` (GET without one) to ``url`` (default: the endpoint's), retrying what may pass later;
-        ``parse`` turns an ``ok`` answer into the result or raises ``error_type`` (not retried)."""
+        """POST ``body`` (GET without one; or ``method``, e.g. DELETE) to ``url`` (default: the endpoint's),
+        retrying what may pass later; ``parse`` turns an ``ok`` answer into the result or raises ``error_type``
+        (not retried)."""
         attempts = 0
         try:
             async for attempt in retry_policy(self.retries, self.backoff_s, lambda s: self._count_retry(s, context)):
                 with attempt:
                     attempts += 1
-                    return await self._attempt(parse, url or self.url, body, ok)
+                    return await self._attempt(parse, url or self.url, body, ok, method)
         except HttpCallError as exc:
             if attempts > 1:
                 raise self.error_type(f"{exc} (after {attempts} attempts)", exc.status) from exc
@@ -301,10 +305,18 @@ class HttpEndpoint:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _attempt(
-        self, parse: Callable[[httpx.Response], T], url: str, body: bytes | None, ok: Collection[int]
+        self,
+        parse: Callable[[httpx.Response], T],
+        url: str,
+        body: bytes | None,
+        ok: Collection[int],
+        method: str | None = None,
     ) -> T:
         try:
-            if body is None:
+            if method is not None:
+                headers = self._headers if body is None else {"Content-Type": "application/json", **self._headers}
+                reply = await self.client.request(method, url, content=body, timeout=self.timeout_s, headers=headers)
+            elif body is None:
                 reply = await self.client.get(url, timeout=self.timeout_s, headers=self._headers)
             else:
                 headers = {"Content-Type": "application/json", **self._headers}

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("generator", "scorer", "learner", "reward_plugin")
+SERVICES = ("generator", "scorer", "learner", "reward_plugin", "env_server")
 WEIGHT_SYNC_USERS = ("services.generator", "services.learner")  # the two ends of a weight push
 ENVIRONMENT_USERS = ("services.generator", "services.env_server")  # the two ends of the environment protocol
 MAX_MODULE_LINES = 500

@@ -1,0 +1,384 @@
+"""A TRL environment in this process: an ``environment_factory`` class, plain tool functions, or both
+(docs/design/multi_turn.md §2.3). A TRL user's class and tool functions work unchanged.
+
+- The class needs a callable ``reset(**row)``, which receives the dataset row (``prompt`` plus the task's columns)
+  and may return a first observation (``str``) or None. Its public methods other than ``reset`` and
+  ``get_reward`` are its tools, described by ``transformers.utils.get_json_schema`` (type hints and a Google
+  docstring with ``Args:``). An optional ``get_reward()`` (sync or async) gives the trajectory's ``env_reward``.
+- Instances are pooled and reset per trajectory ("construct once, reset often"), serve one trajectory at a time,
+  go back to the pool when it ends and are thrown away after a fault or a cancellation.
+- Sync methods run in daemon threads, at most ``concurrency`` at once, never on the event loop; async ones are
+  awaited. A call with no answer within ``timeout_s`` is an :class:`~environments.session.EnvFault` (a thread
+  cannot be stopped: it is abandoned, and its slot comes back when it returns), as is an exception in ``reset``
+  or ``get_reward``. An exception *inside a tool* is a tool error the model reads, ``{"error": "<Type>:
+  <message>"}`` (TRL's shape), as is a call naming no tool of the environment.
+- One breaker counts consecutive faulted sessions; while it is open no session is opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import json
+import logging
+import math
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from environments.protocol import StepResponse, ToolCallIn, ToolResult
+from environments.session import EnvFault, EnvStats, timed
+from shared.resilience import OPEN, CircuitBreaker, CircuitOpenError
+from shared.reward_protocol import reward_module_directories
+
+log = logging.getLogger(__name__)
+
+NOT_TOOLS = frozenset({"reset", "get_reward"})  # TRL: every other public method is a tool
+
+
+def load_object(path: str, what: str) -> Any:
+    """Import ``module:name`` as reward modules are found (``sys.path``, then beside the configuration file, then
+    the working directory); ValueError naming what is wrong when it cannot."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"{what} is named 'module:name', got {path!r}")
+    directories = reward_module_directories()
+    for directory in directories:
+        if directory not in sys.path:
+            sys.path.append(directory)  # appended: installed and project modules keep their precedence
+    importlib.invalidate_caches()
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"cannot import {what} module {module_name!r}: {exc} (looked on sys.path, then in "
+            f"{' and '.join(directories)}); put it beside the configuration file or on PYTHONPATH"
+        ) from exc
+    found = getattr(module, attribute, None)
+    if not callable(found):
+        raise ValueError(f"{what}: {module_name!r} has no callable {attribute!r}")
+    return found
+
+
+def tool_schema(function: Callable[..., Any]) -> dict[str, Any]:
+    """``get_json_schema(function)``: ``{"type": "function", "function": {name, description, parameters, ...}}``;
+    ValueError naming the fix when the function cannot be described."""
+    from transformers.utils import get_json_schema  # transformers is heavy: only an environment needs it
+
+    try:
+        return get_json_schema(function)
+    except Exception as exc:  # transformers raises its own TypeError/ValueError subclasses
+        name = getattr(function, "__qualname__", repr(function))
+        raise ValueError(
+            f"tool {name} cannot be described for the model ({type(exc).__name__}: {exc}); give it type hints and a "
+            "Google docstring whose Args: section describes every parameter"
+        ) from exc
+
+
+def tool_methods(instance: Any) -> dict[str, Callable[..., Any]]:
+    """The instance's tools: its public bound methods other than ``reset`` and ``get_reward``, by name."""
+    return {
+        name: method
+        for name, method in inspect.getmembers(instance, inspect.ismethod)
+        if not name.startswith("_") and name not in NOT_TOOLS
+    }
+
+
+def error_content(exc: BaseException) -> str:
+    """What the model reads when a tool raised: ``{"error": "<Type>: <message>"}``."""
+    return json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+
+
+class ThreadRunner:
+    """Sync calls in daemon threads, at most ``size`` at once; a slot comes back only when its thread ends, so
+    hung calls cannot pile up threads (as ``services/scorer/rewards/threads.py`` does for rewards)."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name, self.size = name, size
+        self.hung = 0  # threads still running a call that was abandoned
+        self._slots: asyncio.Semaphore | None = None  # made on first use, inside the running loop
+
+    async def run(self, function: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float, what: str) -> Any:
+        """``function(**kwargs)`` in a thread; EnvFault after ``timeout_s`` (waiting for a thread included)."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.size)
+        state: dict[str, Any] = {}
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            async with deadline:
+                await self._slots.acquire()
+                future = self._start(function, kwargs, state)
+                return await asyncio.shield(future)
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # the function's own TimeoutError: the caller decides what it means
+            if "future" in state and state["future"].done():
+                return state["future"].result()  # it answered in time; the loop woke too late to see it
+            raise EnvFault(self._abandon(state, timeout_s, what)) from None
+
+    def _start(self, function: Callable[..., Any], kwargs: dict[str, Any], state: dict[str, Any]) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        future = state["future"] = loop.create_future()
+
+        def work() -> None:
+            result: Any = None
+            error: BaseException | None = None
+            try:
+                result = function(**kwargs)
+            except BaseException as exc:  # handed to the caller, who decides what it means
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the process is going
+                loop.call_soon_threadsafe(self._finished, future, state, result, error)
+
+        try:
+            threading.Thread(target=work, name=f"env-{self.name}", daemon=True).start()
+        except BaseException:
+            assert self._slots is not None
+            self._slots.release()
+            raise
+        return future
+
+    def _finished(
+        self, future: asyncio.Future, state: dict[str, Any], result: Any, error: BaseException | None
+    ) -> None:
+        assert self._slots is not None
+        self._slots.release()
+        if state.get("abandoned"):
+            self.hung -= 1
+            log.warning("environment %s: an abandoned call returned; its thread is free again", self.name)
+        elif not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def _abandon(self, state: dict[str, Any], timeout_s: float, what: str) -> str:
+        if "future" not in state:
+            return f"{what}: no answer within timeout_s={timeout_s:g}: all {self.size} threads were busy"
+        state["abandoned"] = True
+        self.hung += 1
+        log.warning(
+            "environment %s, %s: no answer within timeout_s=%g; the call is abandoned, its thread runs on until it "
+            "returns (%d of %d threads hung)",
+            self.name, what, timeout_s, self.hung, self.size,
+        )  # fmt: skip
+        return f"{what}: no answer within timeout_s={timeout_s:g}"
+
+
+class PythonSession:
+    """One trajectory on one pooled instance (or on plain functions alone)."""
+
+    def __init__(self, environment: PythonEnvironment, instance: Any, observation: str | None) -> None:
+        self.environment, self.instance, self.observation = environment, instance, observation
+        self.tools = environment.tool_schemas()
+        self.latencies_s: list[float] = []
+        self.fault: str | None = None
+        self.steps = 0
+
+    async def step(self, calls: Sequence[ToolCallIn]) -> StepResponse:
+        """Each call in order; a tool's exception and an unknown tool are error results, a timeout is a fault."""
+        self._check_usable()
+        with self._faults():
+            results = await timed(self.latencies_s, self._run_calls(calls))
+        response = StepResponse(results=results, done=False, reward=None)
+        self.steps += 1
+        self.environment.stats.calls["ok"] += 1
+        self.environment.stats.count_results(response)
+        return response
+
+    async def reward(self) -> float | None:
+        """``get_reward()``, or None when the class has none; an exception or a non-number is a fault."""
+        get_reward = getattr(self.instance, "get_reward", None) if self.instance is not None else None
+        if get_reward is None:
+            return None
+        self._check_usable()
+        with self._faults():
+            value = await timed(self.latencies_s, self.environment.invoke(get_reward, {}, "get_reward", fault=True))
+            reward = checked_reward(value)
+        self.environment.stats.calls["ok"] += 1
+        return reward
+
+    async def _run_calls(self, calls: Sequence[ToolCallIn]) -> list[ToolResult]:
+        return [await self._run_call(call) for call in calls]
+
+    async def _run_call(self, call: ToolCallIn) -> ToolResult:
+        tool = self.environment.tool(self.instance, call.name)
+        if tool is None:
+            known = ", ".join(self.environment.tool_names) or "none"
+            content = json.dumps({"error": f"unknown tool {call.name!r}; the tools are: {known}"})
+            return ToolResult(tool_call_id=call.id, name=call.name, content=content, error=True)
+        try:
+            value = await self.environment.invoke(tool, dict(call.arguments), f"tool {call.name}")
+        except EnvFault:
+            raise
+        except Exception as exc:  # inside the tool: the model reads it (TRL)
+            return ToolResult(tool_call_id=call.id, name=call.name, content=error_content(exc), error=True)
+        content = value if isinstance(value, str) else str(value)  # TRL: str(result)
+        return ToolResult(tool_call_id=call.id, name=call.name, content=content, error=False)
+
+    def _check_usable(self) -> None:
+        if self.fault is not None:
+            raise EnvFault(f"the session faulted earlier ({self.fault}); open a new one")
+
+    @contextlib.contextmanager
+    def _faults(self) -> Any:
+        try:
+            yield
+        except EnvFault as exc:
+            self.fault = exc.reason
+            self.environment.stats.calls["fault"] += 1
+            raise
+
+
+def checked_reward(value: Any) -> float | None:
+    """``get_reward``'s value as a finite float or None; EnvFault for anything else (never a made-up reward)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(float(value)):
+        raise EnvFault(f"get_reward returned {value!r}; it must return a finite number or None")
+    return float(value)
+
+
+def reset_observation(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise EnvFault(f"reset returned a {type(value).__name__}; TRL's reset returns a str observation or None")
+
+
+class PythonEnvironment:
+    """An :class:`~environments.session.Environment` around a TRL environment class and/or tool functions."""
+
+    def __init__(
+        self,
+        factory: Callable[[], Any] | None,
+        functions: Sequence[Callable[..., Any]] = (),
+        *,
+        name: str,
+        concurrency: int = 16,
+        timeout_s: float = 30.0,
+        breaker_failures: int = 5,
+        breaker_reset_s: float = 30.0,
+    ) -> None:
+        if factory is None and not functions:
+            raise ValueError("an environment needs a class (python = 'mod:Class') or tools = ['mod:fn', ...]")
+        self.name, self.factory, self.timeout_s = name, factory, timeout_s
+        self.stats = EnvStats()
+        self.threads = ThreadRunner(name, concurrency)
+        self.breaker = CircuitBreaker(name, breaker_failures, breaker_reset_s, subject="environment")
+        self.functions = {function.__name__: function for function in functions}
+        self._pool: list[Any] = []
+        self._schemas = self._describe(factory)
+
+    def _describe(self, factory: Callable[[], Any] | None) -> tuple[dict[str, Any], ...]:
+        """Construct one instance (kept in the pool) to read its tools; check names and schemas at start."""
+        methods: dict[str, Callable[..., Any]] = {}
+        if factory is not None:
+            probe = factory()
+            if not callable(getattr(probe, "reset", None)):
+                raise ValueError(f"environment {self.name}: the class has no reset(**row) method (TRL requires one)")
+            methods = tool_methods(probe)
+            self._pool.append(probe)
+        clash = sorted(set(methods) & set(self.functions))
+        if clash:
+            raise ValueError(f"environment {self.name}: tools {', '.join(clash)} are both methods and functions")
+        self.tool_names = (*methods, *self.functions)
+        if not self.tool_names:
+            raise ValueError(f"environment {self.name} has no tools: give the class a public method other than reset")
+        return tuple(tool_schema(tool) for tool in (*methods.values(), *self.functions.values()))
+
+    def tool_schemas(self) -> tuple[dict[str, Any], ...]:
+        return self._schemas
+
+    def tool(self, instance: Any, name: str) -> Callable[..., Any] | None:
+        if name in self.functions:
+            return self.functions[name]
+        if instance is None or name not in self.tool_names:
+            return None
+        return getattr(instance, name)
+
+    async def invoke(self, function: Callable[..., Any], kwargs: dict[str, Any], what: str, fault: bool = False) -> Any:
+        """Await an async ``function``, or run a sync one in a thread; EnvFault after ``timeout_s``. Its own
+        exception propagates unless ``fault`` (reset, get_reward), where it is an EnvFault naming it."""
+        try:
+            if not inspect.iscoroutinefunction(function):
+                return await self.threads.run(function, kwargs, self.timeout_s, what)
+            deadline = asyncio.timeout(self.timeout_s)
+            try:
+                async with deadline:
+                    return await function(**kwargs)
+            except TimeoutError:
+                if deadline.expired():
+                    raise EnvFault(f"{what}: no answer within timeout_s={self.timeout_s:g}") from None
+                raise
+        except EnvFault:
+            raise
+        except Exception as exc:
+            if fault:
+                raise EnvFault(f"{what} raised {type(exc).__name__}: {exc}") from exc
+            raise
+
+    @contextlib.asynccontextmanager
+    async def session(self, row: dict[str, Any], key: str) -> AsyncIterator[PythonSession]:
+        """An instance from the pool, reset on ``row``; back to the pool on success, thrown away otherwise."""
+        try:
+            trial = self.breaker.before_call()
+        except CircuitOpenError as exc:
+            raise EnvFault(str(exc)) from None
+        session = await self._open(row, key, trial)
+        succeeded = False
+        try:
+            yield session
+            succeeded = session.fault is None
+        finally:
+            self._finish(session, succeeded, trial)
+
+    async def _open(self, row: dict[str, Any], key: str, trial: bool) -> PythonSession:
+        latencies: list[float] = []
+        instance = None
+        try:
+            if self.factory is not None:
+                instance = self._pool.pop() if self._pool else await self.invoke(self.factory, {}, "construct", True)
+                value = await timed(latencies, self.invoke(instance.reset, dict(row), "reset", fault=True))
+                observation = reset_observation(value)
+            else:
+                observation = None
+        except EnvFault as exc:
+            self.stats.calls["fault"] += 1
+            self.breaker.failure(f"session {key}: {exc.reason}", trial)
+            raise
+        except BaseException:
+            self.breaker.release_trial(trial)
+            raise
+        if self.factory is not None:
+            self.stats.calls["ok"] += 1
+        self.stats.sessions_opened += 1
+        session = PythonSession(self, instance, observation)
+        session.latencies_s.extend(latencies)
+        return session
+
+    def _finish(self, session: PythonSession, succeeded: bool, trial: bool) -> None:
+        self.stats.sessions_closed += 1
+        if session.fault is not None:
+            self.breaker.failure(session.fault, trial)
+        elif succeeded:
+            self.breaker.success(trial)
+        else:
+            self.breaker.release_trial(trial)  # cancelled, or the caller's own error: no verdict on the env
+        if succeeded and session.instance is not None:
+            self._pool.append(session.instance)
+
+    def accepting(self) -> bool:
+        return self.breaker.refresh() != OPEN
+
+    def describe(self) -> str:
+        return self.breaker.describe()
+
+    async def aclose(self) -> None:
+        self._pool.clear()
+
+
+def python_environment(python: str | None, tools: Sequence[str], *, name: str, **options: Any) -> PythonEnvironment:
+    """A :class:`PythonEnvironment` from import paths: ``python = 'mod:Class'`` and/or ``tools = ['mod:fn']``."""
+    factory = load_object(python, "environment class") if python else None
+    functions = [load_object(path, "tool function") for path in tools]
+    return PythonEnvironment(factory, functions, name=name, **options)
