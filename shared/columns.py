@@ -10,10 +10,13 @@ from __future__ import annotations
 import math
 from typing import Any, Final
 
+# The environment's reward of each trajectory (multi-turn tool use), passed to the reward functions as a column
+# of this name (None where the environment gave none); the HTTP plugin protocol's v2 items carry it as env_reward.
+ENV_REWARD_COLUMN: Final = "env_reward"
 # The keyword arguments every reward call passes itself (TRL's names; the HTTP plugin protocol's items carry
-# them as prompt, completion and completion_ids): a column of one of these names would clash with them (a
-# TypeError in a Python reward) or silently replace them (in a plugin), so no record may carry one.
-RESERVED_COLUMNS: Final = ("prompts", "completions", "completion_ids")
+# them as prompt, completion, completion_ids and env_reward): a column of one of these names would clash with
+# them (a TypeError in a Python reward) or silently replace them (in a plugin), so no record may carry one.
+RESERVED_COLUMNS: Final = ("prompts", "completions", "completion_ids", ENV_REWARD_COLUMN)
 # The scorer passes the task's token budget under this name unless the row has its own (the overlong reward
 # reads it as an int), so a row's own value must be one.
 BUDGET_COLUMN: Final = "max_completion_length"

@@ -1,10 +1,16 @@
-"""The HTTP reward-plugin protocol ``asyncgrpo.reward/v1``: one request per group, one reward per item.
+"""The HTTP reward-plugin protocol ``asyncgrpo.reward/v1`` and ``/v2``: one request per group, one reward per item.
 
-Scorer -> plugin: ``POST <url>`` with a :class:`RewardRequest`; plugin -> scorer: a :class:`RewardResponse`.
-The scorer builds the request (``services/scorer``), the example plugin and ``--function`` plugins
-(``services/reward_plugin``) read it. The JSON Schema of both, generated from these models by
-:func:`json_schema`, is committed as ``shared/schemas/reward_v1.json`` (a test keeps the two equal) and
-served by the example plugin at ``GET /schema``, so a plugin in any language can validate against it.
+Scorer -> plugin: ``POST <url>`` with a :class:`RewardRequest` (v1) or :class:`RewardRequestV2`; plugin ->
+scorer: a :class:`RewardResponse` (the same for both). The scorer builds the request (``services/scorer``),
+the example plugin and ``--function`` plugins (``services/reward_plugin``) read it. The JSON Schema of each
+version, generated from these models by :func:`json_schema`, is committed as ``shared/schemas/reward_v1.json``
+and ``reward_v2.json`` (a test keeps them equal) and served by the example plugin at ``GET /schema`` and
+``GET /schema/v2``, so a plugin in any language can validate against it.
+
+v2 carries a multi-turn tool-use group (docs/design/multi_turn.md §2.9): its messages gain ``tool_calls``,
+``tool_call_id``, ``name`` and ``reasoning_content`` (each left out where unset), and each item gains
+``env_reward``. The scorer sends v2 only for such groups, so a v1 plugin keeps getting exactly what it got
+before for every single-turn group; v1 is frozen.
 """
 
 from __future__ import annotations
@@ -17,13 +23,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from shared.columns import RESERVED_COLUMNS, json_problem
 from shared.config.base import CONFIG_ENV
 
 PROTOCOL = "asyncgrpo.reward/v1"
+PROTOCOL_V2 = "asyncgrpo.reward/v2"
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "reward_v1.json"
+SCHEMA_V2_PATH = Path(__file__).parent / "schemas" / "reward_v2.json"
+# v1 is frozen: its columns may take any name but these (env_reward became an argument in v2).
+V1_RESERVED_COLUMNS = ("prompts", "completions", "completion_ids")
 MAX_ITEMS = 4096  # a group is G completions; no sane G comes near this
 
 # A JSON number, nothing else: not "1" (lax pydantic would read it), not true, not NaN or Infinity.
@@ -59,22 +77,26 @@ class RewardItem(BaseModel):
     columns: dict[str, Any] = Field(
         description="The dataset row's other columns (e.g. answer), plus max_completion_length (an int); never "
         "one named after a reward-function argument.",
-        json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_COLUMNS)}}},
+        json_schema_extra={"propertyNames": {"not": {"enum": list(V1_RESERVED_COLUMNS)}}},
     )
 
     @field_validator("columns")
     @classmethod
     def _plain_columns(cls, columns: dict[str, Any]) -> dict[str, Any]:
-        """No column takes a reward-function argument's name (a plugin would pass it instead of the real
-        argument), and every value is plain JSON (finite numbers, string keys)."""
-        reserved = sorted(set(columns) & set(RESERVED_COLUMNS))
-        if reserved:
-            raise ValueError(f"column {', '.join(reserved)} has the name of a reward-function argument")
-        for name, value in columns.items():
-            problem = json_problem(value)
-            if problem:
-                raise ValueError(f"column {name!r} holds {problem}, which JSON cannot carry")
-        return columns
+        return plain_columns(columns, V1_RESERVED_COLUMNS)
+
+
+def plain_columns(columns: dict[str, Any], reserved_names: tuple[str, ...]) -> dict[str, Any]:
+    """``columns`` when no column takes a reward-function argument's name (a plugin would pass it instead of
+    the real argument) and every value is plain JSON (finite numbers, string keys); else ValueError."""
+    reserved = sorted(set(columns) & set(reserved_names))
+    if reserved:
+        raise ValueError(f"column {', '.join(reserved)} has the name of a reward-function argument")
+    for name, value in columns.items():
+        problem = json_problem(value)
+        if problem:
+            raise ValueError(f"column {name!r} holds {problem}, which JSON cannot carry")
+    return columns
 
 
 class RewardRequest(BaseModel):
@@ -84,6 +106,100 @@ class RewardRequest(BaseModel):
 
     protocol: Literal["asyncgrpo.reward/v1"] = Field(description="The protocol version.")
     items: list[RewardItem] = Field(min_length=1, max_length=MAX_ITEMS)
+
+
+class _LeavesOutNone(BaseModel):
+    """A v2 model whose optional fields are left out of the JSON while unset (not sent as ``null``)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+
+
+class ToolCallFunction(BaseModel):
+    """The function a tool call names, and its arguments (a JSON object, parsed)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1)
+    arguments: dict[str, Any] = Field(description="The call's arguments, a JSON object (not a JSON string).")
+
+
+class ToolCall(_LeavesOutNone):
+    """One tool call of an assistant turn, in TRL's shape plus the ``id`` its tool message answers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str | None = Field(None, description="The call's id; the tool message answering it has it as tool_call_id.")
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class MessageV2(_LeavesOutNone):
+    """One chat turn of a tool-use conversation: v1's role and content, and where set (left out otherwise) an
+    assistant turn's tool_calls and reasoning_content, a tool message's tool_call_id and name."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant turn's tool calls.")
+    tool_call_id: str | None = Field(None, description="A tool message: the id of the call it answers.")
+    name: str | None = Field(None, description="A tool message: the tool that answered.")
+    reasoning_content: str | None = Field(None, description="An assistant turn: the reasoning split off its text.")
+
+    @model_validator(mode="after")
+    def _fields_fit_the_role(self) -> MessageV2:
+        allowed = {"assistant": ("tool_calls", "reasoning_content"), "tool": ("tool_call_id", "name")}
+        for field in ("tool_calls", "reasoning_content", "tool_call_id", "name"):
+            if getattr(self, field) is not None and field not in allowed.get(self.role, ()):
+                raise ValueError(f"a message with role {self.role} has no {field}")
+        return self
+
+
+NonEmptyMessagesV2 = Annotated[list[MessageV2], Field(min_length=1)]
+
+
+class RewardItemV2(BaseModel):
+    """One trajectory to judge, as TRL passes a tool-use completion to a reward function."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompt: str | NonEmptyMessagesV2 = Field(
+        description="This sample's prompt messages (with the environment's reset observation, if any)."
+    )
+    completion: NonEmptyMessagesV2 = Field(
+        description="The conversation after the prompt: assistant turns (with tool_calls), tool messages, ..., "
+        "and the final assistant turn."
+    )
+    completion_ids: list[TokenId] = Field(
+        description="Every token after the prompt: sampled turns, tool results and template tokens."
+    )
+    env_reward: Reward | None = Field(description="The environment's reward (its get_reward), null if none.")
+    columns: dict[str, Any] = Field(
+        description="The dataset row's other columns (e.g. answer), plus max_completion_length (an int); never "
+        "one named after a reward-function argument.",
+        json_schema_extra={"propertyNames": {"not": {"enum": list(RESERVED_COLUMNS)}}},
+    )
+
+    @field_validator("columns")
+    @classmethod
+    def _plain_columns(cls, columns: dict[str, Any]) -> dict[str, Any]:
+        return plain_columns(columns, RESERVED_COLUMNS)
+
+
+class RewardRequestV2(BaseModel):
+    """Scorer -> plugin: every trajectory of one tool-use group, in order."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    protocol: Literal["asyncgrpo.reward/v2"] = Field(description="The protocol version.")
+    items: list[RewardItemV2] = Field(min_length=1, max_length=MAX_ITEMS)
+
+
+# What a plugin accepts: either version, told apart by ``protocol``.
+AnyRewardRequest = Annotated[RewardRequest | RewardRequestV2, Field(discriminator="protocol")]
 
 
 class RewardResponse(BaseModel):
@@ -97,31 +213,34 @@ class RewardResponse(BaseModel):
     )
 
 
-def json_schema() -> dict[str, Any]:
-    """The protocol's JSON Schema (draft 2020-12): ``request`` and ``response`` under ``$defs``."""
-    request = RewardRequest.model_json_schema(ref_template="#/$defs/{model}")
+def json_schema(version: int = 1) -> dict[str, Any]:
+    """Protocol ``version``'s JSON Schema (draft 2020-12): request and response under ``$defs``."""
+    request_model = {1: RewardRequest, 2: RewardRequestV2}[version]
+    request = request_model.model_json_schema(ref_template="#/$defs/{model}")
     response = RewardResponse.model_json_schema(ref_template="#/$defs/{model}")
     defs = {**request.pop("$defs", {}), **response.pop("$defs", {})}
-    defs["RewardRequest"] = request
+    defs[request_model.__name__] = request
     defs["RewardResponse"] = response
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": "https://asyncgrpo.dev/schemas/reward_v1.json",
-        "title": PROTOCOL,
-        "description": "Scorer -> plugin: POST a RewardRequest; plugin -> scorer: HTTP 200 with a RewardResponse.",
-        "oneOf": [{"$ref": "#/$defs/RewardRequest"}, {"$ref": "#/$defs/RewardResponse"}],
+        "$id": f"https://asyncgrpo.dev/schemas/reward_v{version}.json",
+        "title": {1: PROTOCOL, 2: PROTOCOL_V2}[version],
+        "description": f"Scorer -> plugin: POST a {request_model.__name__}; plugin -> scorer: HTTP 200 with a "
+        "RewardResponse.",
+        "oneOf": [{"$ref": f"#/$defs/{request_model.__name__}"}, {"$ref": "#/$defs/RewardResponse"}],
         "$defs": dict(sorted(defs.items())),
     }
 
 
-def schema_text() -> str:
+def schema_text(version: int = 1) -> str:
     """:func:`json_schema` as the committed file's text."""
-    return json.dumps(json_schema(), indent=2, sort_keys=False) + "\n"
+    return json.dumps(json_schema(version), indent=2, sort_keys=False) + "\n"
 
 
-if __name__ == "__main__":  # python -m shared.reward_protocol: rewrite the committed schema
-    SCHEMA_PATH.write_text(schema_text())
-    print(f"wrote {SCHEMA_PATH}")
+if __name__ == "__main__":  # python -m shared.reward_protocol: rewrite the committed schemas
+    for number, path in ((1, SCHEMA_PATH), (2, SCHEMA_V2_PATH)):
+        path.write_text(schema_text(number))
+        print(f"wrote {path}")
 
 
 def load_reward_function(path: str) -> Callable[..., Any]:

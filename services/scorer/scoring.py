@@ -6,6 +6,14 @@ When the task prefills the assistant turn (its last message is the assistant's s
 the completion text the rewards judge is that prefill followed by the sampled text, since that is the
 answer the model gave.
 
+A multi-turn tool-use group (its completions carry ``messages``, docs/design/multi_turn.md §2.9) gets TRL's
+tool-use shape instead: ``prompts[i]`` is that sample's prompt messages (with the environment's reset
+observation where it added one), ``completions[i]`` the conversation after the prompt as message dicts
+(assistant turns with ``tool_calls`` ``[{"id", "type": "function", "function": {"name", "arguments": dict}}]``,
+tool messages ``{"role": "tool", "name", "content", "tool_call_id"}``, ..., the final assistant turn; unset
+fields left out), ``completion_ids[i]`` every token after the prompt (sampled turns, tool results, template
+tokens), and the column ``env_reward`` (the environment's reward, None where it gave none).
+
 Advantages are computed here over the group. When the configured normalisation needs the whole training
 batch (``scale_rewards="batch"`` or BNPO) the learner recomputes them over exactly its batch with the same
 functions (:mod:`shared.advantages`), using the ``advantage_spec`` carried in the record.
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import httpx
 import numpy as np
@@ -29,14 +38,17 @@ from shared.advantages import (
     reward_function_metrics,
     zero_std_groups,
 )
+from shared.columns import BUDGET_COLUMN, ENV_REWARD_COLUMN
 from shared.config.scorer import RewardSpec
-from shared.records import AdvantageSpec, Rollout, ScoredGroup
+from shared.records import AdvantageSpec, ChatMessage, Rollout, ScoredGroup
 from shared.resilience import CircuitBreaker
 from shared.reward_protocol import load_reward_function
 
 
 def reward_batch(rollout: Rollout) -> RewardBatch:
     """TRL-style reward inputs for one group (see the module docstring)."""
+    if any(c.messages for c in rollout.completions):
+        return conversation_batch(rollout)
     task = rollout.task
     size = rollout.group_size
     texts = [c.text for c in rollout.completions]
@@ -54,6 +66,35 @@ def reward_batch(rollout: Rollout) -> RewardBatch:
     return RewardBatch(prompts, completions, completion_ids, columns, group_id=rollout.group_id)
 
 
+def conversation_batch(rollout: Rollout) -> RewardBatch:
+    """A tool-use group's reward inputs, in TRL's tool-use shape (see the module docstring)."""
+    task = rollout.task
+    size = rollout.group_size
+    prompts = [_messages(c.prompt) if c.prompt is not None else _prompt(task.prompt) for c in rollout.completions]
+    completions = [_messages(c.messages) for c in rollout.completions]
+    columns = {key: [value] * size for key, value in task.columns.items()}
+    columns.setdefault(BUDGET_COLUMN, [task.sampling.max_tokens] * size)
+    columns[ENV_REWARD_COLUMN] = [c.trajectory.env_reward if c.trajectory else None for c in rollout.completions]
+    completion_ids = [c.token_ids.tolist() for c in rollout.completions]
+    return RewardBatch(prompts, completions, completion_ids, columns, group_id=rollout.group_id, multi_turn=True)
+
+
+def _prompt(prompt: str | Sequence[ChatMessage]) -> str | list[dict[str, Any]]:
+    return prompt if isinstance(prompt, str) else _messages(prompt)
+
+
+def _messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Message dicts as TRL passes them: lists, not tuples; a field that is not set is left out (the record's
+    own serializer drops unset v2 fields)."""
+    return [message.model_dump(mode="json") for message in messages]
+
+
+def sampled_lengths(rollout: Rollout) -> list[int]:
+    """Each completion's sampled tokens [G]: a trajectory's tool results and template tokens are context, not
+    completion length (TRL counts ``tool_mask == 1``); a single-turn completion's are all its tokens."""
+    return [len(c.token_ids) if c.loss_mask is None else int(c.loss_mask.sum()) for c in rollout.completions]
+
+
 def group_metrics(
     rollout: Rollout, names: Sequence[str], per_func: np.ndarray, rewards: np.ndarray
 ) -> dict[str, float]:
@@ -63,9 +104,7 @@ def group_metrics(
     return {
         "reward": float(present.mean()) if present.size else math.nan,
         "reward_std": float(present.std(ddof=1)) if present.size > 1 else 0.0,
-        **completion_metrics(
-            [len(c.token_ids) for c in completions], [c.finish_reason == "length" for c in completions]
-        ),
+        **completion_metrics(sampled_lengths(rollout), [c.finish_reason == "length" for c in completions]),
         **reward_function_metrics(names, per_func),
     }
 
@@ -83,7 +122,7 @@ def scored_group(
     """Combine [G, F] rewards, compute the group's advantages and metrics, and build the record."""
     per_func64 = per_func.astype(np.float64)
     rewards = combine_rewards(per_func64, np.asarray(weights, dtype=np.float64))
-    lengths = np.array([len(c.token_ids) for c in rollout.completions])
+    lengths = np.array(sampled_lengths(rollout))
     advantages = compute_advantages(rewards, rollout.group_size, spec, rewards_per_func=per_func64, lengths=lengths)
     zero = bool(zero_std_groups(rewards, rollout.group_size)[0])
     metrics = group_metrics(rollout, names, per_func, rewards)

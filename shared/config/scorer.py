@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from typing import Any, ClassVar, Literal
@@ -24,6 +25,7 @@ BUILTIN_RANGES: dict[str, tuple[float, float]] = {
     "soft_format": (0.0, 1.0),
     "mark": (0.0, 1.0),
     "overlong": (-1.0, 0.0),
+    "env_reward": (-math.inf, math.inf),  # the environment's get_reward(): its range is the environment's
 }
 BUILTIN_PARAMS: dict[str, set[str]] = {"overlong": {"buffer"}}
 
@@ -233,8 +235,8 @@ class ScorerSettings(ServiceSettings, AlgorithmRecipe):
             raise ValueError(f"reward_max ({self.reward_max}) must exceed reward_min ({self.reward_min})")
         low = high = 0.0
         for spec in self.rewards:
-            if spec.kind != "builtin":
-                continue  # a plugin's range is unknown; checked on every batch instead
+            if spec.kind != "builtin" or spec.name == "env_reward":
+                continue  # a plugin's (or an environment's) range is unknown; checked on every batch instead
             lo, hi = BUILTIN_RANGES[spec.name]
             low += min(lo * spec.weight, hi * spec.weight)
             high += max(lo * spec.weight, hi * spec.weight)

@@ -29,7 +29,7 @@ from shared.keys import Keys
 from shared.records import AdvantageSpec, ScoredGroup
 from shared.streams import StreamConsumer, StreamProducer
 from tests.support import fault_plugin
-from tests.support.factories import make_rollout, make_task
+from tests.support.factories import make_rollout, make_task, make_trajectory_rollout
 from tests.support.processes import ServiceProcess, start_service, wait_http_ok
 from tests.support.redis_server import free_port
 
@@ -365,3 +365,25 @@ async def test_plugin_down_at_scorer_start_holds_groups_until_it_comes_up(redis_
     output = scorer.output()
     assert "reward judge: breaker open (" in output and "reward judge: breaker closed (" in output
     assert token not in output and token not in metrics
+
+
+async def test_a_function_plugin_process_scores_tool_groups_by_v2_beside_single_turn_v1(redis_client, keys):
+    """The real ``services.reward_plugin`` process (brevity, 10 characters) takes a tool-use group (protocol v2)
+    and a single-turn group (v1) from the same scorer; brevity reads the final assistant turn of the tool group
+    (18 characters: 0.2), not its first (an empty tool-calling turn: 1.0)."""
+    port = free_port()
+    args = ["--port", str(port), "--allow-no-token", "--target-chars", "10"]
+    service = start_service("reward-plugin", "services.reward_plugin", {}, args)
+    service.port = port
+    try:
+        wait_http_ok(f"{service.url}/health", 60)
+        rollouts = [make_trajectory_rollout(group_size=2), make_rollout(make_task(group_size=2), tokens=3)]
+        await StreamProducer(redis_client, keys.rollouts).add_many([(r.group_id, encode(r)) for r in rollouts])
+        spec = RewardSpec(name="brevity", url=f"{service.url}/score", **FAST)
+        fed = [r.group_id for r in rollouts]
+        accounting, groups, loop = await _score_in_process(redis_client, keys, [spec], fed)
+    finally:
+        service.stop()
+    assert not accounting.dead and loop.functions[0].stats.errors == 0
+    by_id = {g.group_id: g.rewards_per_func[:, 0].tolist() for g in groups}
+    assert by_id == {fed[0]: pytest.approx([0.2, 0.2]), fed[1]: pytest.approx([0.2, 0.2])}

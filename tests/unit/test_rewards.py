@@ -378,5 +378,5 @@ def test_the_config_catalogue_names_exactly_the_built_ins_the_scorer_implements(
     from services.scorer.rewards.builtin import BUILTINS
     from shared.config.scorer import BUILTIN_PARAMS, BUILTIN_RANGES
 
-    assert set(BUILTIN_RANGES) == set(BUILTINS)
+    assert set(BUILTIN_RANGES) == set(BUILTINS), "name every built-in in shared/config/scorer.py BUILTIN_RANGES"
     assert set(BUILTIN_PARAMS) <= set(BUILTINS)

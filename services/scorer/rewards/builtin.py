@@ -2,9 +2,11 @@
 
 Every function uses TRL's calling convention, ``f(prompts, completions, completion_ids, **columns)`` ->
 ``list[float | None]``, so it can be used with TRL too. ``completions`` are strings, or (for chat prompts,
-as TRL passes them) one-message lists ``[{"role": "assistant", "content": ...}]``. Each reward is in
-[0, 1] (``overlong`` in [-1, 0]); scale them with weights in the settings - the write-ups' 2.0 for
-correctness and 0.5 for the format rewards are ``weight = 2.0`` and ``weight = 0.5``.
+as TRL passes them) one-message lists ``[{"role": "assistant", "content": ...}]``; for a tool-use
+trajectory the whole conversation after the prompt, whose last message is the final answer (the text
+rewards read it). Each reward is in [0, 1] (``overlong`` in [-1, 0], ``env_reward`` whatever the
+environment gives); scale them with weights in the settings - the write-ups' 2.0 for correctness and 0.5
+for the format rewards are ``weight = 2.0`` and ``weight = 0.5``.
 
 =============  =====================================================================================
 correctness    1 if the answer (inside ``<answer>...</answer>``, else after GSM8K's ``####``) equals the
@@ -16,6 +18,9 @@ soft_format    1 if ``<think>...</think>`` is followed somewhere by ``<answer>..
 mark           0.25 for each of the four tags that appears exactly once
 overlong       DAPO's soft overlong penalty: 0 up to ``max_completion_length - buffer`` tokens, then
                linear down to -1 at ``max_completion_length``, -1 beyond (``buffer`` is a parameter)
+env_reward     the environment's own reward of a tool-use trajectory (its ``get_reward``), as it gave it
+               (not clipped to [0, 1]); None (NaN) where it gave none. What TRL's ``get_reward`` does; it
+               needs an ``[environment]``, since only trajectories carry the ``env_reward`` column
 =============  =====================================================================================
 """
 
@@ -28,6 +33,8 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from shared.columns import ENV_REWARD_COLUMN
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _GSM8K = re.compile(r"####\s*(.+)")
@@ -153,6 +160,18 @@ def make_overlong(buffer: int = 64) -> Callable[..., list[float | None]]:
     return overlong
 
 
+def env_reward(
+    prompts: Sequence, completions: Sequence, completion_ids: Sequence = (), **columns
+) -> list[float | None]:
+    values = columns.get(ENV_REWARD_COLUMN)
+    if values is None:
+        raise ValueError(
+            "the env_reward reward reads the environment's reward, which only multi-turn trajectories carry: "
+            "configure an [environment] for the generator, or remove env_reward from the rewards"
+        )
+    return [None if value is None else float(value) for value in values]
+
+
 BUILTINS: dict[str, Callable[..., Callable[..., list[float | None]]]] = {
     "correctness": lambda: correctness,
     "digit": lambda: digit,
@@ -160,4 +179,5 @@ BUILTINS: dict[str, Callable[..., Callable[..., list[float | None]]]] = {
     "soft_format": lambda: soft_format,
     "mark": lambda: mark,
     "overlong": make_overlong,
+    "env_reward": lambda: env_reward,
 }

@@ -71,13 +71,18 @@ class RewardBugError(RuntimeError):
 
 @dataclass(frozen=True)
 class RewardBatch:
-    """One group in TRL's reward-function vocabulary (every list has G entries)."""
+    """One group in TRL's reward-function vocabulary (every list has G entries).
+
+    ``multi_turn``: the completions are tool-use conversations (an environment ran): each is a list of
+    messages with tool calls and tool results, and ``columns`` holds ``env_reward``. HTTP plugins get such a
+    group as protocol v2, every other group as v1."""
 
     prompts: list[Any]
     completions: list[Any]
     completion_ids: list[list[int]]
     columns: dict[str, list[Any]]
     group_id: str = ""  # for logs and errors only; reward functions never see it
+    multi_turn: bool = False
 
     def __len__(self) -> int:
         return len(self.completions)

@@ -1,8 +1,12 @@
-"""HTTP reward plugins: protocol ``asyncgrpo.reward/v1`` (``shared/reward_protocol.py``), retries, auth.
+"""HTTP reward plugins: protocol ``asyncgrpo.reward/v1`` and ``/v2`` (``shared/reward_protocol.py``), retries, auth.
 
     POST <url>   {"protocol": "asyncgrpo.reward/v1", "items": [{"prompt", "completion", "completion_ids",
                   "columns"}, ...]}  ->  200 {"rewards": [float | null, ...], "extra": {...}}
     GET <health_url>  -> 200 when the plugin can score (probed once at start)
+
+A multi-turn tool-use group (``RewardBatch.multi_turn``) is sent as ``asyncgrpo.reward/v2``: its messages
+carry tool calls and tool results, and each item its ``env_reward`` (taken out of the columns). Every other
+group is sent as v1, byte for byte as before v2 existed, so a v1 plugin keeps working for single-turn runs.
 
 Within one call (``shared.resilience.HttpEndpoint``), transport errors, timeouts, 5xx, 408 and 429 are
 retried ``retries`` times with exponential backoff (each retry counted and logged at DEBUG); other answers
@@ -27,8 +31,9 @@ import httpx
 from pydantic import ValidationError
 
 from services.scorer.rewards.functions import RewardBatch, RewardError, RewardFunction, RewardInputError, RewardStats
+from shared.columns import ENV_REWARD_COLUMN
 from shared.resilience import HttpCallError, HttpEndpoint, body_excerpt
-from shared.reward_protocol import PROTOCOL, RewardRequest, RewardResponse
+from shared.reward_protocol import PROTOCOL, PROTOCOL_V2, RewardRequest, RewardRequestV2, RewardResponse
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +105,9 @@ def request_body(batch: RewardBatch) -> bytes:
     """The group's request as JSON bytes, checked by the protocol's model; RewardInputError saying why the
     group cannot be sent (the record's fault: retrying would send the same bytes)."""
     try:
+        if batch.multi_turn:
+            request_v2 = RewardRequestV2.model_validate({"protocol": PROTOCOL_V2, "items": _items_v2(batch)})
+            return request_v2.model_dump_json().encode()
         request = RewardRequest.model_validate({"protocol": PROTOCOL, "items": _items(batch)})
         return request.model_dump_json().encode()
     except ValidationError as exc:
@@ -120,3 +128,13 @@ def _items(batch: RewardBatch) -> list[dict[str, Any]]:
         }
         for i in range(len(batch))
     ]
+
+
+def _items_v2(batch: RewardBatch) -> list[dict[str, Any]]:
+    """v2 items: v1's fields, with ``env_reward`` an item field of its own rather than a column."""
+    rewards = batch.columns.get(ENV_REWARD_COLUMN) or [None] * len(batch)
+    items = _items(batch)
+    for item, env_reward in zip(items, rewards, strict=True):
+        item["columns"].pop(ENV_REWARD_COLUMN, None)
+        item["env_reward"] = env_reward
+    return items
