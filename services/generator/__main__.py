@@ -1,6 +1,5 @@
 """Generator process: ``python -m services.generator [--config FILE]``. Wiring only: lease the GPU(s), serve
-HTTP while vLLM loads the latest checkpoint (or the base model), then turn prompts into rollouts until stopped.
-"""
+HTTP while vLLM loads the latest checkpoint (or the base model), then turn prompts into rollouts until stopped."""
 
 import sys
 from functools import partial
@@ -15,7 +14,7 @@ from shared.service import main
 async def start(service: Service[GeneratorSettings]) -> None:
     from services.generator.app import GeneratorAppState, build_app  # imports vLLM: after the config check
     from services.generator.rollout_loop import RolloutLoop
-    from services.generator.startup import load_engine, take_gpus
+    from services.generator.startup import load_engine, take_gpus, trajectory_runner
     from services.generator.telemetry import GeneratorTelemetry
 
     settings, keys, name = service.settings, service.keys, service.settings.generator_id
@@ -26,9 +25,10 @@ async def start(service: Service[GeneratorSettings]) -> None:
     state.engine = engine = await load_engine(service)
     if service.stop.is_set():  # stopped while vLLM loaded (a signal, /shutdown, a lost GPU lease): never joins
         return await service.finish()
-    consumer = await service.consumer(keys.prompts, Keys.GENERATORS, name, batch_size=settings.max_prompts_in_flight)
+    in_flight, runner = settings.max_prompts_in_flight, trajectory_runner(service, engine)
+    consumer = await service.consumer(keys.prompts, Keys.GENERATORS, name, batch_size=in_flight)
     rollouts = service.producer(keys.rollouts, settings.max_rollout_backlog)
-    loop = RolloutLoop(engine, consumer, rollouts, name, settings.max_prompts_in_flight)
+    loop = RolloutLoop(engine, consumer, rollouts, name, in_flight, runner)
     GeneratorTelemetry.attach(service, engine, loop, consumer, lease, settings.url(port))
     service.announce(f"generator {name} ready on port {port}")
     await service.run_until_stopped(loop.run)

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from services.generator.trajectory.state import SampledTurn
 from services.generator.weight_update import Phases, Rendezvous, WeightUpdateError, rendezvous, update_report
 from shared.config.generator import GeneratorSettings
 from shared.records import ChatMessage, Completion, SamplingSpec, WeightVersionAnnouncement
@@ -47,14 +48,22 @@ class SampledGroup:
     finished_policy_version: int
     started_at: float
     finished_at: float
+    prompt_token_ids: list[int]
 
     @property
     def num_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.completions)
 
 
-def sampling_params(spec: SamplingSpec, n: int, max_tokens: int | None = None):
-    """vLLM ``SamplingParams`` for one task: G completions, the sampled token's logprob, final output only."""
+def sampling_params(
+    spec: SamplingSpec,
+    n: int,
+    max_tokens: int | None = None,
+    stop_token_ids: list[int] | None = None,
+    seed: int | None = None,
+):
+    """vLLM ``SamplingParams`` for one task: G completions, the sampled token's logprob, final output only.
+    A trajectory's turn passes its close token in ``stop_token_ids`` and its own ``seed``."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -68,10 +77,27 @@ def sampling_params(spec: SamplingSpec, n: int, max_tokens: int | None = None):
         max_tokens=max_tokens or spec.max_tokens,
         min_tokens=min(spec.min_tokens, max_tokens or spec.max_tokens),
         stop=list(spec.stop) or None,
-        seed=spec.seed,
+        stop_token_ids=stop_token_ids,
+        seed=spec.seed if seed is None else seed,
         logprobs=0,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
+
+
+def request_params(max_model_len: int, prompt_ids: list[int], spec: SamplingSpec, n: int, **turn: Any):
+    """vLLM's sampling parameters for this prompt, its completion budget capped by the engine's context
+    (``turn``: a trajectory turn's ``max_tokens``, ``stop_token_ids`` and ``seed``)."""
+    from vllm.exceptions import VLLMClientError
+
+    if not prompt_ids:
+        raise InvalidPromptError("the prompt is empty after tokenization")
+    budget = max_model_len - len(prompt_ids)
+    if budget < 1:
+        raise PromptTooLongError(f"prompt has {len(prompt_ids)} tokens; the engine's context is {max_model_len}")
+    try:
+        return sampling_params(spec, n, max_tokens=min(turn.pop("max_tokens", spec.max_tokens), budget), **turn)
+    except (ValueError, VLLMClientError) as exc:
+        raise InvalidPromptError(f"invalid sampling parameters: {exc}") from exc
 
 
 def _completion(output: Any) -> Completion:
@@ -160,29 +186,11 @@ class Engine:
         ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
         return list(ids)
 
-    def _params(self, prompt_ids: list[int], spec: SamplingSpec, n: int):
-        """vLLM's sampling parameters for this prompt, its completion budget capped by the engine's context."""
-        from vllm.exceptions import VLLMClientError
-
-        if not prompt_ids:
-            raise InvalidPromptError("the prompt is empty after tokenization")
-        budget = self.settings.max_model_len - len(prompt_ids)
-        if budget < 1:
-            raise PromptTooLongError(
-                f"prompt has {len(prompt_ids)} tokens; the engine's context is {self.settings.max_model_len}"
-            )
-        try:
-            return sampling_params(spec, n, max_tokens=min(spec.max_tokens, budget))
-        except (ValueError, VLLMClientError) as exc:
-            raise InvalidPromptError(f"invalid sampling parameters: {exc}") from exc
-
-    async def sample(self, prompt_ids: list[int], spec: SamplingSpec, n: int) -> SampledGroup:
-        """Sample ``n`` completions of one prompt."""
+    async def _generate(self, prompt_ids: list[int], params: Any) -> Any:
+        """One request's final output."""
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
-        params = self._params(prompt_ids, spec, n)
-        started_at, version = time.time(), self.policy_version
         final = None
         self.active_requests += 1
         try:
@@ -192,13 +200,48 @@ class Engine:
             raise InvalidPromptError(f"vLLM rejected the request: {exc}") from exc
         finally:
             self.active_requests -= 1
+        return final
+
+    async def sample(self, prompt_ids: list[int], spec: SamplingSpec, n: int) -> SampledGroup:
+        """Sample ``n`` completions of one prompt."""
+        params = request_params(self.settings.max_model_len, prompt_ids, spec, n)
+        started_at, version = time.time(), self.policy_version
+        final = await self._generate(prompt_ids, params)
         if final is None or len(final.outputs) != n:
             got = 0 if final is None else len(final.outputs)
             raise RuntimeError(f"engine returned {got} completions, expected {n}")
         completions = tuple(_completion(o) for o in sorted(final.outputs, key=lambda o: o.index))
-        return SampledGroup(completions, version, self.policy_version, started_at, time.time())
+        return SampledGroup(completions, version, self.policy_version, started_at, time.time(), prompt_ids)
 
     # Weights -------------------------------------------------------------------------------------------
+
+    async def sample_turn(
+        self, context_ids: list[int], spec: SamplingSpec, max_tokens: int, stop_token_ids: list[int], seed: int | None
+    ) -> SampledTurn:
+        """One assistant turn of a trajectory: the engine reads ``context_ids`` (the prompt and every token
+        after it so far, never re-tokenized) and stops after a close token in ``stop_token_ids``, which vLLM
+        keeps in the output."""
+        params = request_params(
+            self.settings.max_model_len,
+            context_ids,
+            spec,
+            1,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+        )
+        version = self.policy_version
+        final = await self._generate(context_ids, params)
+        if final is None or len(final.outputs) != 1:
+            raise RuntimeError(f"engine returned {0 if final is None else len(final.outputs)} outputs, expected 1")
+        completion = _completion(final.outputs[0])
+        return SampledTurn(
+            token_ids=completion.token_ids.tolist(),
+            logprobs=completion.behaviour_logprobs.tolist(),
+            finish_reason=completion.finish_reason,
+            version=version,
+            finished_version=self.policy_version,
+        )
 
     async def update_weights(self, announcement: WeightVersionAnnouncement, generator_id: str) -> dict[str, Any]:
         """Pause (in-flight requests kept), receive and load the pushed weights, reset the prefix cache,

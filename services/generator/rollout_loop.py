@@ -15,7 +15,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from environments.session import EnvFault
 from services.generator.engine import Engine, InvalidPromptError, SampledGroup
+from services.generator.trajectory.runner import RolledBack, SampledTrajectories, TrajectoryRunner
+from services.generator.trajectory.template import TemplateError
 from shared.codec import encode
 from shared.intake import decode_or_reject, reject
 from shared.records import PromptTask, Rollout, RolloutTimings
@@ -35,6 +38,7 @@ class GeneratorStats:
     failures: int = 0
     rejected: int = 0
     rolled_back: int = 0  # groups sampled while the weights went back to an older version: sampled again
+    abandoned: int = 0  # multi-turn prompts given up after an environment fault: released and redelivered
     _recent: deque = field(default_factory=deque)  # (time, tokens) of recent groups
 
     def completed(self, completions: int, tokens: int) -> None:
@@ -62,12 +66,14 @@ class RolloutLoop:
         rollouts: StreamProducer,
         generator_id: str,
         max_in_flight: int,
+        trajectories: TrajectoryRunner | None = None,
     ) -> None:
         self.engine = engine
         self.consumer = consumer
         self.rollouts = rollouts
         self.generator_id = generator_id
         self.max_in_flight = max_in_flight
+        self.trajectories = trajectories  # None: one completion per sample; else multi-turn with an environment
         self.stats = GeneratorStats()
         self._tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
@@ -78,7 +84,8 @@ class RolloutLoop:
         return len(self._tasks)
 
     def accepting(self) -> bool:
-        return self.engine.weights_ok and not self.engine.paused_by_operator
+        environment_ok = self.trajectories is None or self.trajectories.environment.accepting()
+        return self.engine.weights_ok and not self.engine.paused_by_operator and environment_ok
 
     async def run(self, stop: asyncio.Event) -> None:
         """Read and sample until ``stop``; then let in-flight prompts finish."""
@@ -120,42 +127,55 @@ class RolloutLoop:
             self.stats.rejected += 1
             return
         try:
-            prompt_ids = self.engine.tokenize(task.prompt)
-            group = await self.engine.sample(prompt_ids, task.sampling, task.group_size)
+            group = await self._sample(task)
+        except EnvFault as exc:
+            self.stats.abandoned += 1
+            log.warning("prompt %s abandoned, the environment failed: %s", delivery.record_id, exc)
+            await self.consumer.release(delivery, f"environment: {exc}")
+            return
+        except RolledBack as exc:
+            await self._sample_again(delivery, str(exc))
+            return
         except InvalidPromptError as exc:
             self.stats.rejected += 1
             await reject(self.consumer, self.redis, delivery, exc, "a prompt")
             return
         except Exception as exc:
-            if _engine_dead(exc):
+            if _engine_dead(exc) or isinstance(exc, TemplateError):
                 self.fatal = exc
-                log.critical("the vLLM engine died: %s", exc)
+                log.critical("not sampling any more: %s", exc)
                 return
             self.stats.failures += 1
             log.exception("prompt %s failed (delivery %d); it will be retried", delivery.record_id, delivery.deliveries)
             await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
             return
         if group.finished_policy_version < group.policy_version:
-            await self._sample_again(delivery, group)
+            reason = f"the weights went back from version {group.policy_version} to {group.finished_policy_version}"
+            await self._sample_again(delivery, reason)
             return
-        await self._commit(delivery, task, prompt_ids, group, received_at)
+        await self._commit(delivery, task, group, received_at)
 
-    async def _sample_again(self, delivery: Delivery, group: SampledGroup) -> None:
+    async def _sample(self, task: PromptTask) -> SampledGroup | SampledTrajectories:
+        """The prompt's G samples: one completion each, or one trajectory each with an environment."""
+        if self.trajectories is not None:
+            return await self.trajectories.run(task)
+        return await self.engine.sample(self.engine.tokenize(task.prompt), task.sampling, task.group_size)
+
+    async def _sample_again(self, delivery: Delivery, reason: str) -> None:
         """The weights went back while the group was sampled (a restarted learner's reset push): no version
         describes its tokens, so the prompt is released and sampled again with the weights served now."""
         self.stats.rolled_back += 1
-        reason = f"the weights went back from version {group.policy_version} to {group.finished_policy_version}"
         log.warning("prompt %s: %s while it was sampled; it is sampled again", delivery.record_id, reason)
         await self.consumer.release(delivery, reason)
 
     async def _commit(
-        self, delivery: Delivery, task: PromptTask, prompt_ids: list[int], group: SampledGroup, received_at: float
+        self, delivery: Delivery, task: PromptTask, group: SampledGroup | SampledTrajectories, received_at: float
     ) -> None:
         """Write the group's rollout and acknowledge its prompt in one transaction."""
         rollout = Rollout(
             group_id=task.task_id,
             task=task,
-            prompt_token_ids=prompt_ids,
+            prompt_token_ids=group.prompt_token_ids,
             completions=group.completions,
             policy_version=group.policy_version,
             finished_policy_version=group.finished_policy_version,

@@ -32,6 +32,7 @@ from shared.shm import make_probe, usable_dir
 
 if TYPE_CHECKING:
     from services.generator.engine import Engine
+    from services.generator.trajectory.runner import TrajectoryRunner
 
 log = logging.getLogger("services.generator")
 
@@ -137,3 +138,49 @@ def leave_shm_probe(service: Service[GeneratorSettings], lease: GpuLease) -> Shm
         return None
     service.on_exit(probe.close)
     return ShmProbe(path=str(probe.path), token=token)
+
+
+def trajectory_runner(service: Service[GeneratorSettings], engine: Engine) -> TrajectoryRunner | None:
+    """With an ``[environment]`` table: the runner of multi-turn trajectories (None: one completion a sample).
+
+    The chat template is checked before the first prompt is read (docs/design/multi_turn.md §2.4-2.5): a
+    template that rewrites history, or whose turn close is not a special token, stops the replica (exit 2)
+    with the probe, the first differing tokens and the fix. An HTTP environment names its tools only when a
+    session opens, so its template is checked then, and a failure there stops the replica the same way."""
+    settings = service.settings.environment
+    if settings is None:
+        return None
+    from environments.build import build_environment
+    from services.generator.trajectory.runner import TrajectoryRunner, TrajectorySettings
+    from services.generator.trajectory.template import TemplateError
+
+    template = None
+    if settings.chat_template:
+        path = Path(settings.chat_template)
+        if not path.is_file():
+            raise NotStarting(f"environment.chat_template {path} is not a file")
+        template = path.read_text()
+    environment = build_environment(settings)
+    service.on_exit(environment.aclose)
+    knobs = TrajectorySettings(
+        max_turns=settings.max_turns,
+        max_tool_response_tokens=settings.max_tool_response_tokens,
+        max_model_len=service.settings.max_model_len,
+        tool_parser=settings.tool_parser,
+        chat_template=template,
+        chat_template_kwargs=settings.chat_template_kwargs,
+    )
+    runner = TrajectoryRunner(engine, environment, knobs)
+    tools = environment.tool_schemas()
+    if tools is not None:
+        try:
+            runner.toolkits.get(tools)
+        except TemplateError as exc:
+            raise NotStarting(str(exc)) from exc
+    log.info(
+        "multi-turn: environment %s, at most %d turns, tool parser %s",
+        environment.name,
+        settings.max_turns,
+        settings.tool_parser,
+    )
+    return runner

@@ -126,6 +126,7 @@ class GeneratorTelemetry:
                 "stream/prompts/dead_lettered": stream.dead_lettered,
                 "stream/prompts/malformed": stream.malformed,
                 "stream/prompts/duplicates": stream.duplicates,
+                **self._environment_counters(),
             }
 
         def gauges() -> dict[str, float]:
@@ -136,6 +137,28 @@ class GeneratorTelemetry:
                 "generator/prompt_stream_lag": self.prompt_backlog,
                 "generator/policy_version": self.engine.policy_version,
                 "generator/weights_ok": float(self.engine.weights_ok),
+                **self._environment_gauges(),
             }
 
         return CallbackCollector(counters, gauges)
+
+    def _environment_counters(self) -> dict[str, float]:
+        """Multi-turn: abandoned prompts, template breaks, environment calls by outcome, failed closes."""
+        runner = self.loop.trajectories
+        if runner is None:
+            return {}
+        stats = runner.environment.stats
+        return {
+            "generator/abandoned": self.loop.stats.abandoned,
+            "trajectories/template_breaks": runner.template_breaks,
+            "env/close_failures": stats.close_failures,
+            "env/sessions_opened": stats.sessions_opened,
+            **{f"env/calls/{outcome}": count for outcome, count in stats.calls.items()},
+        }
+
+    def _environment_gauges(self) -> dict[str, float]:
+        runner = self.loop.trajectories
+        if runner is None:
+            return {}
+        environment = runner.environment
+        return {"env/sessions_open": environment.stats.sessions_open, "env/accepting": float(environment.accepting())}

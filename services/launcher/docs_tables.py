@@ -14,6 +14,7 @@ from pydantic.fields import FieldInfo
 
 from shared.config.base import COMMON_ENV, DEFAULT_TEXT
 from shared.config.data import DataSettings
+from shared.config.environment import EnvironmentSettings
 from shared.config.generator import GeneratorSettings
 from shared.config.launcher import LauncherSettings
 from shared.config.learner import LearnerSettings
@@ -22,6 +23,7 @@ from shared.config.scorer import RewardSpec, ScorerSettings
 # (class, environment prefix, TOML table), in the README's order.
 TABLES: tuple[tuple[type[BaseModel], str, str], ...] = (
     (GeneratorSettings, "GENERATOR_", "generator"),
+    (EnvironmentSettings, "GENERATOR_ENVIRONMENT__", "environment"),
     (ScorerSettings, "SCORER_", "scorer"),
     (LearnerSettings, "LEARNER_", "learner"),
     (DataSettings, "LEARNER_DATA__", "data"),

@@ -104,7 +104,7 @@ def verl_batch(
 
 def explain(pipeline: PipelineConfig) -> str:
     """One optimizer step of ``pipeline`` in our words, then its TRL and verl settings."""
-    sections = [_our_step(pipeline), _algorithm(pipeline), _in_trl(pipeline), _in_verl(pipeline)]
+    sections = [_our_step(pipeline), _trajectory(pipeline), _algorithm(pipeline), _in_trl(pipeline), _in_verl(pipeline)]
     return "\n\n".join("\n".join(lines) for lines in sections)
 
 
@@ -159,6 +159,32 @@ def _our_step(pipeline: PipelineConfig) -> list[str]:
         f"  groups admitted in flight at most       {s.admission_bound}  ((max_staleness {s.max_staleness} + 1) x "
         f"{s.groups_per_step})",
         f"  generator replicas here                 {pipeline.launcher.generators}",
+    ]
+
+
+def _trajectory(pipeline: PipelineConfig) -> list[str]:
+    """With an ``[environment]``: what one multi-turn trajectory may hold (docs/design/multi_turn.md §2.6)."""
+    environment, s, g = pipeline.generator.environment, pipeline.learner, pipeline.generator
+    if environment is None:
+        return ["Per sample: one completion (no [environment] table)"]
+    source = environment.python or environment.url or "tools " + ", ".join(environment.tools)
+    in_flight = g.max_prompts_in_flight * s.group_size
+    return [
+        f"Per trajectory (environment {source}, tool parser {environment.tool_parser})",
+        f"  prompt                                  <= max_prompt_length {s.max_prompt_length}",
+        f"  after the prompt                        <= max_completion_length {s.max_completion_length} tokens: "
+        "sampled turns + template tokens + tool results",
+        f"  one tool result                         <= max_tool_response_tokens {environment.max_tool_response_tokens}"
+        " content tokens (+ the template's wrapper)",
+        f"  assistant turns                         <= max_turns {environment.max_turns} (the last gets what is left "
+        f"of {s.max_completion_length})",
+        f"  engine context                          <= {s.max_prompt_length + s.max_completion_length} = "
+        f"{s.max_prompt_length} + {s.max_completion_length} (generator.max_model_len {g.max_model_len})",
+        f"  trajectories in flight                  <= max_prompts_in_flight {g.max_prompts_in_flight} x G "
+        f"{s.group_size} = {in_flight} (engine batch max_num_seqs {g.max_num_seqs}); to hide the environment's "
+        "latency keep it >= max_num_seqs x (1 + env latency / turn time)",
+        "  trained on                              sampled tokens only (loss_mask); tool and template tokens are "
+        "context",
     ]
 
 

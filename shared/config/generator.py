@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import socket
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.config.base import HOSTNAME_BASED, ServiceSettings
+from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
+from shared.config.environment import EnvironmentSettings
 from shared.placement import leasable_gpus, parse_gpu_list
 
 
 class GeneratorSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="GENERATOR_", extra="forbid", env_nested_delimiter="__")
     toml_table = "generator"
+    extra_toml_tables: ClassVar[dict[str, str]] = {"environment": "environment"}
     requires_api_token = True  # its control endpoints (weights, pause) take the bearer token
+
+    environment: EnvironmentSettings | None = Field(
+        None,
+        description="The [environment] table: with one, each sample is a multi-turn trajectory with tools "
+        "(docs/multi_turn.md); without, one completion.",
+        json_schema_extra={DEFAULT_TEXT: "none: its own table"},
+    )
 
     model: str = Field("", description="Path of the initial model (a transformers/vLLM checkpoint directory).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -76,7 +76,13 @@ class PipelineConfig(BaseModel):
 
     def cross_service_problems(self) -> list[str]:
         """Checks that span services, each naming the fields on both sides."""
-        return cross_problems(self.generator, self.learner)
+        problems = cross_problems(self.generator, self.learner)
+        if self.generator.environment is None and any(r.name == "env_reward" for r in self.scorer.rewards):
+            problems.append(
+                "scorer reward 'env_reward' reads the environment's get_reward(), but there is no [environment] "
+                "table: add one (python = 'module:Class' or url = ...) or remove the reward"
+            )
+        return problems
 
     def algorithm_notes(self) -> list[str]:
         """Combinations across the scorer and the learner that no paper runs: shown, never refused."""
@@ -137,7 +143,7 @@ def cross_problems(generator: GeneratorSettings | None, learner: LearnerSettings
     """The checks between the generator's and the learner's tables (None: that table is not configured)."""
     problems = [_colocated_memory_problem(generator, learner)]
     if generator is not None and learner is not None:
-        problems.append(_context_problem(generator, learner))
+        problems += [_context_problem(generator, learner), _tool_response_problem(generator, learner)]
     return [problem for problem in problems if problem]
 
 
@@ -160,6 +166,18 @@ def algorithm_notes(scorer: ScorerSettings, learner: LearnerSettings) -> list[st
             f"({learner.epsilon_low}): DAPO clips higher (0.28; algorithm = 'dapo')"
         )
     return notes
+
+
+def _tool_response_problem(generator: GeneratorSettings, learner: LearnerSettings) -> str | None:
+    environment = generator.environment
+    if environment is None or environment.max_tool_response_tokens < learner.max_completion_length:
+        return None
+    return (
+        f"environment.max_tool_response_tokens ({environment.max_tool_response_tokens}) is not below "
+        f"learner.max_completion_length ({learner.max_completion_length}), which counts every token after the "
+        "prompt (sampled turns, tool results, the template's tokens): one tool result would leave no room for "
+        "the answer; lower max_tool_response_tokens or raise max_completion_length"
+    )
 
 
 def _context_problem(generator: GeneratorSettings, learner: LearnerSettings) -> str | None:

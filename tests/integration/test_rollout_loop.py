@@ -38,7 +38,7 @@ class ScriptedEngine:
             raise step
         started, finished = step
         completions = make_rollout(make_task(group_size=n)).completions
-        return SampledGroup(completions, started, finished, time.time(), time.time())
+        return SampledGroup(completions, started, finished, time.time(), time.time(), prompt_ids)
 
 
 async def _run(redis_client, keys: Keys, engine: ScriptedEngine, until) -> RolloutLoop:
