@@ -11,6 +11,10 @@ Per batch (TRL's semantics for ``num_iterations`` = mu):
    (:class:`~services.learner.objective.loss.BatchNormalisers`), so the accumulated gradient is exactly the gradient
    of the chosen aggregation over the whole batch; :mod:`services.learner.objective.loss` does all of that arithmetic.
 
+The loss acts on the batch's ``loss_mask`` (the tokens the policy sampled; a multi-turn trajectory's tool
+results and template tokens are context only): the ratio, the importance weights, the entropy, the KL and every
+token count read it, never ``completion_mask`` (docs/design/multi_turn.md §2.10).
+
 Steps 1-3 give a :class:`PreparedBatch`, fixed for the mu iterations; each iteration's backward gives a
 :class:`StepResult`.
 
@@ -111,7 +115,7 @@ def _add_outputs(sums: dict[str, float], out: LossOutputs, tokens: float) -> Non
 
 def _step_result(sums: dict[str, float], used: list[torch.Tensor], batch_tokens: float) -> StepResult:
     """The step's result from the ranks' summed ``sums``: token-weighted sums back to token means over the
-    batch's ``batch_tokens`` completion tokens; ``used``: the importance weights of each micro-batch."""
+    batch's ``batch_tokens`` sampled tokens; ``used``: the importance weights of each micro-batch."""
     tokens = max(batch_tokens, 1.0)
     acting_entropy = sums[_ACTING_SUM] / max(sums[_ACTING_TOKENS], 1.0)
     metrics = {
@@ -127,7 +131,7 @@ def _importance_weights(old: torch.Tensor, batch: TrainBatch, s: LearnerSettings
     return importance_weights(
         old,
         batch.behaviour_logprobs,
-        batch.completion_mask,
+        batch.loss_mask,
         level=s.importance_level,
         mode=s.importance_mode,
         cap=s.importance_cap,
@@ -136,9 +140,10 @@ def _importance_weights(old: torch.Tensor, batch: TrainBatch, s: LearnerSettings
 
 
 def _loss_mask(settings: LearnerSettings, batch: TrainBatch) -> torch.Tensor:
-    """[B, T] the tokens the loss sums over: completion tokens, minus truncated completions if masked."""
+    """[B, T] the tokens the loss sums over: sampled tokens (the loss mask), minus truncated completions if
+    masked."""
     truncated = batch.truncated if settings.mask_truncated_completions else None
-    return active_mask(batch.completion_mask, truncated)
+    return active_mask(batch.loss_mask, truncated)
 
 
 class Trainer:
@@ -304,7 +309,7 @@ class Trainer:
             logprobs=logprobs,
             old_logprobs=old,
             advantages=mb.advantages,
-            mask=mb.completion_mask,
+            mask=mb.loss_mask,
             ref_logprobs=None if prepared.ref_logprobs is None else prepared.ref_logprobs[rows],
             behaviour_logprobs=mb.behaviour_logprobs,
             importance_weights=weights,
@@ -338,10 +343,10 @@ class Trainer:
             start += mb.size
             if weights is not None:
                 used.append(weights)
-            _add_outputs(sums, out, tokens=float(mb.completion_mask.sum()))
-            if mb.completion_mask.any():
+            _add_outputs(sums, out, tokens=float(mb.loss_mask.sum()))
+            if mb.loss_mask.any():
                 per_micro_batch.append(out.metrics)
-        result = _step_result(distributed.sum_across(sums), used, float(batch.completion_mask.sum()))
+        result = _step_result(distributed.sum_across(sums), used, float(batch.loss_mask.sum()))
         every_rank = [m for ms in distributed.gather_objects(per_micro_batch) for m in ms]
         result.metrics.update(clip_ratio_extremes(every_rank))
         return result
@@ -350,7 +355,7 @@ class Trainer:
         if weights is None:
             return {}
         local, _ = self.planner.plan(batch)
-        return gathered.importance_metrics(weights, local.completion_mask)
+        return gathered.importance_metrics(weights, local.loss_mask)
 
     def train(self, batch: TrainBatch) -> list[dict[str, float]]:
         """``num_iterations`` optimizer steps on ``batch``; one metrics dict per step.

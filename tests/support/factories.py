@@ -106,3 +106,36 @@ def make_trajectory_rollout(group_size: int = 2) -> Rollout:
     task = make_task(group_size=group_size, policy_version=3)
     completions = tuple(make_trajectory_completion() for _ in range(group_size))
     return make_rollout(task, completions=completions, finished_policy_version=4)
+
+
+def make_masked_completion(
+    token_ids,
+    loss_mask,
+    behaviour_logprobs=None,
+    *,
+    versions=0,
+    prompt_token_ids=None,
+    finish_reason: str = "stop",
+    **trajectory,
+) -> Completion:
+    """A trajectory completion (schema v2) from its tokens and loss mask: behaviour logprobs (default -0.5) and
+    ``versions`` (one int, or one per token) on the sampled tokens, 0 and -1 on the context tokens (I3);
+    ``trajectory``: TrajectoryInfo fields (default one turn per sampled span, one tool call per context span)."""
+    mask = np.asarray(loss_mask, dtype=np.uint8)
+    sampled = mask == 1
+    behaviour = np.full(len(mask), -0.5, np.float32) if behaviour_logprobs is None else behaviour_logprobs
+    behaviour = np.where(sampled, np.asarray(behaviour, np.float32), np.float32(0.0)).astype(np.float32)
+    stamped = np.broadcast_to(np.asarray(versions, np.int32), mask.shape)
+    spans = int(np.count_nonzero(np.diff(np.concatenate([[0], mask.astype(np.int8)])) == 1))
+    info = dict(turns=max(spans, 1), tool_calls=max(spans - 1, 0))
+    info.update(trajectory)
+    return Completion(
+        text="",
+        token_ids=np.asarray(token_ids, dtype=np.int32),
+        behaviour_logprobs=behaviour,
+        finish_reason=finish_reason,
+        token_versions=np.where(sampled, stamped, -1).astype(np.int32),
+        loss_mask=mask,
+        prompt_token_ids=None if prompt_token_ids is None else np.asarray(prompt_token_ids, dtype=np.int32),
+        trajectory=TrajectoryInfo(**info),
+    )

@@ -1,8 +1,10 @@
-"""TRL's batch figures on hand-built groups: terminated lengths and the token counts behind ``num_tokens``."""
+"""TRL's batch figures on hand-built groups: terminated lengths and the token counts behind ``num_tokens``; the
+multi-turn figures (docs/design/multi_turn.md §2.11)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from services.learner.metrics.batch_metrics import (
@@ -10,10 +12,12 @@ from services.learner.metrics.batch_metrics import (
     clip_ratio_extremes,
     sampling_logp_difference_metrics,
     terminated_length_metrics,
+    trajectory_metrics,
 )
 from services.learner.metrics.counters import Counters
 from shared.advantages import group_advantages
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, SamplingSpec, ScoredGroup
+from tests.support.factories import make_masked_completion, make_rollout, make_task
 
 
 def _group(prompt_len: int, completions: list[tuple[int, str]]) -> ScoredGroup:
@@ -100,3 +104,77 @@ def test_clip_ratio_extremes_take_the_smallest_low_and_the_largest_high():
     ]
     assert clip_ratio_extremes(per_micro_batch) == {"clip_ratio/low_min": 0.125, "clip_ratio/high_max": 0.5}
     assert clip_ratio_extremes([{"cispo_clip_ratio": 0.5}]) == {}
+
+
+def _trajectories(*specs) -> ScoredGroup:
+    """One group of trajectories; each spec: (loss mask, TrajectoryInfo fields)."""
+    completions = tuple(make_masked_completion(np.arange(5, 5 + len(mask)), mask, **info) for mask, info in specs)
+    task = make_task(group_size=len(specs))
+    rollout = make_rollout(task, completions=completions)
+    rewards = np.arange(len(specs), dtype=np.float32)
+    return ScoredGroup(
+        rollout=rollout,
+        reward_names=("r",),
+        rewards_per_func=rewards[:, None],
+        rewards=rewards,
+        advantages=group_advantages(rewards, len(specs)),
+    )
+
+
+def _latencies(*seconds: float) -> np.ndarray:
+    return np.array(seconds, dtype=np.float32)
+
+
+def test_tool_figures_come_from_summed_counts_and_latency_percentiles_from_every_call():
+    groups = [
+        _trajectories(
+            ([1, 0, 1], dict(turns=2, tool_calls=1, tool_errors=1, env_latency_s=_latencies(0.1, 0.2))),
+            ([1, 0, 0, 1, 0, 1], dict(turns=3, tool_calls=3, tool_errors=0, env_latency_s=_latencies(0.3, 0.4))),
+        ),
+        _trajectories(([1, 1], dict(turns=1, tool_calls=0, env_latency_s=_latencies(1.0)))),
+    ]
+    metrics = batch_metrics(groups, policy_version=0)
+    assert metrics["tools/call_frequency"] == pytest.approx(4 / 3)
+    # 1 failed of 4 calls: not the mean of the per-trajectory ratios (1/1 and 0/3: 0.5).
+    assert metrics["tools/failure_frequency"] == 0.25
+    assert (metrics["tools/num_turns/mean"], metrics["tools/num_turns/max"]) == (2.0, 3.0)
+    latencies = [0.1, 0.2, 0.3, 0.4, 1.0]
+    assert metrics["env/latency_seconds/p50"] == pytest.approx(0.3)
+    assert metrics["env/latency_seconds/p95"] == pytest.approx(float(np.percentile(latencies, 95)))
+    assert metrics["env/latency_seconds/p95"] == pytest.approx(0.88)
+
+
+def test_lengths_count_sampled_tokens_and_mean_tokens_counts_every_token():
+    groups = [_trajectories(([1, 0, 0, 1], {}), ([1, 1, 0, 1, 1, 1], {}))]
+    metrics = batch_metrics(groups, policy_version=0)
+    assert metrics["completions/mean_length"] == 3.5  # (2 + 5) sampled
+    assert (metrics["completions/min_length"], metrics["completions/max_length"]) == (2.0, 5.0)
+    assert metrics["completions/mean_terminated_length"] == 3.5
+    assert metrics["completion_tokens"] == 7.0
+    assert metrics["trajectories/mean_tokens"] == 5.0  # (4 + 6), tool tokens included
+    assert metrics["input_tokens"] == 2 * 5 + 10.0  # each with its 5-token prompt, every token
+
+
+def test_cut_figures_share_of_trajectories_by_reason_and_template_breaks_counted():
+    groups = [
+        _trajectories(
+            ([1], dict(cut="max_turns")),
+            ([1], dict(cut="template_break")),
+            ([1], {}),
+            ([1], dict(cut="max_turns")),
+        )
+    ]
+    metrics = batch_metrics(groups, policy_version=0)
+    assert metrics["trajectories/cut_frequency"] == 0.75
+    assert metrics["trajectories/cut/max_turns"] == 0.5
+    assert metrics["trajectories/cut/template_break"] == 0.25
+    assert metrics["trajectories/cut/token_budget"] == metrics["trajectories/cut/context"] == 0.0
+    assert metrics["trajectories/template_breaks"] == 1.0
+    assert metrics["tools/failure_frequency"] == 0.0  # no call at all: none failed
+
+
+def test_a_single_turn_batch_has_no_trajectory_figures():
+    groups = [_group(3, [(4, "stop"), (10, "length")])]
+    metrics = batch_metrics(groups, policy_version=0)
+    assert not [name for name in metrics if name.split("/")[0] in ("tools", "env", "trajectories")]
+    assert trajectory_metrics([c for g in groups for c in g.rollout.completions]) == {}

@@ -17,8 +17,9 @@ from services.learner.metrics.completions_log import (
     markdown_table,
     table_columns,
 )
-from shared.records import ScoredGroup
-from tests.support.factories import make_rollout, make_task
+from shared.records import ChatMessage, ScoredGroup
+from shared.trajectory import TrajectoryInfo
+from tests.support.factories import make_rollout, make_task, make_trajectory_completion
 
 NAN = math.nan
 
@@ -130,3 +131,52 @@ def test_jsonl_records_carry_the_step_first():
     text = jsonl_records(7, [{"completion": "a", "reward": None}, {"completion": "b", "reward": 1.0}])
     assert text == '{"step": 7, "completion": "a", "reward": null}\n{"step": 7, "completion": "b", "reward": 1.0}\n'
     assert [json.loads(line)["step"] for line in text.splitlines()] == [7, 7]
+
+
+def test_a_trajectory_row_has_its_messages_counters_and_own_prompt_and_stays_json():
+    own_prompt = (ChatMessage(role="user", content="What is 2+3? The calculator is on."),)
+    plain = make_trajectory_completion()
+    cut = make_trajectory_completion(
+        prompt=own_prompt,
+        prompt_token_ids=np.arange(3, dtype=np.int32),
+        trajectory=TrajectoryInfo(turns=4, tool_calls=3, tool_errors=2, env_reward=None, cut="max_turns"),
+    )
+    rollout = make_rollout(make_task(group_size=2), completions=(plain, cut))
+    group = _group("2+3=", ["", ""], [[1.0, 0.0], [0.0, 0.0]], [1.0, 0.0], [0.5, -0.5])
+    group = group.model_copy(update={"rollout": rollout})
+    first, second = completion_rows([group], limit=4)
+    assert first["messages"] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "call-0", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+            ],
+            "reasoning_content": "2+3 needs the tool",
+        },
+        {"role": "tool", "content": "5", "tool_call_id": "call-0", "name": "add"},
+        {"role": "assistant", "content": "<answer>5</answer>"},
+    ]
+    assert {k: first[k] for k in ("turns", "tool_calls", "tool_errors", "env_reward", "cut")} == {
+        "turns": 2,
+        "tool_calls": 1,
+        "tool_errors": 0,
+        "env_reward": 1.0,
+        "cut": None,
+    }
+    assert first["prompt"] == [
+        {"role": "system", "content": "Answer."},
+        {"role": "user", "content": "What is 2+3?"},
+    ]
+    assert second["prompt"] == [{"role": "user", "content": "What is 2+3? The calculator is on."}]
+    assert (second["turns"], second["tool_errors"], second["env_reward"], second["cut"]) == (4, 2, None, "max_turns")
+    assert json.loads(jsonl_records(1, [first, second]).splitlines()[1])["cut"] == "max_turns"
+    assert cell_text(first["messages"]) == (
+        'assistant:  -> add({"a": 2, "b": 3})\ntool: 5\nassistant: <answer>5</answer>'
+    )
+    assert "messages" in table_columns([first, second])
+
+
+def test_a_single_turn_row_gains_no_trajectory_column():
+    row = completion_rows([_group("p", ["a"], [[1.0, 0.0]], [1.0], [0.0])], limit=1)[0]
+    assert not {"messages", "turns", "tool_calls", "tool_errors", "env_reward", "cut"} & set(row)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from pydantic import ValidationError
 
 from services.learner.data.batch import collate
+from services.learner.data.collector import drop_reason
 from services.learner.logprobs.policy import completion_logprobs, logprobs_no_grad
 from services.learner.model import load_policy
 from services.learner.objective.loss import BatchNormalisers, LossInputs, compute_loss
@@ -17,6 +19,7 @@ from shared.advantages import group_advantages
 from shared.config.learner import LearnerSettings
 from shared.config.objective import Objective
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, SamplingSpec, ScoredGroup
+from tests.support.factories import make_scored, make_trajectory_rollout
 from tests.support.tiny_model import build_tiny_llama
 
 
@@ -225,3 +228,43 @@ def test_step_metrics_have_trl_clip_extremes_and_the_sampling_logp_difference(ti
         assert result["sampling/sampling_logp_difference/mean"] == pytest.approx(float(diff.mean()), abs=1e-5)
         assert result["sampling/sampling_logp_difference/max"] == pytest.approx(float(diff.max()), abs=1e-5)
     assert results[1]["clip_ratio/region_mean"] > 0  # the second iteration is off-policy: the extremes are not trivial
+
+
+def test_staleness_drops_a_trajectory_group_by_its_oldest_sampled_version():
+    """Sampled tokens of versions 3 and 4 (tool tokens -1): the group is as old as version 3, for the drop
+    rule and for each row of the batch; a rollout claiming a newer version than a sampled token is refused."""
+    rollout = make_trajectory_rollout()
+    assert rollout.policy_version == 3 and rollout.finished_policy_version == 4
+    group = make_scored(rollout, num_funcs=1)
+    assert drop_reason(group, set(), policy_version=5, max_staleness=2) is None
+    assert (
+        drop_reason(group, set(), policy_version=6, max_staleness=2) == "stale_dropped"
+    )  # its version 4 is only 2 old
+    assert _batch([group]).policy_versions.tolist() == [3, 3]
+    with pytest.raises(ValidationError, match="trajectory_version"):
+        rollout.model_validate({**dict(rollout), "policy_version": 4})
+
+
+def test_a_per_sample_prompt_is_its_rows_prompt_and_never_shared_with_its_group(tiny):
+    """The trainer's step with shared prompts equals the unshared one when one trajectory of a group has a
+    prompt of its own (sharing by group would run it on the group's prompt)."""
+    grads = {}
+    for share in ("on", "off"):
+        settings = _settings(tiny, share_prompts=share, max_staleness=0)
+        model, _ = load_policy(settings, str(tiny))
+        model.double()
+        groups = _groups(model, seed=6)
+        rollout = groups[1].rollout
+        completions = list(rollout.completions)
+        completions[1] = completions[1].model_copy(update={"prompt_token_ids": np.array([7, 8, 9], np.int32)})
+        groups[1] = groups[1].model_copy(
+            update={"rollout": rollout.model_copy(update={"completions": tuple(completions)})}
+        )
+        batch = _batch(groups)
+        assert batch.prompt_index.tolist() == [0, 0, 0, 0, 1, 2, 1, 1]
+        trainer = Trainer(model, settings)
+        assert trainer.planner.share_prompts is (share == "on")
+        model.zero_grad()
+        trainer.accumulate_gradients(batch, trainer.prepare(batch))
+        grads[share] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert_grads_close(grads["on"], grads["off"], rel=1e-6)

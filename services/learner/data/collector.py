@@ -40,7 +40,9 @@ def replacement_cap_reached(skipped: int, cap: int | None, collected: int) -> bo
 def drop_reason(
     group: ScoredGroup, trained: Collection[str], policy_version: int, max_staleness: int
 ) -> DropReason | None:
-    """Why ``group`` is not trained at ``policy_version``, or None when it is."""
+    """Why ``group`` is not trained at ``policy_version``, or None when it is. The group's age is its rollout's
+    ``policy_version``, which the record validates to be at most every sampled token's version
+    (:func:`shared.staleness.trajectory_version`): a trajectory is as old as its oldest sampled turn."""
     version = group.rollout.policy_version
     if group.group_id in trained:
         return "already_trained"

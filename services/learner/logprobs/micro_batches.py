@@ -5,7 +5,7 @@ Three plans, chosen once per trainer:
 * **padded** (one process, no token budget): consecutive slices of ``micro_batch_size`` rows;
 * **packed** (one process, a token budget: ``max_tokens_per_micro_batch``, auto on every device): consecutive
   rows up to the budget and ``micro_batch_size``, packed into one row without padding
-  (:mod:`services.learner.logprobs.packing`), each group's prompt once when ``share_prompts``;
+  (:mod:`services.learner.logprobs.packing`), each prompt once when ``share_prompts``;
 * **ranks** (torchrun): this rank's block of rows, in passes padded and row-counted so that every rank runs
   the same number of passes (:func:`distributed.micro_batch_plan`); a pass of None is a zero-weighted padding
   pass, and prompts are never shared.
@@ -63,7 +63,7 @@ class MicroBatchPlanner:
             plan = plan_micro_batches(
                 prompts,
                 completions,
-                batch.group_index.tolist(),
+                batch.prompt_index.tolist(),
                 max_tokens=max(1, self.token_budget * size // self.micro_batch_size),
                 max_rows=size,
                 share_prompts=self.share_prompts,

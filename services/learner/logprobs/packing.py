@@ -11,15 +11,18 @@ its first token, as the generator saw it), and attention is kept inside each seq
   :func:`attention_implementation` on CUDA when flash-attn is installed), flex_attention's block mask, and a
   block-diagonal causal mask for SDPA and eager (``masking_utils.find_packed_sequence_indices``).
 * ``share_prompts`` on: each group's prompt is in the row once, followed by the group's completions of the
-  micro-batch, every completion with the positions it has after the prompt. A [N, N] mask lets a completion
-  token see its group's prompt and the earlier tokens of its own completion only (the prompt as a shared
-  prefix, a tree of sequences). SDPA and eager take such a mask; flash-attn's varlen kernel cannot, which
-  :func:`check_attention` refuses with the setting to change.
+  micro-batch, every completion with the positions it has after the prompt ("a group's prompt": a run of
+  rows with one ``prompt_index``, so a sample whose environment gave it a prompt of its own is never shared).
+  A [N, N] mask lets a completion token see its group's prompt and the earlier tokens of its own completion
+  only (the prompt as a shared prefix, a tree of sequences). SDPA and eager take such a mask; flash-attn's
+  varlen kernel cannot, which :func:`check_attention` refuses with the setting to change.
 
-Either way every completion token's log-probability is computed from exactly the tokens it sees in the padded
-forward, so the values and gradients are the padded forward's (float64 tests, tests/unit/test_packing.py); the
-loss and its normalisers (:mod:`services.learner.objective.loss`) are unchanged, since the results come back in
-the padded [b, T] layout.
+Only the predictors of sampled tokens (the batch's ``loss_mask``) reach the LM head: a multi-turn trajectory's
+tool results and template tokens are context (in the row and the attention, not the head). Either way every
+sampled token's log-probability is computed from exactly the tokens it sees in the padded forward, so the
+values and gradients are the padded forward's (float64 tests, tests/unit/test_packing.py and
+tests/unit/test_loss_mask.py); the loss and its normalisers (:mod:`services.learner.objective.loss`) are
+unchanged, since the results come back in the padded [b, T] layout.
 
 :func:`plan_micro_batches` splits a batch into consecutive rows by ``max_tokens_per_micro_batch`` (the packed
 row's length) and ``micro_batch_size`` (an upper bound on completions).
@@ -98,7 +101,7 @@ def sequence_lengths(batch: TrainBatch) -> tuple[list[int], list[int]]:
 def plan_micro_batches(
     prompt_lengths: Sequence[int],
     completion_lengths: Sequence[int],
-    group_index: Sequence[int],
+    prompt_index: Sequence[int],
     *,
     max_tokens: int,
     max_rows: int,
@@ -106,17 +109,18 @@ def plan_micro_batches(
 ) -> list[slice]:
     """Consecutive rows in micro-batches of at most ``max_rows`` rows and ``max_tokens`` packed tokens.
 
-    A micro-batch's tokens are its rows' prompt + completion lengths; with ``share_prompts`` a group's prompt
-    counts once per micro-batch. Greedy, in order: a row that would take the micro-batch past either bound
-    starts the next one; a row longer than ``max_tokens`` on its own makes a micro-batch alone.
+    A micro-batch's tokens are its rows' prompt + completion lengths; with ``share_prompts`` a prompt counts once
+    per micro-batch and run of rows with its ``prompt_index``. Greedy, in order: a row that would take the
+    micro-batch past either bound starts the next one; a row longer than ``max_tokens`` on its own makes a
+    micro-batch alone.
     """
     if max_tokens < 1 or max_rows < 1:
         raise ValueError(f"max_tokens ({max_tokens}) and max_rows ({max_rows}) must be at least 1")
     plan: list[slice] = []
     start, tokens = 0, 0
     for row, (prompt, completion) in enumerate(zip(prompt_lengths, completion_lengths, strict=True)):
-        new_group = row == start or group_index[row] != group_index[row - 1]
-        cost = completion + (prompt if new_group or not share_prompts else 0)
+        new_prompt = row == start or prompt_index[row] != prompt_index[row - 1]
+        cost = completion + (prompt if new_prompt or not share_prompts else 0)
         if row > start and (row - start >= max_rows or tokens + cost > max_tokens):
             plan.append(slice(start, row))
             start, tokens = row, prompt + completion
@@ -156,11 +160,11 @@ def pack(batch: TrainBatch, share_prompts: bool) -> PackedRow:
     owner: list[int] = []
     document: list[int] = []
     predictors = torch.zeros(batch.completion_ids.shape, dtype=torch.long)
-    groups = batch.group_index.tolist()
+    prompts = batch.prompt_index.tolist()
     length = 0
     prompt_last = 0
     for row, (p, n) in enumerate(zip(prompt_lengths, completion_lengths, strict=True)):
-        if not share_prompts or row == 0 or groups[row] != groups[row - 1]:
+        if not share_prompts or row == 0 or prompts[row] != prompts[row - 1]:
             ids.append(batch.input_ids[row, prompt_end - p : prompt_end])
             positions.append(torch.arange(p))
             owner += [-1] * p
@@ -206,12 +210,12 @@ def _mask_argument(attention: torch.Tensor | None, implementation: str, dtype: t
 def packed_logprobs(
     model: torch.nn.Module, batch: TrainBatch, entropy: EntropyMode, chunk_tokens: int, share_prompts: bool
 ) -> Stats:
-    """Log-probabilities [b, T] (and entropies) of ``batch``'s completion tokens from one packed forward; only
-    the completion tokens' predictors reach the LM head (``logits_to_keep`` = their row positions). 0 at
-    padding positions, as the padded forward's are after masking."""
+    """Log-probabilities [b, T] (and entropies) of ``batch``'s sampled tokens from one packed forward; only
+    their predictors reach the LM head (``logits_to_keep`` = their row positions). 0 at context and padding
+    positions, as the padded forward's are after masking."""
     row = pack(batch, share_prompts)
     implementation = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    mask = batch.completion_mask.bool()
+    mask = batch.loss_mask.bool()
     keep = row.predictors[mask]  # [M] in the [b, T] mask's order; a shared prompt's last position repeats
     inputs = dict(
         input_ids=row.input_ids,

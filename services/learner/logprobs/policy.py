@@ -5,6 +5,11 @@ log-softmax in float32 (also when the model runs in bf16), for the completion po
 (``logits_to_keep`` skips the prompt's logits). With ``chunk_tokens`` > 0 the LM head runs on the final hidden
 states a chunk of completion tokens at a time (:mod:`services.learner.logprobs.lm_head`), so the [tokens x vocab]
 float32 logits never exist; 0 computes them whole.
+
+The results are the log-probabilities of the tokens the policy sampled (the batch's ``loss_mask``) and 0
+elsewhere: a multi-turn trajectory's tool results and template tokens enter the forward and the attention as
+context, and the chunked and packed paths do not even take them through the LM head. Rows that share a prompt
+(``prompt_index``, not ``group_index``: a sample with a prompt of its own never shares another's) compute it once.
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ def _chunked_stats(
     model: torch.nn.Module, hidden: torch.Tensor, batch: TrainBatch, entropy: EntropyMode, chunk_tokens: int
 ) -> Stats:
     """Log-probabilities [B, T] (and entropies) from hidden [B, T, H], whose position t predicts completion
-    token t, through the LM head in chunks (:mod:`services.learner.logprobs.lm_head`). Only completion tokens are
-    computed: padding positions are 0, as the plain path's are after masking."""
-    mask = batch.completion_mask.bool()
+    token t, through the LM head in chunks (:mod:`services.learner.logprobs.lm_head`). Only sampled tokens (the
+    loss mask) are computed: context and padding positions are 0, as the plain path's are after masking."""
+    mask = batch.loss_mask.bool()
     temperatures = batch.temperatures.to(hidden.device)[:, None].expand(mask.shape)[mask]
     logprobs, entropies = chunked_token_stats(
         output_embeddings(model), hidden[mask], batch.completion_ids[mask], temperatures, entropy, chunk_tokens
@@ -68,14 +73,14 @@ def _logits(model: torch.nn.Module, **inputs: Any) -> tuple[torch.Tensor, Any]:
     return output.logits, output
 
 
-def _group_spans(group_index: list[int]) -> list[slice]:
-    """The row spans of each group (rows of a group are contiguous; a micro-batch may split a group)."""
-    starts = [row for row in range(len(group_index)) if row == 0 or group_index[row] != group_index[row - 1]]
-    return [slice(start, stop) for start, stop in zip(starts, [*starts[1:], len(group_index)], strict=True)]
+def _prompt_spans(prompt_index: list[int]) -> list[slice]:
+    """The spans of consecutive rows with one prompt (a micro-batch may split them)."""
+    starts = [row for row in range(len(prompt_index)) if row == 0 or prompt_index[row] != prompt_index[row - 1]]
+    return [slice(start, stop) for start, stop in zip(starts, [*starts[1:], len(prompt_index)], strict=True)]
 
 
-def _group_predictors(model: torch.nn.Module, batch: TrainBatch, rows: slice, forward: Forward) -> torch.Tensor:
-    """The prompt of the group at ``rows`` once, its completions on top of the prompt's KV cache: [b, T, X]
+def _prompt_predictors(model: torch.nn.Module, batch: TrainBatch, rows: slice, forward: Forward) -> torch.Tensor:
+    """The prompt of the rows at ``rows`` once, their completions on top of the prompt's KV cache: [b, T, X]
     whose position t predicts completion token t, X = V (``forward`` = logits) or H (final hidden states)."""
     size = rows.stop - rows.start
     prompt_end = batch.input_ids.shape[1] - batch.completion_length
@@ -101,19 +106,19 @@ def _group_predictors(model: torch.nn.Module, batch: TrainBatch, rows: slice, fo
 def _shared_prompt_logprobs(
     model: torch.nn.Module, batch: TrainBatch, entropy: EntropyMode = "none", chunk_tokens: int = 0
 ) -> Stats:
-    """Each group's prompt once, its completions on top of the prompt's KV cache (gradients flow into it).
+    """Each prompt once, its completions on top of the prompt's KV cache (gradients flow into it).
 
-    The completions of one group share their prompt, so computing it once per group instead of once per
-    completion saves (G - 1) prompt passes. Completions are right-padded, so causal attention alone keeps
-    real tokens from seeing padding: no attention mask is needed.
+    The completions of one group share their prompt (``prompt_index``: unless a sample has its own), so
+    computing it once per group instead of once per completion saves (G - 1) prompt passes. Completions are
+    right-padded, so causal attention alone keeps real tokens from seeing padding: no attention mask is needed.
     """
-    spans = _group_spans(batch.group_index.tolist())
+    spans = _prompt_spans(batch.prompt_index.tolist())
     if chunk_tokens:
-        hidden = torch.cat([_group_predictors(model, batch, rows, final_hidden_states) for rows in spans])
+        hidden = torch.cat([_prompt_predictors(model, batch, rows, final_hidden_states) for rows in spans])
         return _chunked_stats(model, hidden, batch, entropy, chunk_tokens)
     parts = [
         token_stats(
-            _group_predictors(model, batch, rows, _logits),
+            _prompt_predictors(model, batch, rows, _logits),
             batch.completion_ids[rows],
             batch.temperatures[rows, None],
             entropy,
@@ -132,7 +137,7 @@ def completion_logprobs(
     chunk_tokens: int = 0,
     packed: bool = False,
 ) -> torch.Tensor:
-    """log pi(token | prefix) of each completion token, [B, T] float32 (0 where masked)."""
+    """log pi(token | prefix) of each sampled completion token, [B, T] float32 (0 off the loss mask)."""
     logprobs, _ = completion_logprobs_and_entropy(
         model, batch, share_prompts=share_prompts, entropy="none", chunk_tokens=chunk_tokens, packed=packed
     )
@@ -149,7 +154,7 @@ def completion_logprobs_and_entropy(
     packed: bool = False,
 ) -> Stats:
     """:func:`completion_logprobs` and, from the same logits, the policy's entropy at each completion position
-    ([B, T] float32, 0 where masked; None when ``entropy="none"``). ``"grad"`` lets the entropy bonus
+    ([B, T] float32, 0 off the loss mask; None when ``entropy="none"``). ``"grad"`` lets the entropy bonus
     differentiate it; ``"value"`` keeps it out of the graph. No [tokens x vocab] tensor is added
     (:mod:`services.learner.logprobs.entropy`). ``chunk_tokens`` > 0: the LM head runs on that many tokens at a time
     and no [tokens x vocab] float32 logits exist at all (:mod:`services.learner.logprobs.lm_head`); 0: full logits.
@@ -159,7 +164,7 @@ def completion_logprobs_and_entropy(
     else:
         forward = _shared_prompt_logprobs if share_prompts else _padded_logprobs
         logprobs, entropies = forward(model, batch, entropy, chunk_tokens)
-    mask = batch.completion_mask.to(logprobs.dtype)
+    mask = batch.loss_mask.to(logprobs.dtype)
     return logprobs * mask, None if entropies is None else entropies * mask
 
 

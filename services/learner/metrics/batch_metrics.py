@@ -2,18 +2,34 @@
 
 The advantage maths is :mod:`shared.advantages` (numpy, shared with the scorer); tensors appear only in
 what :func:`finalize_advantages` returns, for :func:`services.learner.data.batch.collate`.
+
+Lengths are sampled tokens (:func:`sampled_tokens`; TRL counts ``tool_mask == 1``): a multi-turn trajectory's
+tool results and template tokens are context, counted only by ``trajectories/mean_tokens``. The ``tools/*``,
+``env/*`` and ``trajectories/*`` figures (:func:`trajectory_metrics`, docs/design/multi_turn.md §2.11) appear only
+when the batch has trajectories; a single-turn batch's figures are what they were.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import get_args
 
 import numpy as np
 import torch
 
+from services.learner.data.batch import row_prompt
 from services.learner.data.staleness import staleness
 from shared.advantages import completion_metrics, compute_advantages, reward_function_metrics, reward_metrics
-from shared.records import ScoredGroup
+from shared.records import Completion, ScoredGroup
+from shared.trajectory import Cut, TrajectoryInfo
+
+
+def sampled_tokens(completion: Completion) -> int:
+    """The tokens the policy sampled: every token of a single-turn completion, the loss mask's ones of a
+    trajectory."""
+    if completion.loss_mask is None:
+        return len(completion.token_ids)
+    return int(np.count_nonzero(completion.loss_mask))
 
 
 def _batch_advantages(groups: Sequence[ScoredGroup]) -> np.ndarray:
@@ -28,7 +44,7 @@ def _batch_advantages(groups: Sequence[ScoredGroup]) -> np.ndarray:
         if len({g.reward_names for g in groups}) != 1:
             raise ValueError("GDPO (normalize_then_sum) needs the same reward functions in every group of a batch")
         per_func = np.concatenate([g.rewards_per_func for g in groups]).astype(np.float64)
-    lengths = np.array([len(c.token_ids) for g in groups for c in g.rollout.completions])
+    lengths = np.array([sampled_tokens(c) for g in groups for c in g.rollout.completions])
     return compute_advantages(rewards, sizes.pop(), spec, rewards_per_func=per_func, lengths=lengths)
 
 
@@ -45,9 +61,28 @@ def finalize_advantages(groups: Sequence[ScoredGroup]) -> list[torch.Tensor]:
 
 
 def batch_metrics(groups: Sequence[ScoredGroup], policy_version: int) -> dict[str, float]:
-    """TRL's reward and completion figures over the batch, plus staleness. ``completion_tokens``: the batch's
-    completion tokens; ``input_tokens``: its prompt and completion tokens, each completion counted with its
-    prompt as TRL counts them (the train loop adds these up into the run's cumulative ``num_tokens``)."""
+    """TRL's reward and completion figures over the batch, plus staleness and, when the batch has trajectories,
+    :func:`trajectory_metrics`. ``completion_tokens``: the batch's sampled tokens; ``input_tokens``: its prompt and
+    completion tokens (context included), each completion counted with its prompt as TRL counts them (the train
+    loop adds these up into the run's cumulative ``num_tokens``)."""
+    metrics = _reward_figures(groups)
+    completions = [c for g in groups for c in g.rollout.completions]
+    lengths = [sampled_tokens(c) for c in completions]
+    metrics.update(completion_metrics(lengths, [c.finish_reason == "length" for c in completions]))
+    ages = [staleness(policy_version, g.rollout.policy_version) for g in groups]
+    metrics["staleness/mean"] = float(np.mean(ages))
+    metrics["staleness/max"] = float(max(ages))
+    metrics.update(terminated_length_metrics(lengths, [c.finish_reason == "stop" for c in completions]))
+    metrics["completion_tokens"] = float(sum(lengths))
+    metrics["input_tokens"] = float(
+        sum(len(row_prompt(g.rollout, c)) + len(c.token_ids) for g in groups for c in g.rollout.completions)
+    )
+    metrics.update(trajectory_metrics(completions))
+    return metrics
+
+
+def _reward_figures(groups: Sequence[ScoredGroup]) -> dict[str, float]:
+    """TRL's reward figures (per function when every group has the same functions)."""
     size = groups[0].rollout.group_size
     rewards = np.concatenate([g.rewards for g in groups]).astype(np.float64)
     metrics: dict[str, float] = {}
@@ -59,16 +94,41 @@ def batch_metrics(groups: Sequence[ScoredGroup], policy_version: int) -> dict[st
     if all(g.reward_names == names for g in groups):
         per_func = np.concatenate([g.rewards_per_func for g in groups]).astype(np.float64)
         metrics.update(reward_function_metrics(names, per_func))
-    completions = [c for g in groups for c in g.rollout.completions]
-    lengths = [len(c.token_ids) for c in completions]
-    metrics.update(completion_metrics(lengths, [c.finish_reason == "length" for c in completions]))
-    ages = [staleness(policy_version, g.rollout.policy_version) for g in groups]
-    metrics["staleness/mean"] = float(np.mean(ages))
-    metrics["staleness/max"] = float(max(ages))
-    metrics.update(terminated_length_metrics(lengths, [c.finish_reason == "stop" for c in completions]))
-    metrics["completion_tokens"] = float(sum(lengths))
-    prompt_tokens = sum(len(g.rollout.prompt_token_ids) * len(g.rollout.completions) for g in groups)
-    metrics["input_tokens"] = float(prompt_tokens + sum(lengths))
+    return metrics
+
+
+def trajectory_metrics(completions: Sequence[Completion]) -> dict[str, float]:
+    """The multi-turn figures of docs/design/multi_turn.md §2.11 over the completions that are trajectories;
+    empty when none is. ``tools/failure_frequency`` is the batch's failed calls over its calls (summed counts, not
+    a mean of per-trajectory ratios); the latency percentiles are over every environment call of the batch."""
+    infos = [c.trajectory for c in completions if c.trajectory is not None]
+    if not infos:
+        return {}
+    calls = sum(t.tool_calls for t in infos)
+    turns = np.array([t.turns for t in infos], dtype=np.float64)
+    metrics = {
+        "tools/call_frequency": calls / len(infos),
+        "tools/failure_frequency": sum(t.tool_errors for t in infos) / calls if calls else 0.0,
+        "tools/num_turns/mean": float(turns.mean()),
+        "tools/num_turns/max": float(turns.max()),
+        "trajectories/mean_tokens": float(np.mean([len(c.token_ids) for c in completions if c.trajectory is not None])),
+        **_cut_metrics(infos),
+    }
+    latencies = np.concatenate([t.env_latency_s for t in infos]).astype(np.float64)
+    if latencies.size:
+        metrics["env/latency_seconds/p50"] = float(np.percentile(latencies, 50))
+        metrics["env/latency_seconds/p95"] = float(np.percentile(latencies, 95))
+    return metrics
+
+
+def _cut_metrics(infos: Sequence[TrajectoryInfo]) -> dict[str, float]:
+    """The share of trajectories cut, overall and by reason (every reason, 0 included, so each series is
+    continuous), and the count of runtime template breaks (which must stay 0)."""
+    cuts = [t.cut for t in infos]
+    metrics = {"trajectories/cut_frequency": sum(c is not None for c in cuts) / len(cuts)}
+    for reason in get_args(Cut):
+        metrics[f"trajectories/cut/{reason}"] = cuts.count(reason) / len(cuts)
+    metrics["trajectories/template_breaks"] = float(cuts.count("template_break"))
     return metrics
 
 

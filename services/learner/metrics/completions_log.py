@@ -8,6 +8,10 @@ gave no reward: NaN on the wire), ``reward`` (the weighted combination) and ``ad
 functions' columns are namespaced as in the metrics (``rewards/<function>/mean``) so that a function named
 ``reward`` or ``prompt`` cannot overwrite another column.
 
+A multi-turn trajectory's row also has ``messages`` (the conversation after the prompt: assistant turns with
+their tool calls, tool results), ``turns``, ``tool_calls``, ``tool_errors``, ``env_reward`` and ``cut``; its
+``prompt`` is its own where the environment's reset gave it one. Single-turn rows are what they were.
+
 ``advantage`` is the scorer's, normalised within the group; with ``scale_rewards = "batch"`` (or another
 estimator that needs the whole batch) the learner trains on advantages recomputed over the batch.
 """
@@ -19,7 +23,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from shared.records import ChatMessage, ScoredGroup
+from shared.records import ChatMessage, Completion, ScoredGroup
 
 Row = dict[str, Any]
 
@@ -49,8 +53,9 @@ def completion_rows(groups: Sequence[ScoredGroup], limit: int) -> list[Row]:
             row: Row = {
                 "group_id": group.group_id,
                 "policy_version": rollout.policy_version,
-                "prompt": prompt,
+                "prompt": prompt if completion.prompt is None else _prompt_value(completion.prompt),
                 "completion": completion.text,
+                **trajectory_columns(completion),
             }
             for name, value in zip(group.reward_names, group.rewards_per_func[i], strict=True):
                 row[REWARD_PREFIX + name] = _finite_or_none(value)
@@ -58,6 +63,24 @@ def completion_rows(groups: Sequence[ScoredGroup], limit: int) -> list[Row]:
             row["advantage"] = float(group.advantages[i])
             rows.append(row)
     return rows
+
+
+def trajectory_columns(completion: Completion) -> Row:
+    """A trajectory's columns: its messages (as JSON), turns, tool calls and errors, the environment's reward
+    and why it was cut; none for a single-turn completion."""
+    info = completion.trajectory
+    columns: Row = {}
+    if completion.messages:
+        columns["messages"] = [message.model_dump(mode="json") for message in completion.messages]
+    if info is not None:
+        columns.update(
+            turns=info.turns,
+            tool_calls=info.tool_calls,
+            tool_errors=info.tool_errors,
+            env_reward=info.env_reward,
+            cut=info.cut,
+        )
+    return columns
 
 
 def table_columns(rows: Sequence[Row]) -> list[str]:
@@ -70,13 +93,20 @@ def table_columns(rows: Sequence[Row]) -> list[str]:
 
 
 def cell_text(value: Any) -> str:
-    """A cell as text: a conversation one ``role: content`` line per message, None empty, numbers as
-    ``repr`` gives them (short and exact)."""
+    """A cell as text: a conversation one ``role: content`` line per message (an assistant turn's tool calls
+    after it as ``-> name(arguments)``), None empty, numbers as ``repr`` gives them (short and exact)."""
     if value is None:
         return ""
     if isinstance(value, list):
-        return "\n".join(f"{m['role']}: {m['content']}" for m in value)
+        return "\n".join(_message_text(m) for m in value)
     return str(value)
+
+
+def _message_text(message: dict[str, Any]) -> str:
+    """One message as ``role: content``, each tool call it makes appended as `` -> name(arguments)``."""
+    calls = message.get("tool_calls") or ()
+    called = "".join(f" -> {c['function']['name']}({json.dumps(c['function'].get('arguments', {}))})" for c in calls)
+    return f"{message['role']}: {message['content']}{called}"
 
 
 def markdown_table(rows: Sequence[Row]) -> str:

@@ -14,10 +14,10 @@ from services.learner.objective.importance import importance_weight_metrics
 
 
 def logp_difference(local: TrainBatch, old: torch.Tensor | None) -> dict[str, float]:
-    """|behaviour - recomputed old| logprob figures over every rank's completion tokens; ``old`` [B_r, T]."""
+    """|behaviour - recomputed old| logprob figures over every rank's sampled tokens; ``old`` [B_r, T]."""
     if old is None:
         return {}
-    parts = distributed.gather_objects((local.behaviour_logprobs.cpu(), old.cpu(), local.completion_mask.cpu()))
+    parts = distributed.gather_objects((local.behaviour_logprobs.cpu(), old.cpu(), local.loss_mask.cpu()))
     behaviour, recomputed, mask = (torch.cat(column) for column in zip(*parts, strict=True))
     return sampling_logp_difference_metrics(behaviour, recomputed, mask)
 

@@ -4,7 +4,8 @@ Pure: :class:`LossInputs` (one micro-batch's tensors), :class:`~shared.config.ob
 :class:`BatchNormalisers` (counts of the optimizer batch the micro-batch belongs to) in, :class:`LossOutputs`
 (scalar loss and a flat dict of metrics) out. This module alone turns the per-token loss into the scalar to
 backward; the learner only sums micro-batch gradients. Shapes: B sequences (completions) by T completion
-positions; ``mask`` is 1 on a completion's real tokens and 0 on padding.
+positions; ``mask`` is 1 on the tokens the policy sampled and 0 on padding and on a multi-turn trajectory's
+context tokens (tool results, template tokens: the batch's ``loss_mask``).
 
 Ratio (``ratio_level``, TRL ``importance_sampling_level``), on the proximal policy ``old``:
 
@@ -94,7 +95,7 @@ class LossInputs:
     logprobs: torch.Tensor  # [B, T] the policy's, with gradient
     old_logprobs: torch.Tensor  # [B, T] the proximal policy's (the ratio's denominator)
     advantages: torch.Tensor  # [B]
-    mask: torch.Tensor  # [B, T] 1 on real completion tokens
+    mask: torch.Tensor  # [B, T] 1 on tokens the policy sampled (the batch's loss_mask), 0 on context and padding
     ref_logprobs: torch.Tensor | None = None  # [B, T] the reference model's (beta > 0)
     behaviour_logprobs: torch.Tensor | None = None  # [B, T] the generator's (off-policy mask)
     importance_weights: torch.Tensor | None = None  # [B, T] pi_old / pi_behaviour, constants
