@@ -123,6 +123,7 @@ class HttpEnvironment(HttpEndpoint):
 
     error_type = EnvCallError
     label: ClassVar[str] = "environment server"
+    wait_for_trial: ClassVar[bool] = True  # a prompt's G sessions open at once: the others wait for a trial
 
     def __init__(self, url: str, client: httpx.AsyncClient, *, owns_client: bool = False, **endpoint: Any) -> None:
         base = url.rstrip("/")

@@ -321,7 +321,7 @@ class PythonEnvironment:
     async def session(self, row: dict[str, Any], key: str) -> AsyncIterator[PythonSession]:
         """An instance from the pool, reset on ``row``; back to the pool on success, thrown away otherwise."""
         try:
-            trial = self.breaker.before_call()
+            trial = await self.breaker.admit()  # a prompt's other sessions wait for a half-open trial
         except CircuitOpenError as exc:
             raise EnvFault(str(exc)) from None
         session = await self._open(row, key, trial)

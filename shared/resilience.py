@@ -87,10 +87,20 @@ class CircuitBreaker:
             return True
         raise CircuitOpenError(self.describe())
 
+    async def admit(self) -> bool:
+        """:meth:`before_call`, except that while the half-open trial is in flight a call waits for its outcome
+        instead of being refused: a trial that succeeds lets the waiting calls through, one that fails refuses
+        them. (Callers that open several calls at once, as a prompt's G environment sessions do, would otherwise
+        refuse themselves for ever: each refusal cancels the prompt, and with it the trial.)"""
+        while self.refresh() == HALF_OPEN and self._trial_in_flight:
+            await self.wait_for_change(self.reset_s)
+        return self.before_call()
+
     def release_trial(self, trial: bool) -> None:
         """A call ended without an answer either way (cancelled): let another call be the trial."""
         if trial:
             self._trial_in_flight = False
+            self._wake()
 
     def success(self, trial: bool = False) -> None:
         if trial:
@@ -135,11 +145,15 @@ class CircuitBreaker:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout=timeout_s)
 
-    def _announce(self, state: str, why: str) -> None:
-        self._announced = state
+    def _wake(self) -> None:
+        """Wake whoever waits in :meth:`wait_for_change` (or :meth:`admit`)."""
         if self._changed is not None:
             self._changed.set()
             self._changed = None
+
+    def _announce(self, state: str, why: str) -> None:
+        self._announced = state
+        self._wake()
         log.warning(
             "%s %s: breaker %s (%s); last error: %s",
             self.subject,
@@ -210,6 +224,7 @@ class HttpEndpoint:
 
     error_type: ClassVar[type[HttpCallError]] = HttpCallError
     label: ClassVar[str] = "endpoint"  # what the start-up log calls it: "reward plugin judge is healthy at ..."
+    wait_for_trial: ClassVar[bool] = False  # see call()
 
     def __init__(
         self,
@@ -266,8 +281,9 @@ class HttpEndpoint:
         method: str | None = None,
         context: str = "",
     ) -> T:
-        """:meth:`request` through the breaker: refused while it is open, its outcome counted."""
-        trial = self.breaker.before_call()
+        """:meth:`request` through the breaker: refused while it is open, its outcome counted. With
+        ``wait_for_trial`` (class attribute) a call made while the half-open trial is in flight waits for it."""
+        trial = await self.breaker.admit() if self.wait_for_trial else self.breaker.before_call()
         try:
             result = await self.request(parse, url=url, body=body, ok=ok, method=method, context=context)
         except HttpCallError as exc:

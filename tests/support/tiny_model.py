@@ -41,7 +41,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tiny_llama(
-    path: str | Path, seed: int = 0, *, hidden: int = 128, layers: int = 2, logit_scale: float = 20.0
+    path: str | Path,
+    seed: int = 0,
+    *,
+    hidden: int = 128,
+    layers: int = 2,
+    logit_scale: float = 20.0,
+    max_positions: int = 512,
 ) -> Path:
     """Write a random tiny Llama + tokenizer to ``path`` and return it.
 
@@ -58,7 +64,7 @@ def build_tiny_llama(
         num_attention_heads=hidden // 64,
         num_key_value_heads=hidden // 64,
         head_dim=64,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from shared.resilience import CircuitOpenError, HttpCallError, HttpEndpoint
+from shared.resilience import CircuitBreaker, CircuitOpenError, HttpCallError, HttpEndpoint
 
 
 class _Script:
@@ -123,3 +123,60 @@ async def test_breaker_opens_after_n_failed_calls_refuses_then_a_trial_closes_it
         script.statuses = [200]
         assert await endpoint.call(_json, body=b"{}") == {"ok": True}
     assert endpoint.breaker.state == "closed" and endpoint.breaker.trips == 1
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("trial_succeeds", [True, False])
+async def test_calls_made_while_the_half_open_trial_is_in_flight_wait_for_its_outcome(trial_succeeds):
+    """A prompt opens its G environment sessions at once: if the G-1 that are not the trial were refused, each
+    refusal would cancel the prompt and its trial, and the breaker would never close (found by the multi-turn
+    fault test)."""
+    clock = _Clock()
+    breaker = CircuitBreaker("env", threshold=1, reset_s=5.0, clock=clock, subject="environment")
+    breaker.failure("down")
+    clock.now = 5.0  # half-open
+    trial_done = asyncio.Event()
+
+    async def caller(first: bool) -> str:
+        try:
+            trial = await breaker.admit()
+        except CircuitOpenError:
+            return "refused"
+        if first:
+            assert trial
+            await trial_done.wait()
+            if trial_succeeds:
+                breaker.success(trial)
+            else:
+                breaker.failure("still down", trial)
+        else:
+            assert not trial
+        return "called"
+
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(caller(i == 0)) for i in range(4)]
+        await asyncio.sleep(0.01)
+        assert not any(t.done() for t in tasks)  # the three others wait instead of being refused
+        trial_done.set()
+    outcomes = [t.result() for t in tasks]
+    assert outcomes == (["called"] * 4 if trial_succeeds else ["called", "refused", "refused", "refused"])
+
+
+async def test_a_cancelled_trial_lets_a_waiting_call_become_the_trial():
+    clock = _Clock()
+    breaker = CircuitBreaker("env", threshold=1, reset_s=5.0, clock=clock)
+    breaker.failure("down")
+    clock.now = 5.0
+    assert await breaker.admit() is True  # the trial, then cancelled without a verdict
+    waiting = asyncio.create_task(breaker.admit())
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    breaker.release_trial(True)
+    assert await asyncio.wait_for(waiting, 1) is True
