@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import inspect
 import json
 import logging
 import math
-import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -32,35 +30,11 @@ from typing import Any
 from environments.protocol import StepResponse, ToolCallIn, ToolResult
 from environments.session import EnvFault, EnvStats, timed
 from shared.resilience import OPEN, CircuitBreaker, CircuitOpenError
-from shared.reward_protocol import reward_module_directories
+from shared.reward_protocol import load_callable
 
 log = logging.getLogger(__name__)
 
 NOT_TOOLS = frozenset({"reset", "get_reward"})  # TRL: every other public method is a tool
-
-
-def load_object(path: str, what: str) -> Any:
-    """Import ``module:name`` as reward modules are found (``sys.path``, then beside the configuration file, then
-    the working directory); ValueError naming what is wrong when it cannot."""
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"{what} is named 'module:name', got {path!r}")
-    directories = reward_module_directories()
-    for directory in directories:
-        if directory not in sys.path:
-            sys.path.append(directory)  # appended: installed and project modules keep their precedence
-    importlib.invalidate_caches()
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(
-            f"cannot import {what} module {module_name!r}: {exc} (looked on sys.path, then in "
-            f"{' and '.join(directories)}); put it beside the configuration file or on PYTHONPATH"
-        ) from exc
-    found = getattr(module, attribute, None)
-    if not callable(found):
-        raise ValueError(f"{what}: {module_name!r} has no callable {attribute!r}")
-    return found
 
 
 def tool_schema(function: Callable[..., Any]) -> dict[str, Any]:
@@ -379,6 +353,6 @@ class PythonEnvironment:
 
 def python_environment(python: str | None, tools: Sequence[str], *, name: str, **options: Any) -> PythonEnvironment:
     """A :class:`PythonEnvironment` from import paths: ``python = 'mod:Class'`` and/or ``tools = ['mod:fn']``."""
-    factory = load_object(python, "environment class") if python else None
-    functions = [load_object(path, "tool function") for path in tools]
+    factory = load_callable(python, "environment class") if python else None
+    functions = [load_callable(path, "tool function") for path in tools]
     return PythonEnvironment(factory, functions, name=name, **options)

@@ -245,13 +245,19 @@ if __name__ == "__main__":  # python -m shared.reward_protocol: rewrite the comm
 
 def load_reward_function(path: str) -> Callable[..., Any]:
     """Import a reward function named ``module:function``; ValueError naming what is wrong when it cannot.
-    The scorer's Python rewards and ``python -m services.reward_plugin --function`` both load theirs this way.
+    The scorer's Python rewards and ``python -m services.reward_plugin --function`` both load theirs this way."""
+    return load_callable(path, "reward function")
+
+
+def load_callable(path: str, what: str) -> Callable[..., Any]:
+    """Import the callable ``module:name`` (a reward function, an environment class, a tool) for ``what``;
+    ValueError naming what is wrong when it cannot.
 
     The module is looked up on ``sys.path``, then beside the configuration file (``$ASYNCGRPO_CONFIG``), then
     in the working directory: a ``my_rewards.py`` next to the user's config imports wherever the services run."""
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
-        raise ValueError(f"a reward function is named 'module:function', got {path!r}")
+        raise ValueError(f"a {what} is named 'module:name' ('module:function', 'module:Class'), got {path!r}")
     directories = reward_module_directories()
     for directory in directories:
         if directory not in sys.path:
@@ -261,13 +267,13 @@ def load_reward_function(path: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(
-            f"cannot import reward function module {module_name!r}: {exc} (looked on sys.path, then in "
+            f"cannot import {what} module {module_name!r}: {exc} (looked on sys.path, then in "
             f"{' and '.join(directories)}); put it beside the configuration file or on PYTHONPATH"
         ) from exc
-    function = getattr(module, attribute, None)
-    if not callable(function):
+    found = getattr(module, attribute, None)
+    if not callable(found):
         raise ValueError(f"{module_name!r} has no callable {attribute!r}")
-    return function
+    return found
 
 
 def reward_module_directories() -> list[str]:

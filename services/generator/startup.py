@@ -154,12 +154,7 @@ def trajectory_runner(service: Service[GeneratorSettings], engine: Engine) -> Tr
     from services.generator.trajectory.runner import TrajectoryRunner, TrajectorySettings
     from services.generator.trajectory.template import TemplateError
 
-    template = None
-    if settings.chat_template:
-        path = Path(settings.chat_template)
-        if not path.is_file():
-            raise NotStarting(f"environment.chat_template {path} is not a file")
-        template = path.read_text()
+    template = _chat_template(settings.chat_template) if settings.chat_template else None
     environment = build_environment(settings)
     service.on_exit(environment.aclose)
     knobs = TrajectorySettings(
@@ -184,3 +179,15 @@ def trajectory_runner(service: Service[GeneratorSettings], engine: Engine) -> Tr
         settings.tool_parser,
     )
     return runner
+
+
+def _chat_template(name: str) -> str:
+    """The text of ``[environment] chat_template``: an absolute path, or one relative to the configuration
+    file's directory, then to the working directory (where reward and environment modules are looked for)."""
+    from shared.reward_protocol import reward_module_directories
+
+    candidates = [Path(name)] if Path(name).is_absolute() else [Path(d) / name for d in reward_module_directories()]
+    for path in candidates:
+        if path.is_file():
+            return path.read_text()
+    raise NotStarting(f"environment.chat_template {name!r} is not a file (looked at {', '.join(map(str, candidates))})")

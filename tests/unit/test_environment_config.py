@@ -77,3 +77,16 @@ def test_the_env_reward_reward_without_an_environment_is_refused_naming_the_fix(
         '[scorer]\nrewards = [{name = "env_reward"}]\n[environment]\npython = "m:C"\nmax_tool_response_tokens = 8\n'
     )
     assert PipelineConfig.load(with_one).scorer.rewards[0].name == "env_reward"
+
+
+def test_a_relative_chat_template_is_found_beside_the_configuration_file(tmp_path, monkeypatch):
+    from services.generator.startup import _chat_template
+    from shared.lifecycle import NotStarting
+
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "t.jinja").write_text("{{ messages }}")
+    monkeypatch.setenv("ASYNCGRPO_CONFIG", str(tmp_path / "pipeline.toml"))
+    monkeypatch.chdir("/")
+    assert _chat_template("templates/t.jinja") == "{{ messages }}"
+    with pytest.raises(NotStarting, match="templates/missing.jinja"):
+        _chat_template("templates/missing.jinja")

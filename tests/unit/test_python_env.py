@@ -11,9 +11,10 @@ from transformers.utils import get_json_schema
 
 from environments.build import build_environment
 from environments.protocol import ToolCallIn
-from environments.python_env import PythonEnvironment, load_object
+from environments.python_env import PythonEnvironment
 from environments.session import EnvFault
 from shared.config.environment import EnvironmentSettings
+from shared.reward_protocol import load_callable
 from tests.support import tool_envs
 from tests.support.tool_envs import AsyncRewardEnv, BadRewardEnv, BrokenResetEnv, IncrementEnv, add, slow_upper
 
@@ -148,9 +149,9 @@ async def test_a_cancelled_trajectory_closes_its_session_and_discards_the_instan
 
 def test_classes_and_functions_load_like_reward_modules(monkeypatch, tmp_path):
     monkeypatch.setenv("ASYNCGRPO_CONFIG", "configs/demo-cpu.toml")
-    assert load_object("calculator_env:CalculatorEnv", "environment class").__name__ == "CalculatorEnv"
+    assert load_callable("calculator_env:CalculatorEnv", "environment class").__name__ == "CalculatorEnv"
     with pytest.raises(ValueError, match="cannot import environment class module 'no_such_env'"):
-        load_object("no_such_env:X", "environment class")
+        load_callable("no_such_env:X", "environment class")
     env = build_environment(EnvironmentSettings(tools=["tests.support.tool_envs:add"]))
     assert env.name == "tools tests.support.tool_envs:add" and env.tool_schemas() == (get_json_schema(add),)
 
