@@ -14,12 +14,13 @@ BENCHES = {
     "learner.py": "ratio ours/bare (tokens/s):",
     "weight_push.py": "ratio ours/raw:",
     "async_vs_sync.py": "ratio measured/ideal:",
+    "multi_turn.py": "ratio multi/single (tokens/s):",
 }
 
 
 @pytest.mark.parametrize("script", sorted(BENCHES))
 def test_bench_quick_prints_its_ratio(script):
-    if script in ("weight_push.py", "async_vs_sync.py"):
+    if script in ("weight_push.py", "async_vs_sync.py", "multi_turn.py"):
         pytest.importorskip("vllm")
     result = subprocess.run(
         [sys.executable, f"bench/{script}", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=1200
