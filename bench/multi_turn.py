@@ -66,7 +66,6 @@ from tests.support.redis_server import free_port  # noqa: E402
 ENVIRONMENT = "tests.support.bench_envs:SleepEnv"
 TOKEN = "bench-token-0123456789abcdef0123456789"
 TOOLS_TEMPLATE = ROOT / "configs" / "templates" / "smollm2_tools.jinja"
-TINY_CLOSE = 2  # <|im_end|> in the tiny tokenizer (tests/support/tiny_model.py)
 ECHO_CHARS = 20  # what a call echoes back: a short tool result, as a calculator's
 
 
@@ -108,23 +107,6 @@ class EveryTurnCalls:
             "tool_calls": [{"id": call["id"], "type": "function", "function": function}],
         }
         return ParsedTurn(message, (call,), (), False)
-
-
-def turn_ending_tiny_model(path: Path) -> Path:
-    """A tiny random Llama whose output layer favours the close token (p ~ 0.06 per step: turns of ~15)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tests.support.tiny_model import build_tiny_llama
-
-    build_tiny_llama(path, seed=3, logit_scale=1.0)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 3.0  # a constant direction in the residual stream ...
-        model.lm_head.weight[TINY_CLOSE] = 0.0
-        model.lm_head.weight[TINY_CLOSE, 0] = 0.18  # ... that the close token's logit reads
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 def core_ranges(cores: list[int]) -> str:
@@ -231,7 +213,9 @@ def start_env_server(step_s: float, concurrency: int) -> ServiceProcess:
 def prepare_model(args: argparse.Namespace, scratch: Path) -> tuple[Path, str | None]:
     """The model's directory and its chat template's text (None: the tokenizer's own)."""
     if args.quick:
-        return turn_ending_tiny_model(scratch / "tiny"), None
+        from tests.support.tiny_model import build_turn_ending_llama  # torch: only the quick run needs it here
+
+        return build_turn_ending_llama(scratch / "tiny"), None
     from services.launcher.prepare_model import prepare_smollm2
 
     return prepare_smollm2(), TOOLS_TEMPLATE.read_text()

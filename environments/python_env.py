@@ -21,9 +21,7 @@ import asyncio
 import contextlib
 import inspect
 import json
-import logging
 import math
-import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -31,8 +29,7 @@ from environments.protocol import StepResponse, ToolCallIn, ToolResult
 from environments.session import EnvFault, EnvStats, timed
 from shared.resilience import OPEN, CircuitBreaker, CircuitOpenError
 from shared.reward_protocol import load_callable
-
-log = logging.getLogger(__name__)
+from shared.threads import CallTimeoutError, DaemonThreads
 
 NOT_TOOLS = frozenset({"reset", "get_reward"})  # TRL: every other public method is a tool
 
@@ -66,77 +63,14 @@ def error_content(exc: BaseException) -> str:
     return json.dumps({"error": f"{type(exc).__name__}: {exc}"})
 
 
-class ThreadRunner:
-    """Sync calls in daemon threads, at most ``size`` at once; a slot comes back only when its thread ends, so
-    hung calls cannot pile up threads (as ``services/scorer/rewards/threads.py`` does for rewards)."""
+class EnvThreadTimeout(CallTimeoutError):
+    """A sync environment call gave no answer within ``timeout_s`` (raised only by the environment's threads, so
+    a tool's own TimeoutError is never mistaken for it); :meth:`PythonEnvironment.invoke` makes it an EnvFault."""
 
-    def __init__(self, name: str, size: int) -> None:
-        self.name, self.size = name, size
-        self.hung = 0  # threads still running a call that was abandoned
-        self._slots: asyncio.Semaphore | None = None  # made on first use, inside the running loop
 
-    async def run(self, function: Callable[..., Any], kwargs: dict[str, Any], timeout_s: float, what: str) -> Any:
-        """``function(**kwargs)`` in a thread; EnvFault after ``timeout_s`` (waiting for a thread included)."""
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.size)
-        state: dict[str, Any] = {}
-        deadline = asyncio.timeout(timeout_s)
-        try:
-            async with deadline:
-                await self._slots.acquire()
-                future = self._start(function, kwargs, state)
-                return await asyncio.shield(future)
-        except TimeoutError:
-            if not deadline.expired():
-                raise  # the function's own TimeoutError: the caller decides what it means
-            if "future" in state and state["future"].done():
-                return state["future"].result()  # it answered in time; the loop woke too late to see it
-            raise EnvFault(self._abandon(state, timeout_s, what)) from None
-
-    def _start(self, function: Callable[..., Any], kwargs: dict[str, Any], state: dict[str, Any]) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        future = state["future"] = loop.create_future()
-
-        def work() -> None:
-            result: Any = None
-            error: BaseException | None = None
-            try:
-                result = function(**kwargs)
-            except BaseException as exc:  # handed to the caller, who decides what it means
-                error = exc
-            with contextlib.suppress(RuntimeError):  # the loop is closed: the process is going
-                loop.call_soon_threadsafe(self._finished, future, state, result, error)
-
-        try:
-            threading.Thread(target=work, name=f"env-{self.name}", daemon=True).start()
-        except BaseException:
-            assert self._slots is not None
-            self._slots.release()
-            raise
-        return future
-
-    def _finished(
-        self, future: asyncio.Future, state: dict[str, Any], result: Any, error: BaseException | None
-    ) -> None:
-        assert self._slots is not None
-        self._slots.release()
-        if state.get("abandoned"):
-            self.hung -= 1
-            log.warning("environment %s: an abandoned call returned; its thread is free again", self.name)
-        elif not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    def _abandon(self, state: dict[str, Any], timeout_s: float, what: str) -> str:
-        if "future" not in state:
-            return f"{what}: no answer within timeout_s={timeout_s:g}: all {self.size} threads were busy"
-        state["abandoned"] = True
-        self.hung += 1
-        log.warning(
-            "environment %s, %s: no answer within timeout_s=%g; the call is abandoned, its thread runs on until it "
-            "returns (%d of %d threads hung)",
-            self.name, what, timeout_s, self.hung, self.size,
-        )  # fmt: skip
-        return f"{what}: no answer within timeout_s={timeout_s:g}"
+def env_threads(name: str, size: int) -> DaemonThreads:
+    """Daemon threads named ``env-<name>``, at most ``size`` at once (:mod:`shared.threads`)."""
+    return DaemonThreads(name, size, subject="environment", thread_prefix="env", error=EnvThreadTimeout)
 
 
 class PythonSession:
@@ -237,7 +171,7 @@ class PythonEnvironment:
             raise ValueError("an environment needs a class (python = 'mod:Class') or tools = ['mod:fn', ...]")
         self.name, self.factory, self.timeout_s = name, factory, timeout_s
         self.stats = EnvStats()
-        self.threads = ThreadRunner(name, concurrency)
+        self.threads = env_threads(name, concurrency)
         self.breaker = CircuitBreaker(name, breaker_failures, breaker_reset_s, subject="environment")
         self.functions = {function.__name__: function for function in functions}
         self._pool: list[Any] = []
@@ -284,6 +218,8 @@ class PythonEnvironment:
                 if deadline.expired():
                     raise EnvFault(f"{what}: no answer within timeout_s={self.timeout_s:g}") from None
                 raise
+        except EnvThreadTimeout as exc:
+            raise EnvFault(f"{what}: {exc}") from None
         except EnvFault:
             raise
         except Exception as exc:

@@ -12,12 +12,12 @@ An environment is one of three kinds (docs/design/multi_turn.md §2.3, §2.12):
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from shared.config import endpoint
 from shared.config.base import TOKEN_HOWTO, token_problem
 
 ENV_SERVER_TOKEN_ENV = "ENV_SERVER_API_TOKEN"
@@ -55,34 +55,15 @@ class EnvironmentSettings(BaseModel):
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Extra keyword arguments of apply_chat_template (e.g. enable_thinking)."
     )
-    timeout_s: float = Field(
-        30.0,
-        gt=0,
-        description="HTTP: seconds per attempt (then retried). Python: seconds per call, after which the call is an "
-        "outage (its thread is abandoned and runs on until the method returns).",
-    )
-    retries: int = Field(
-        2, ge=0, description="HTTP: retries within a call after a transport error, timeout, 5xx, 408 or 429."
-    )
-    backoff_s: float = Field(0.2, ge=0, description="HTTP: first retry delay (doubles each time).")
-    concurrency: int = Field(
-        16,
-        ge=1,
-        description="HTTP: requests in flight at once. Python: worker threads for sync reset/tools/get_reward.",
-    )
-    breaker_failures: int = Field(5, ge=1, description="Consecutive environment faults that open the breaker.")
-    breaker_reset_s: float = Field(
-        30.0, gt=0, description="Seconds the breaker stays open before one trial is let through."
-    )
-    headers: dict[str, SecretStr] = Field(
-        default_factory=dict, description="HTTP: headers sent with every request (values masked in logs)."
-    )
-    bearer_token: SecretStr | None = Field(
-        None, description="HTTP: sent as 'Authorization: Bearer <token>' (masked in logs)."
-    )
-    bearer_token_env: str | None = Field(
-        None, description="HTTP: environment variable holding the bearer token (read at start)."
-    )
+    timeout_s: endpoint.TimeoutS = 30.0
+    retries: endpoint.Retries = 2
+    backoff_s: endpoint.BackoffS = 0.2
+    concurrency: endpoint.Concurrency = 16
+    breaker_failures: endpoint.BreakerFailures = 5
+    breaker_reset_s: endpoint.BreakerResetS = 30.0
+    headers: endpoint.Headers
+    bearer_token: endpoint.BearerToken = None
+    bearer_token_env: endpoint.BearerTokenEnv = None
 
     @field_validator("python")
     @classmethod
@@ -117,13 +98,16 @@ class EnvironmentSettings(BaseModel):
         return self
 
     def _check_auth(self) -> None:
-        if self.url is None and (self.headers or self.bearer_token or self.bearer_token_env):
-            raise ValueError("[environment]: headers and bearer tokens are for an environment server (set url)")
-        if self.bearer_token is not None and self.bearer_token_env:
-            raise ValueError("[environment]: set bearer_token or bearer_token_env, not both")
-        has_token = self.bearer_token is not None or self.bearer_token_env
-        if has_token and any(key.lower() == "authorization" for key in self.headers):
-            raise ValueError("[environment]: an Authorization header and a bearer token; keep one")
+        problem = endpoint.auth_problem(
+            self.url,
+            self.headers,
+            self.bearer_token,
+            self.bearer_token_env,
+            owner="[environment]",
+            server="an environment server",
+        )
+        if problem is not None:
+            raise ValueError(problem)
 
     @property
     def kind(self) -> Literal["python", "tools", "http"]:
@@ -138,22 +122,11 @@ class EnvironmentSettings(BaseModel):
 
     def start_problems(self) -> list[str]:
         """Checks of the generator's own environment, run when it starts."""
-        if self.bearer_token_env and not os.environ.get(self.bearer_token_env):
-            return [
-                f"[environment] bearer_token_env names {self.bearer_token_env!r}, which is not set (or empty) in the "
-                "generator's environment"
-            ]
-        return []
+        return endpoint.token_env_problems(self.bearer_token_env, owner="[environment]", service="generator")
 
     def request_headers(self) -> dict[str, str]:
         """The headers to send to the environment server, secrets revealed (never log the result)."""
-        headers = {key: value.get_secret_value() for key, value in self.headers.items()}
-        token = self.bearer_token.get_secret_value() if self.bearer_token is not None else None
-        if self.bearer_token_env:
-            token = os.environ.get(self.bearer_token_env) or None
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        return headers
+        return endpoint.request_headers(self.headers, self.bearer_token, self.bearer_token_env)
 
 
 class EnvServerSettings(BaseModel):

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-import os
 import socket
 from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from shared.config import endpoint
 from shared.config.base import HOSTNAME_BASED, ServiceSettings
 from shared.config.objective import AlgorithmRecipe
 from shared.records import AdvantageSpec
@@ -45,33 +45,16 @@ class RewardSpec(BaseModel):
     function: str | None = Field(None, description="Python plugin 'module:function' (TRL's signature).")
     url: str | None = Field(None, description="HTTP plugin endpoint (protocol asyncgrpo.reward/v1).")
     params: dict[str, Any] = Field(default_factory=dict, description="Built-in parameters (overlong: buffer).")
-    timeout_s: float = Field(
-        10.0,
-        gt=0,
-        description="HTTP plugin: seconds per attempt. Python plugin: seconds per call, after which the call is "
-        "abandoned as an outage (held or NaN per required; its thread runs on until the function returns).",
-    )
-    retries: int = Field(
-        2, ge=0, description="HTTP plugin: retries within a call after a transport error, timeout, 5xx, 408 or 429."
-    )
-    backoff_s: float = Field(0.2, ge=0, description="HTTP plugin: first retry delay (doubles each time).")
-    concurrency: int = Field(
-        8, ge=1, description="HTTP plugin: requests in flight at once. Python plugin: its worker threads."
-    )
-    breaker_failures: int = Field(5, ge=1, description="Consecutive failed calls that open the breaker.")
-    breaker_reset_s: float = Field(
-        30.0, gt=0, description="Seconds the breaker stays open before one trial call is let through."
-    )
+    timeout_s: endpoint.TimeoutS = 10.0
+    retries: endpoint.Retries = 2
+    backoff_s: endpoint.BackoffS = 0.2
+    concurrency: endpoint.Concurrency = 8
+    breaker_failures: endpoint.BreakerFailures = 5
+    breaker_reset_s: endpoint.BreakerResetS = 30.0
     health_url: str | None = Field(None, description="HTTP plugin: probed at start; default <url dir>/health.")
-    headers: dict[str, SecretStr] = Field(
-        default_factory=dict, description="HTTP plugin: headers sent with every request (values masked in logs)."
-    )
-    bearer_token: SecretStr | None = Field(
-        None, description="HTTP plugin: sent as 'Authorization: Bearer <token>' (masked in logs)."
-    )
-    bearer_token_env: str | None = Field(
-        None, description="HTTP plugin: environment variable holding the bearer token (read at start)."
-    )
+    headers: endpoint.Headers
+    bearer_token: endpoint.BearerToken = None
+    bearer_token_env: endpoint.BearerTokenEnv = None
 
     @model_validator(mode="after")
     def _one_kind(self) -> RewardSpec:
@@ -100,33 +83,21 @@ class RewardSpec(BaseModel):
         return self
 
     def _check_auth(self) -> None:
-        if self.url is None and (self.headers or self.bearer_token or self.bearer_token_env):
-            raise ValueError(f"reward {self.name!r}: headers and bearer tokens are for HTTP plugins (set url)")
-        if self.bearer_token is not None and self.bearer_token_env:
-            raise ValueError(f"reward {self.name!r}: set bearer_token or bearer_token_env, not both")
-        has_token = self.bearer_token is not None or self.bearer_token_env
-        if has_token and any(key.lower() == "authorization" for key in self.headers):
-            raise ValueError(f"reward {self.name!r}: an Authorization header and a bearer token; keep one")
+        owner = f"reward {self.name!r}"
+        problem = endpoint.auth_problem(
+            self.url, self.headers, self.bearer_token, self.bearer_token_env, owner=owner, server="HTTP plugins"
+        )
+        if problem is not None:
+            raise ValueError(problem)
 
     def start_problems(self) -> list[str]:
         """Checks of the scorer's own environment, run when the scorer starts (never by another service
         validating the whole file: the variable is set in the scorer's container only)."""
-        if self.bearer_token_env and not os.environ.get(self.bearer_token_env):
-            return [
-                f"reward {self.name!r}: bearer_token_env names {self.bearer_token_env!r}, which is not set "
-                "(or empty) in the scorer's environment"
-            ]
-        return []
+        return endpoint.token_env_problems(self.bearer_token_env, owner=f"reward {self.name!r}", service="scorer")
 
     def request_headers(self) -> dict[str, str]:
         """The headers to send to an HTTP plugin, secrets revealed (never log the result)."""
-        headers = {key: value.get_secret_value() for key, value in self.headers.items()}
-        token = self.bearer_token.get_secret_value() if self.bearer_token is not None else None
-        if self.bearer_token_env:
-            token = os.environ[self.bearer_token_env]
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        return headers
+        return endpoint.request_headers(self.headers, self.bearer_token, self.bearer_token_env)
 
     @property
     def kind(self) -> Literal["builtin", "python", "http"]:

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import signal
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +19,8 @@ import pytest
 
 from shared.keys import Keys
 from shared.redis_conn import RedisRetry, make_client
-from shared.streams import StreamConsumer
+from tests.support.e2e_config import learner_tables
+from tests.support.e2e_watch import audit_streams, wait_until
 from tests.support.processes import ServiceProcess, start_service, wait_http_ok
 from tests.support.redis_server import free_port, start_redis
 from tests.support.tiny_model import build_tiny_llama
@@ -33,6 +33,19 @@ PLUGIN_DOWN_S = 30
 
 
 def _config(tmp: Path, model: Path, plugin_port: int) -> Path:
+    learner = learner_tables(
+        model,
+        STEPS,
+        lr=1e-2,
+        max_completion_length=12,
+        max_prompt_length=128,
+        run_name="faults",  # the restarted learner continues this run
+        checkpoint_dir=f"{tmp}/checkpoints",
+        checkpoint_every=4,
+        log_dir=f"{tmp}/logs",
+        weight_sync_port=0,
+        port=0,
+    )
     text = f"""
 [common]
 log_level = "INFO"
@@ -63,27 +76,7 @@ backoff_s = 0.05
 breaker_failures = 2
 breaker_reset_s = 3
 
-[learner]
-model = "{model}"
-group_size = 4
-groups_per_step = 2
-micro_batch_size = 8
-max_steps = {STEPS}
-lr = 1e-2
-max_completion_length = 12
-max_prompt_length = 128
-max_staleness = 2
-run_name = "faults"  # the restarted learner continues this run
-checkpoint_dir = "{tmp}/checkpoints"
-checkpoint_every = 4
-log_dir = "{tmp}/logs"
-weight_sync_port = 0
-port = 0
-progress = "off"
-min_generators = 1
-
-[data]
-source = "builtin:arithmetic"
+{learner}
 """
     path = tmp / "faults.toml"
     path.write_text(text)
@@ -99,20 +92,12 @@ class Audit:
         self.retry = RedisRetry(give_up_s=120)
 
     async def run(self, stop: asyncio.Event) -> None:
-        consumers = {
-            name: StreamConsumer(
-                self.client, self.keys, getattr(self.keys, name), "audit", "auditor", block_ms=50, batch_size=100
-            )
-            for name in self.seen
-        }
-        for consumer in consumers.values():
-            await self.retry.run(consumer.start, "creating audit groups")
-        while not stop.is_set():
-            for name, consumer in consumers.items():
-                deliveries = await self.retry.run(consumer.read, f"auditing {name}")
-                for delivery in deliveries:
-                    self.seen[name][delivery.record_id] += 1
-                    await self.retry.run(lambda d=delivery, c=consumer: c.commit(d), "auditing")
+        streams = {getattr(self.keys, name): name for name in self.seen}
+
+        def record(stream: str, delivery) -> None:
+            self.seen[streams[stream]][delivery.record_id] += 1
+
+        await audit_streams(self.client, self.keys, list(streams), record, stop, retry=self.retry)
 
 
 def _steps(log_dir: Path) -> int:
@@ -123,20 +108,8 @@ def _steps(log_dir: Path) -> int:
 
 
 async def _wait(condition, what: str, timeout_s: float, services: list[ServiceProcess]) -> None:
-    """Until ``condition()``; fails when a service exits meanwhile (with its exit status and last lines: a
-    learner says there how it ended) or after ``timeout_s`` (with every service's last lines)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        for service in services:
-            status = service.process.poll()
-            if status is not None and service.name != "learner-killed":
-                raise AssertionError(
-                    f"{service.name} exited ({status}) while waiting for {what}:\n{service.output()[-3000:]}"
-                )
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {s.name}:\n{s.output()[-1500:]}" for s in services)
-            raise AssertionError(f"timed out waiting for {what}:\n{tails}")
-        await asyncio.sleep(0.2)
+    """Until ``condition()``; fails when a service but the learner killed on purpose exits meanwhile."""
+    await wait_until(condition, what, timeout_s, [s for s in services if s.name != "learner-killed"])
 
 
 async def test_nothing_is_lost_or_trained_twice_under_faults(tmp_path, request):

@@ -32,8 +32,9 @@ from shared.codec import decode
 from shared.keys import Keys
 from shared.records import ScoredGroup
 from shared.redis_conn import make_client
-from shared.streams import StreamConsumer
+from tests.support.e2e_config import TOOL_RUN, learner_tables
 from tests.support.e2e_tool_envs import build_tool_calling_model
+from tests.support.e2e_watch import audit_streams
 from tests.support.launcher import run_pipeline
 from tests.support.processes import start_service, wait_http_ok
 from tests.support.redis_server import free_port
@@ -52,6 +53,7 @@ def model(tmp_path_factory) -> Path:
 
 
 def _config(tmp: Path, model: Path, environment: str) -> Path:
+    learner = learner_tables(model, STEPS, **TOOL_RUN, runs_dir=f"{tmp}/runs", run_name="multi-turn", log_completions=1)
     text = f"""
 [launcher]
 generators = 1
@@ -72,25 +74,7 @@ chat_template = "{TEMPLATE}"
 rewards = [{{name = "env_reward"}}, {{name = "tool_messages", function = "e2e_tool_envs:tool_messages"}}]
 port = 0
 
-[learner]
-model = "{model}"
-group_size = 4
-groups_per_step = 2
-micro_batch_size = 8
-max_steps = {STEPS}
-lr = 1e-3
-max_completion_length = 256
-max_prompt_length = 1024
-max_staleness = 2
-runs_dir = "{tmp}/runs"
-run_name = "multi-turn"
-progress = "off"
-log_completions = 1
-min_generators = 1
-
-[data]
-source = "builtin:arithmetic"
-"""
+{learner}"""
     directory = tmp / "experiment"
     directory.mkdir()
     shutil.copy(SUPPORT / "e2e_tool_envs.py", directory / "e2e_tool_envs.py")
@@ -102,14 +86,11 @@ source = "builtin:arithmetic"
 async def _audit_scored(redis_url: str, keys: Keys, stop: asyncio.Event) -> list[ScoredGroup]:
     """Every scored group on the stream the learner reads, through an audit consumer group of its own."""
     client = make_client(redis_url)
-    consumer = StreamConsumer(client, keys, keys.scored, "audit", "auditor", block_ms=100, batch_size=100)
-    await consumer.start()
     groups: list[ScoredGroup] = []
     try:
-        while not stop.is_set():
-            for delivery in await consumer.read():
-                groups.append(decode(delivery.payload, ScoredGroup))
-                await consumer.commit(delivery)
+        await audit_streams(
+            client, keys, [keys.scored], lambda _, d: groups.append(decode(d.payload, ScoredGroup)), stop, block_ms=100
+        )
     finally:
         await client.aclose()
     return groups

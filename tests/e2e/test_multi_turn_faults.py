@@ -30,8 +30,9 @@ from shared.codec import decode
 from shared.keys import Keys
 from shared.records import ScoredGroup
 from shared.redis_conn import make_client
-from shared.streams import StreamConsumer
+from tests.support.e2e_config import TOOL_RUN, learner_tables
 from tests.support.e2e_tool_envs import GATE_ENV, build_tool_calling_model
+from tests.support.e2e_watch import audit_streams, wait_until
 from tests.support.processes import ServiceProcess, start_service, wait_http_ok
 from tests.support.redis_server import free_port
 
@@ -48,6 +49,9 @@ def model(tmp_path_factory) -> Path:
 
 
 def _config(tmp: Path, model: Path, env_port: int, steps: int, env_timeout_s: float) -> Path:
+    learner = learner_tables(
+        model, steps, **TOOL_RUN, runs_dir=f"{tmp}/runs", run_name="faults", weight_sync_port=0, port=0
+    )
     text = f"""
 [generator]
 model = "{model}"
@@ -75,26 +79,7 @@ rewards = [{{name = "env_reward"}}]
 claim_idle_ms = 3000
 port = 0
 
-[learner]
-model = "{model}"
-group_size = 4
-groups_per_step = 2
-micro_batch_size = 8
-max_steps = {steps}
-lr = 1e-3
-max_completion_length = 256
-max_prompt_length = 1024
-max_staleness = 2
-runs_dir = "{tmp}/runs"
-run_name = "faults"
-weight_sync_port = 0
-port = 0
-progress = "off"
-min_generators = 1
-
-[data]
-source = "builtin:arithmetic"
-"""
+{learner}"""
     path = tmp / "faults.toml"
     path.write_text(text)
     return path
@@ -109,23 +94,16 @@ class Audit:
         self.scored: list[ScoredGroup] = []
 
     async def run(self, stop: asyncio.Event) -> None:
-        consumers = {
-            name: StreamConsumer(self.client, self.keys, name, "audit", "auditor", block_ms=50, batch_size=100)
-            for name in (self.keys.prompts, self.keys.scored)
-        }
-        for consumer in consumers.values():
-            await consumer.start()
         try:
-            while not stop.is_set():
-                for name, consumer in consumers.items():
-                    for delivery in await consumer.read():
-                        if name == self.keys.prompts:
-                            self.prompts[delivery.record_id] += 1
-                        else:
-                            self.scored.append(decode(delivery.payload, ScoredGroup))
-                        await consumer.commit(delivery)
+            await audit_streams(self.client, self.keys, [self.keys.prompts, self.keys.scored], self._record, stop)
         finally:
             await self.client.aclose()
+
+    def _record(self, stream: str, delivery) -> None:
+        if stream == self.keys.prompts:
+            self.prompts[delivery.record_id] += 1
+        else:
+            self.scored.append(decode(delivery.payload, ScoredGroup))
 
 
 class Pipeline:
@@ -167,18 +145,8 @@ class Pipeline:
 
     async def wait(self, condition, what: str, timeout_s: float = 420) -> None:
         """Until ``condition()``; fails when a live service exits meanwhile, or after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            for service in self.services.values():
-                status = service.process.poll()
-                if status is not None and not service.name.endswith("-dead"):
-                    raise AssertionError(
-                        f"{service.name} exited ({status}) waiting for {what}:\n{service.output()[-3000:]}"
-                    )
-            if time.monotonic() > deadline:
-                tails = "\n".join(f"--- {s.name}:\n{s.output()[-1500:]}" for s in self.services.values())
-                raise AssertionError(f"timed out waiting for {what}:\n{tails}")
-            await asyncio.sleep(0.2)
+        live = [s for s in self.services.values() if not s.name.endswith("-dead")]
+        await wait_until(condition, what, timeout_s, live)
 
     def stop_all(self) -> dict[str, int]:
         """SIGTERM every live service (the learner has ended by then); their exit codes."""

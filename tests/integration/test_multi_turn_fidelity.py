@@ -31,25 +31,12 @@ from shared.config.environment import EnvironmentSettings
 from shared.config.generator import GeneratorSettings
 from shared.records import ChatMessage, PromptTask, Rollout, RolloutTimings, SamplingSpec
 from tests.support.factories import make_scored
-from tests.support.tiny_model import build_tiny_llama
+from tests.support.tiny_model import build_turn_ending_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "support" / "templates"
-CLOSE = 2  # <|im_end|> in the tiny tokenizer
 MAX_MODEL_LEN = 2048  # the tool template's system turn lists the tools' schemas: ~1000 characters, one token each
-
-
-def _turn_ending_model(path: Path) -> Path:
-    """A tiny Llama with near-uniform text whose output layer favours the close token (p ~ 0.06 per step)."""
-    build_tiny_llama(path, seed=3, logit_scale=1.0, max_positions=MAX_MODEL_LEN)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.embed_tokens.weight[:, 0] = 3.0  # a constant direction in the residual stream ...
-        model.lm_head.weight[CLOSE] = 0.0
-        model.lm_head.weight[CLOSE, 0] = 0.18  # ... that the close token's logit reads
-    model.save_pretrained(path, safe_serialization=True)
-    return path
 
 
 class EchoEverything:
@@ -76,7 +63,7 @@ class EchoEverything:
 def engine(tmp_path_factory):
     from services.generator.engine import Engine
 
-    model = _turn_ending_model(tmp_path_factory.mktemp("fidelity") / "model")
+    model = build_turn_ending_llama(tmp_path_factory.mktemp("fidelity") / "model", max_positions=MAX_MODEL_LEN)
     settings = GeneratorSettings(model=str(model), dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=16)
     started = Engine.start(settings, str(model), policy_version=0)
     seen: list[tuple[list[int], list[int]]] = []  # (prompt ids, output ids) of every request, as vLLM reports them

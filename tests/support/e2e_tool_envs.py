@@ -18,14 +18,12 @@ This module is the ``[environment] python`` module (copied beside the configurat
 from __future__ import annotations
 
 import os
-import string
 import threading
 import time
 from pathlib import Path
 
 CALL = '{"name": "tick", "arguments": {}}'
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", CALL]
-SPECIALS = ["<unk>", "<s>", "<|im_end|>", "<|im_start|>", "<pad>"]
 GATE_ENV = "E2E_TOOL_GATE"  # a path: while that file exists, tick() blocks (and says so in <path>.blocked)
 _TILT = {  # (token, next token, logit added to next after token)
     "open": ("\n", "<tool_call>", 5.5),
@@ -37,54 +35,20 @@ _TILT = {  # (token, next token, logit added to next after token)
 
 def build_tool_tokenizer():
     """tests/support/tiny_model.py's character tokenizer and ChatML, plus the three tool-call tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tests.support.tiny_model import build_tokenizer  # torch: not imported where the environments run
 
-    vocab = {token: i for i, token in enumerate(SPECIALS + TOOL_TOKENS)}
-    for char in string.printable:
-        vocab.setdefault(char, len(vocab))
-    words = "|".join(_escape(token) for token in ["<|im_start|>", "<|im_end|>", *TOOL_TOKENS])
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(rf"{words}|[\s\S]"), "isolated")
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="<|im_end|>",
-        pad_token="<pad>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-
-
-def _escape(token: str) -> str:
-    return "".join("\\" + c if c in "|{}[]()<>.*+?^$\\" else c for c in token)
+    return build_tokenizer(TOOL_TOKENS)
 
 
 def build_tool_calling_model(path: str | Path, seed: int = 7, hidden: int = 128) -> Path:
     """Write the tilted tiny Llama (see the module docstring) and its tokenizer to ``path``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.support.tiny_model import tiny_llama  # torch: not imported where the environments run
 
     path = Path(path)
     tokenizer = build_tool_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 64,
-        head_dim=64,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(tokenizer, seed, hidden=hidden, max_positions=2048)
     ids = tokenizer.convert_tokens_to_ids
     with torch.no_grad():
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight

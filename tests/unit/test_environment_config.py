@@ -88,5 +88,5 @@ def test_a_relative_chat_template_is_found_beside_the_configuration_file(tmp_pat
     monkeypatch.setenv("ASYNCGRPO_CONFIG", str(tmp_path / "pipeline.toml"))
     monkeypatch.chdir("/")
     assert _chat_template("templates/t.jinja") == "{{ messages }}"
-    with pytest.raises(NotStarting, match="templates/missing.jinja"):
+    with pytest.raises(NotStarting, match=r"templates/missing\.jinja"):
         _chat_template("templates/missing.jinja")
