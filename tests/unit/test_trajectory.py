@@ -201,3 +201,21 @@ def test_budget_arithmetic():
     assert turn_budget(1000, 100, 50, 50).cut == "context"
     assert delta_room(100, 1000, 10, 50, 49) is None and delta_room(100, 1000, 10, 50, 50) == "token_budget"
     assert delta_room(1000, 100, 10, 50, 39) is None and delta_room(1000, 100, 10, 50, 40) == "context"
+
+
+def test_a_push_between_turns_shows_in_the_token_versions_and_the_group_takes_the_oldest():
+    runner, engine = _runner(SCRIPT)
+    real = engine.sample_turn
+
+    async def pushed_after_each_turn(*args):
+        turn = await real(*args)
+        engine.policy_version += 1  # a weight push lands between this turn and the next
+        return turn
+
+    engine.sample_turn = pushed_after_each_turn
+    group = _run(runner)
+    for completion in group.completions:
+        sampled = completion.token_versions[completion.loss_mask.astype(bool)]
+        assert sampled.min() < sampled.max()
+    oldest = min(int(c.token_versions[c.loss_mask.astype(bool)].min()) for c in group.completions)
+    assert group.policy_version == oldest == 3 and group.finished_policy_version == engine.policy_version
