@@ -18,7 +18,7 @@ PYTHON_GPU ?= python3.12
 GPU_VENV ?= .venv-gpu
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-gpu compose-env lock lock-check check-fresh-setup test test-fast lint demo bench bench-env bench-trl clean-venv
+.PHONY: setup setup-gpu compose-env lock lock-check check-fresh-setup test test-fast lint demo demo-tools bench bench-env bench-trl clean-venv
 
 setup: $(STAMP)
 
@@ -82,6 +82,9 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m services.launcher demo
+
+demo-tools: $(STAMP)
+	$(BIN)/python -m services.launcher demo --tools
 
 bench: $(STAMP)
 	$(BIN)/python bench/transport.py

@@ -28,6 +28,7 @@ where a calculator result equals the answer), parse failures (malformed or rejec
 mean assistant turns, mean tokens after the prompt, prompt tokens, seconds.
 
     python bench/demo_tools.py [--n 40] [--group-size 4] [--tasks mul3x2,add4] [--variants plain,tools-oneshot]
+                               [--model runs/demo-tools-.../checkpoints/step-40]  (a trained model's figures)
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "configs"))  # calculator_env, as [environment] finds it beside the configuration
 
+from services.learner.data.tasks import CALCULATOR_EXAMPLES, held_out_rows  # noqa: E402
 from services.scorer.rewards.builtin import answers_equal, extract_answer  # noqa: E402
 from shared.records import ChatMessage, PromptTask, SamplingSpec  # noqa: E402
 from shared.trajectory import ToolCall, ToolFunction  # noqa: E402
@@ -89,7 +91,7 @@ class Task:
 TASKS = {
     t.name: t
     for t in (
-        Task("mul3x2", (100, 999), (10, 99), "*", (417, 36), (528, 73)),
+        Task("mul3x2", (100, 999), (10, 99), "*", *CALCULATOR_EXAMPLES),  # the demo's builtin:calculator
         Task("mul2x2", (10, 99), (10, 99), "*", (47, 23), (86, 59)),
         Task("mul2x1", (10, 99), (2, 9), "*", (47, 6), (83, 7)),
         Task("add4", (1000, 9999), (1000, 9999), "+", (4178, 2936), (7351, 5684)),
@@ -101,7 +103,10 @@ VARIANTS = ("plain", "tools-zero", "tools-oneshot", "tools-twoshot", "tools-syst
 
 def task_rows(task: Task, size: int, seed: int) -> list[dict[str, str]]:
     """``size`` distinct problems of ``task`` (``question``/``answer`` text, as the built-in tasks' rows), none of
-    them a worked example's; the same seed gives the same rows."""
+    them a worked example's; the same seed gives the same rows. ``mul3x2`` is the demo's ``builtin:calculator``
+    (its rows come from services/learner/data/tasks.py, as the demo's held-out evaluation draws them)."""
+    if task.name == "mul3x2":
+        return held_out_rows("calculator", size, task.left[1], seed)
     rng, seen = random.Random(seed), {task.question(*task.example), task.question(*task.second)}
     rows = []
     while len(rows) < size:
@@ -249,7 +254,7 @@ class Probe:
         from services.launcher.prepare_model import prepare_smollm2
         from shared.config.generator import GeneratorSettings
 
-        model = str(prepare_smollm2())
+        model = args.model or str(prepare_smollm2())
         generator = GeneratorSettings.load(args.config, model=model, omp_cpus=args.cpus, max_num_seqs=args.max_num_seqs)
         engine = Engine.start(generator, model, policy_version=0)
         environment = python_environment("calculator_env:CalculatorEnv", [], name="calculator", concurrency=4)
@@ -378,6 +383,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=str(CONFIG), help="the generator's settings ([generator])")
+    parser.add_argument("--model", default="", help="a model directory, e.g. a demo checkpoint (default: SmolLM2)")
     parser.add_argument("--n", type=int, default=40, help="held-out problems per task")
     parser.add_argument("--group-size", type=int, default=4, help="sampled trajectories per problem (G)")
     parser.add_argument("--temperature", type=float, default=1.0, help="the training temperature")

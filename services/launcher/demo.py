@@ -6,6 +6,12 @@ and learner as separate processes (Redis started if none answers) as the run ``d
 the checkpoint is, how long it took, and the goals: held-out greedy accuracy (the learner's evaluation before
 the first step and after the last) up by at least 0.15, and the training correctness of the last 10 steps at
 least 0.15 above that of the first 10. A missed goal is printed and the demo exits 1.
+
+``make demo-tools`` (``demo --tools``, configs/demo-tools-cpu.toml): the same model learns to call a calculator
+(configs/calculator_env.py) for multi-digit products. Its goals: held-out greedy accuracy up by at least 0.15,
+and the tool-call frequency (calls per trajectory) up: on the held-out evaluation where it records
+``eval/tools/call_frequency``, else the training figure's mean over the last 10 steps against the first 10.
+The PNG has both curves.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli_w
@@ -33,6 +40,8 @@ EVAL_ACCURACY = f"eval/rewards/{CORRECTNESS}/mean"
 GOAL_EVAL_GAIN = 0.15  # held-out greedy accuracy, last evaluation minus the first
 GOAL_TRAIN_GAIN = 0.15  # training correctness, mean of the last WINDOW steps minus that of the first
 WINDOW = 10
+TOOL_CALLS = "tools/call_frequency"  # calls per trajectory (training batches; eval/ when the evaluation has it)
+EVAL_TOOL_CALLS = f"eval/{TOOL_CALLS}"
 
 
 def _materialise(config: Path, model: Path, run_name: str) -> tuple[Path, LearnerSettings]:
@@ -43,11 +52,28 @@ def _materialise(config: Path, model: Path, run_name: str) -> tuple[Path, Learne
         if document.get(table, {}).get("model") == MODEL_PLACEHOLDER:
             document[table]["model"] = str(model)
     document.setdefault("learner", {})["run_name"] = run_name
+    _resolve_environment_paths(document, config)
     run_dir = Path(document["learner"].get("runs_dir", "runs")) / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.toml"
     path.write_text(tomli_w.dumps(document))
     return path, LearnerSettings.load(path, run_name=run_name)
+
+
+def _resolve_environment_paths(document: dict, config: Path) -> None:
+    """The copy lives in the run directory: an ``[environment]`` chat template named relative to the working
+    directory (or to the configuration) becomes absolute, and the environment's module, found beside the
+    configuration, stays importable (its directory joins ``PYTHONPATH``, which the services inherit)."""
+    environment = document.get("environment")
+    if not environment:
+        return
+    template = environment.get("chat_template")
+    if template and not Path(template).is_absolute():
+        candidates = (Path.cwd() / template, config.parent / template)
+        environment["chat_template"] = str(next((p for p in candidates if p.exists()), candidates[0]).resolve())
+    if environment.get("python"):
+        paths = [str(config.parent.resolve()), os.environ.get("PYTHONPATH", "")]
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
 
 
 @dataclass(frozen=True)
@@ -58,6 +84,8 @@ class DemoResult:
     rewards: list[float]
     parts: dict[str, list[float]]  # each reward function's mean per step
     evaluations: dict[int, float]  # step -> held-out accuracy (eval correctness mean)
+    tool_calls: list[float] = field(default_factory=list)  # training calls per trajectory, per step (NaN: none)
+    eval_tool_calls: dict[int, float] = field(default_factory=dict)  # step -> held-out calls per trajectory
 
     @property
     def correctness(self) -> list[float]:
@@ -75,12 +103,23 @@ class DemoResult:
         ordered = sorted(self.evaluations)
         return self.evaluations[ordered[0]], self.evaluations[ordered[-1]]
 
-    def missed_goals(self) -> list[str]:
-        """The goals this run missed, each with its numbers; empty when every goal was met."""
+    def tool_gain(self) -> tuple[float, float, str]:
+        """Tool-call frequency before and after, and where it comes from: the first and last held-out
+        evaluations where they record it, else the mean of the first and of the last ``WINDOW`` training steps."""
+        if len(self.eval_tool_calls) >= 2:
+            ordered = sorted(self.eval_tool_calls)
+            return self.eval_tool_calls[ordered[0]], self.eval_tool_calls[ordered[-1]], "held-out"
+        return _mean(self.tool_calls[:WINDOW]), _mean(self.tool_calls[-WINDOW:]), "training"
+
+    def missed_goals(self, tools: bool = False) -> list[str]:
+        """The goals this run missed, each with its numbers; empty when every goal was met. ``tools``: the
+        tool-use demo's goals (held-out accuracy and tool-call frequency up) instead of the single-turn one's."""
         missed = []
         before, after = self.eval_gain()
         if len(self.evaluations) < 2 or not after >= before + GOAL_EVAL_GAIN:
             missed.append(f"held-out accuracy {before:.3f} -> {after:.3f}: the goal is a gain of +{GOAL_EVAL_GAIN}")
+        if tools:
+            return missed + self._missed_tool_goal()
         first, last = self.train_gain()
         if len(self.correctness) < 2 * WINDOW or not last >= first + GOAL_TRAIN_GAIN:
             missed.append(
@@ -88,6 +127,16 @@ class DemoResult:
                 f"gain of +{GOAL_TRAIN_GAIN} (over at least {2 * WINDOW} steps)"
             )
         return missed
+
+    def _missed_tool_goal(self) -> list[str]:
+        first, last, source = self.tool_gain()
+        enough = source == "held-out" or len(self.tool_calls) >= 2 * WINDOW
+        if enough and last > first:
+            return []
+        over = f" (training figures over at least {2 * WINDOW} steps)" if source == "training" else ""
+        return [
+            f"tool-call frequency ({source}) {first:.3f} -> {last:.3f} calls per trajectory: the goal is a rise{over}"
+        ]
 
 
 def _mean(values: list[float]) -> float:
@@ -105,6 +154,8 @@ def read_result(metrics: Path) -> DemoResult:
         rewards=[r["reward"] for r in training],
         parts={name: [r.get(f"rewards/{name}/mean", math.nan) for r in training] for name in names},
         evaluations={r["step"]: r[EVAL_ACCURACY] for r in records if EVAL_ACCURACY in r},
+        tool_calls=[r.get(TOOL_CALLS, math.nan) for r in training],
+        eval_tool_calls={r["step"]: r[EVAL_TOOL_CALLS] for r in records if EVAL_TOOL_CALLS in r},
     )
 
 
@@ -136,34 +187,90 @@ def plot(result: DemoResult, png: Path) -> None:
     plt.close(figure)
 
 
-def run_demo(config: Path, cache: Path | None) -> int:
-    """Prepare the model, run the demo configuration, report the reward curve; returns the run's exit code."""
+def plot_tools(result: DemoResult, png: Path) -> None:
+    """The tool-use demo's two curves: held-out accuracy (and training correctness) on the left, tool-call
+    frequency (training, and held-out where recorded) on the right, both over optimizer steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=110)
+    left.plot(result.steps, result.correctness, linestyle="--", alpha=0.7, label="correct (training samples)")
+    _points(left, result.evaluations, "held-out accuracy (greedy)", percent=True)
+    left.set_ylim(-0.02, 1.02)
+    left.set_ylabel("share correct")
+    right.plot(result.steps, result.tool_calls, marker="o", linewidth=2, label="calls per trajectory (training)")
+    _points(right, result.eval_tool_calls, "calls per trajectory (held-out, greedy)", percent=False)
+    right.set_ylim(bottom=-0.02)
+    right.set_ylabel("tool calls per trajectory")
+    for axis in (left, right):
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.set_xlabel("optimizer step")
+        axis.grid(alpha=0.3)
+        axis.legend(loc="lower right")
+    figure.suptitle("asyncgrpo tool-use demo: SmolLM2-135M-Instruct learns a calculator on 2 CPU cores")
+    figure.tight_layout()
+    figure.savefig(png)
+    plt.close(figure)
+
+
+def _points(axis, values: dict[int, float], label: str, *, percent: bool) -> None:
+    if not values:
+        return
+    steps = sorted(values)
+    ys = [values[s] for s in steps]
+    axis.plot(steps, ys, marker="s", markersize=8, color="black", label=label)
+    for step, value in zip(steps, ys, strict=True):
+        text = f"{value:.0%}" if percent else f"{value:.2f}"
+        axis.annotate(text, (step, value), textcoords="offset points", xytext=(6, 6))
+
+
+def run_demo(config: Path, cache: Path | None, tools: bool = False) -> int:
+    """Prepare the model, run the demo configuration, report its curves; returns the run's exit code (1 when a
+    goal was missed). ``tools``: the tool-use demo's report and goals."""
     started = time.monotonic()
     model = prepare_smollm2(cache)
-    run_config, learner = _materialise(config, model, time.strftime("demo-%Y%m%d-%H%M%S"))
+    prefix = "demo-tools" if tools else "demo"
+    run_config, learner = _materialise(config, model, time.strftime(f"{prefix}-%Y%m%d-%H%M%S"))
     code, _ = run(run_config, run_name=learner.run_name)
     metrics = Path(learner.log_dir) / "metrics.jsonl"
     if not metrics.exists() or not metrics.read_text().strip():
         print(f"no training steps were recorded; see the logs in {learner.run_dir / 'logs'}")
         return code or 1
-    png = learner.run_dir / "reward_curve.png"
     result = read_result(metrics)
-    plot(result, png)
+    png = learner.run_dir / ("tool_curve.png" if tools else "reward_curve.png")
+    (plot_tools if tools else plot)(result, png)
     minutes = (time.monotonic() - started) / 60
-    checkpoints = list_checkpoints(Path(learner.checkpoint_dir))
-    before, after = result.eval_gain()
-    first, last = result.train_gain()
     print()
     print(f"steps trained            {len(result.steps)} in {minutes:.1f} min (model preparation included)")
+    before, after = result.eval_gain()
     print(
         f"held-out accuracy        {before:.3f} -> {after:.3f}  (gain {after - before:+.3f}; goal >= +{GOAL_EVAL_GAIN})"
     )
-    print(f"training correctness     first {WINDOW} steps {first:.3f}, last {WINDOW} {last:.3f}  "
-          f"(gain {last - first:+.3f}; goal >= +{GOAL_TRAIN_GAIN})")  # fmt: skip
-    print(f"reward curve             {png}")
+    _report_lines(result, tools)
+    print(f"{'curves' if tools else 'reward curve':<25}{png}")
+    checkpoints = list_checkpoints(Path(learner.checkpoint_dir))
     print(f"checkpoint               {checkpoints[-1] if checkpoints else 'none'}")
     print(f"run directory            {learner.run_dir} (config.toml, metrics.jsonl, logs/)")
-    missed = result.missed_goals()
+    missed = result.missed_goals(tools)
     for goal in missed:
         print(f"GOAL MISSED: {goal}")
     return code or (1 if missed else 0)
+
+
+def _report_lines(result: DemoResult, tools: bool) -> None:
+    first, last = result.train_gain()
+    print(f"training correctness     first {WINDOW} steps {first:.3f}, last {WINDOW} {last:.3f}  "
+          f"(gain {last - first:+.3f}{'' if tools else f'; goal >= +{GOAL_TRAIN_GAIN}'})")  # fmt: skip
+    if not tools:
+        return
+    before, after, source = result.tool_gain()
+    where = "first and last evaluation" if source == "held-out" else f"first and last {WINDOW} training steps"
+    print(f"tool calls/trajectory    {before:.3f} -> {after:.3f}  ({source}: {where}; goal: a rise)")
+    if source == "held-out":
+        train_first, train_last = _mean(result.tool_calls[:WINDOW]), _mean(result.tool_calls[-WINDOW:])
+        print(
+            f"                         training, first and last {WINDOW} steps: {train_first:.3f} -> {train_last:.3f}"
+        )

@@ -27,7 +27,7 @@ class DataSettings(BaseModel):
         "builtin:arithmetic",
         description="A JSONL/JSON/Parquet/CSV file, a directory of them or written by datasets' save_to_disk, a "
         "list of files, a datasets name in the local Hugging Face cache, or a built-in task: builtin:arithmetic, "
-        "sums, products, compare, count_items or count_letters.",
+        "sums, products, compare, count_items, count_letters or calculator.",
     )
     split: str = Field("train", description="Split to read when the source has several.")
     dataset_config: str | None = Field(

@@ -1,5 +1,6 @@
 """The demo's report: training correctness and held-out accuracy read back from metrics.jsonl, the goals it
-checks (a missed goal is named with its numbers), and the PNG."""
+checks (a missed goal is named with its numbers), and the PNG; the tool-use demo's (``demo --tools``) tool-call
+frequency and its goals, and its configuration as the run directory's copy."""
 
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ import pytest
 from services.launcher.demo import GOAL_EVAL_GAIN, WINDOW, read_result
 
 
-def _metrics(tmp_path, correctness: list[float], evaluations: dict[int, float]):
+def _metrics(tmp_path, correctness: list[float], evaluations: dict[int, float], calls=(), eval_calls=None):
     records = []
     for step, value in enumerate(correctness, start=1):
         records.append(
             {"step": step, "reward": 0.9 * value, "rewards/correctness/mean": value, "rewards/hard_format/mean": 1}
         )
+        if calls:
+            records[-1]["tools/call_frequency"] = calls[step - 1]
     for step, accuracy in evaluations.items():
         records.append({"step": step, "eval/rewards/correctness/mean": accuracy, "eval/prompts": 100})
+        if eval_calls:
+            records[-1]["eval/tools/call_frequency"] = eval_calls[step]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -53,3 +58,85 @@ def test_the_plot_is_written(tmp_path):
     result = read_result(_metrics(tmp_path, [0.2, 0.4, 0.5], {0: 0.5, 3: 0.7}))
     plot(result, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_tool_demo_meets_its_goals_on_accuracy_and_training_tool_calls(tmp_path):
+    steps = 2 * WINDOW
+    calls = [0.3] * WINDOW + [0.9] * WINDOW
+    result = read_result(_metrics(tmp_path, [0.1] * steps, {0: 0.0, steps: 0.2}, calls))
+    assert result.tool_calls == calls and result.eval_tool_calls == {}
+    assert result.tool_gain() == pytest.approx((0.3, 0.9, "training"))
+    assert result.missed_goals(tools=True) == []
+    assert len(result.missed_goals()) == 1  # the single-turn demo's training-correctness goal is not the tools'
+
+
+def test_the_tool_demo_misses_when_tool_calls_do_not_rise_or_accuracy_does_not(tmp_path):
+    steps = 2 * WINDOW
+    flat = read_result(_metrics(tmp_path, [0.1] * steps, {0: 0.0, steps: 0.3}, [0.5] * steps))
+    [missed] = flat.missed_goals(tools=True)
+    assert "tool-call frequency (training) 0.500 -> 0.500" in missed
+    short = read_result(_metrics(tmp_path, [0.1] * 4, {0: 0.0, 4: 0.3}, [0.1, 0.2, 0.8, 0.9]))
+    assert "over at least" in short.missed_goals(tools=True)[0]  # 4 steps are not two windows
+    no_gain = read_result(_metrics(tmp_path, [0.1] * steps, {0: 0.0, steps: 0.1}, [0.1] * 10 + [0.9] * 10))
+    assert no_gain.missed_goals(tools=True) == ["held-out accuracy 0.000 -> 0.100: the goal is a gain of +0.15"]
+
+
+def test_held_out_tool_calls_are_used_where_the_evaluation_records_them(tmp_path):
+    steps = 2 * WINDOW
+    metrics = _metrics(tmp_path, [0.1] * steps, {0: 0.0, 10: 0.1, steps: 0.4}, [0.9] * 10 + [0.1] * 10,
+                       eval_calls={0: 0.2, 10: 0.5, steps: 0.6})  # fmt: skip
+    result = read_result(metrics)
+    assert result.tool_gain() == (0.2, 0.6, "held-out")
+    assert result.missed_goals(tools=True) == []  # the training figure fell; the held-out one decides
+
+
+def test_the_tool_plot_is_written(tmp_path):
+    from services.launcher.demo import plot_tools
+
+    result = read_result(_metrics(tmp_path, [0.2, 0.4, 0.5], {0: 0.0, 3: 0.3}, [0.1, 0.5, 0.7], {0: 0.0, 3: 0.8}))
+    plot_tools(result, tmp_path / "tools.png")
+    assert (tmp_path / "tools.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_tool_demos_copy_finds_its_template_and_environment_from_the_run_directory(tmp_path, monkeypatch):
+    """The run reads runs/<name>/config.toml: the template path and the environment module must not depend on
+    where the original configuration was."""
+    import os
+    import tomllib
+    from pathlib import Path
+
+    from services.launcher.demo import _materialise
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    runs = tmp_path / "runs"
+    source = (root / "configs" / "demo-tools-cpu.toml").read_text()
+    config = tmp_path / "demo-tools-cpu.toml"
+    config.write_text(source.replace("[learner]\n", f"[learner]\nruns_dir = {str(runs)!r}\n", 1))
+    path, learner = _materialise(config, tmp_path / "model", "demo-tools-test")
+    copy = tomllib.loads(path.read_text())
+    assert path == runs / "demo-tools-test" / "config.toml" and learner.run_name == "demo-tools-test"
+    assert copy["generator"]["model"] == copy["learner"]["model"] == str(tmp_path / "model")
+    assert Path(copy["environment"]["chat_template"]) == root / "configs" / "templates" / "smollm2_tools.jinja"
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "config", "tools"),
+    [
+        (["demo"], "configs/demo-cpu.toml", False),
+        (["demo", "--tools"], "configs/demo-tools-cpu.toml", True),
+        (["demo", "--tools", "--config", "mine.toml"], "mine.toml", True),
+    ],
+)
+def test_the_cli_runs_the_demo_it_is_asked_for(monkeypatch, argv, config, tools):
+    """``make demo`` and ``make demo-tools`` (the run itself takes minutes: its entry point is recorded)."""
+    from pathlib import Path
+
+    from services.launcher import cli
+
+    calls = []
+    monkeypatch.setattr(cli, "run_demo", lambda *args, **kwargs: calls.append((args, kwargs)) or 7)
+    assert cli.main(argv) == 7
+    assert calls == [((Path(config), None), {"tools": tools})]

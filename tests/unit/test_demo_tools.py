@@ -1,4 +1,5 @@
-"""The tool-use demo's pieces (docs/design/multi_turn.md §3 step 19): its draft configuration validates, the
+"""The tool-use demo's pieces (docs/design/multi_turn.md §3 step 19): its configuration validates, its held-out
+problems are new builtin:calculator products (never a training row or a worked example), the
 prefix-preserving template passes the generator's start check with the calculator's real tool schema (on the
 tiny tokenizer always, on SmolLM2's own where the demo converted it), the worked examples are right, and the
 feasibility probe's (bench/demo_tools.py) problems, prompts and grading are what its table claims."""
@@ -39,13 +40,32 @@ def _smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(path)
 
 
-def test_the_draft_config_validates_with_its_environment_and_template():
+def test_the_config_validates_with_its_environment_and_template():
     config = PipelineConfig.load(CONFIG)
     environment = config.generator.environment
     assert environment is not None and environment.python == "calculator_env:CalculatorEnv"
     assert (ROOT / environment.chat_template).is_file()
     assert environment.max_tool_response_tokens < config.learner.max_completion_length
     assert config.learner.data.source == "builtin:calculator"
+
+
+def test_the_held_out_problems_are_new_products_never_a_worked_example():
+    """What the evaluation publishes: the [data] prompt (system turn, both worked exchanges) then a new problem."""
+    from services.learner.data.sources import read_source
+    from services.learner.evaluation import load_eval_rows
+    from shared.config.learner import LearnerSettings
+
+    settings = LearnerSettings.load(CONFIG)
+    rows = load_eval_rows(settings)
+    examples = [m.content for m in settings.data.examples if m.role == "user"]
+    training = {row["question"][0]["content"] for row in read_source(settings.data)}
+    questions = [row.prompt[-1].content for row in rows]
+    assert len(rows) == settings.eval_samples and len(set(questions)) == len(rows)
+    assert not set(questions) & (training | set(examples))
+    for row, question in zip(rows, questions, strict=True):
+        assert row.prompt[0].content == settings.data.system_prompt and len(row.prompt) == 10
+        a, b = (int(w.rstrip("?")) for w in question.split() if w.rstrip("?").isdigit())
+        assert 100 <= a <= 999 and 10 <= b <= 99 and row.columns["answer"] == str(a * b)
 
 
 def test_the_configs_worked_tool_calls_are_right_and_well_formed(calculator):
@@ -63,7 +83,7 @@ def test_the_configs_worked_tool_calls_are_right_and_well_formed(calculator):
 
 
 def test_the_config_prompts_as_the_probe_measured(calculator):
-    """The figures of bench/demo_tools.py's mul3x2 / tools-twoshot row are the draft config's prompt's."""
+    """The figures of bench/demo_tools.py's mul3x2 / tools-twoshot row are the config's prompt's."""
     data = PipelineConfig.load(CONFIG).learner.data
     measured = prompt(TASKS["mul3x2"], "tools-twoshot", "What is 123 times 45?")
     assert (data.system_prompt, *data.examples) == (measured[0].content, *measured[1:-1])

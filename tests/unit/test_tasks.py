@@ -10,9 +10,11 @@ import pytest
 
 from services.learner.data.tasks import (
     BUILTIN_TASKS,
+    CALCULATOR_EXAMPLES,
     ITEMS,
     WORDS,
     arithmetic_rows,
+    calculator_rows,
     compare_rows,
     count_items_rows,
     count_letters_rows,
@@ -126,3 +128,36 @@ def test_held_out_rows_of_a_small_task_still_have_the_size():
     held_out = held_out_rows("sums", 200, 9, 99, training)
     assert len(held_out) == 200
     assert all(int(r["answer"]) == sum(_numbers(r["question"])) for r in held_out)
+
+
+def test_calculator_products_are_right_in_range_and_never_a_worked_example():
+    rows = calculator_rows(5000, 999, 1234)
+    examples = {f"What is {a} times {b}?" for a, b in CALCULATOR_EXAMPLES}
+    for row in rows:
+        a, b = _numbers(row["question"])
+        assert row["question"] == f"What is {a} times {b}?" and row["answer"] == str(a * b)
+        assert 100 <= a <= 999 and 10 <= b <= 99
+        assert row["question"] not in examples
+    assert len({r["question"] for r in rows}) > 4800  # 81,000 possible products: nearly all distinct
+    assert all(10 <= _numbers(r["question"])[0] <= 99 for r in calculator_rows(200, 99, 1))  # 2-digit x 2-digit
+
+
+def test_calculator_draws_again_where_the_draw_is_a_worked_example():
+    """Seed 136's 21st draw is a worked example's operands: that row is drawn again, not kept."""
+    import random
+
+    rng = random.Random(136)
+    draws = [(rng.randint(100, 999), rng.randint(10, 99)) for _ in range(30)]
+    assert draws[20] in CALCULATOR_EXAMPLES  # the raw stream does hit an example
+    rows = calculator_rows(30, 999, 136)
+    assert [r["question"] for r in rows[:20]] == [f"What is {a} times {b}?" for a, b in draws[:20]]
+    assert rows[20]["question"] == "What is {} times {}?".format(*draws[21])
+
+
+def test_calculator_held_out_rows_are_new_problems():
+    """As read_held_out draws them for eval_data = "held_out": none a training row, none a worked example."""
+    training = calculator_rows(2000, 999, 1234)
+    held_out = held_out_rows("calculator", 100, 999, 4321, training)
+    questions = {r["question"] for r in held_out}
+    assert len(questions) == 100 and not questions & {r["question"] for r in training}
+    assert not questions & {f"What is {a} times {b}?" for a, b in CALCULATOR_EXAMPLES}

@@ -13,6 +13,9 @@ compare        "Which number is larger, 37 or 52?": two different numbers in 1..
 count_items    "How many items are in this list: cat, pen, sun?": 1..max_operand distinct words, at most
                as many as the word pool holds (``len(ITEMS)``)
 count_letters  "How many letters are in the word "garden"?": common words of 2..max_operand letters
+calculator     "What is 417 times 36?": a number with max_operand's digit count (999: 100..999) times one
+               in 10..99, products a small model gets wrong mentally (the tool-use demo's task); never
+               one of ``CALCULATOR_EXAMPLES``, the worked calls of configs/demo-tools-cpu.toml
 =============  =====================================================================================
 """
 
@@ -124,6 +127,27 @@ def count_letters_rows(size: int, max_operand: int = 10, seed: int = 1234) -> Ro
     return rows
 
 
+CALCULATOR_EXAMPLES = ((417, 36), (528, 73))  # the tool-use demo's worked calls: never a task row
+
+
+def calculator_question(a: int, b: int) -> str:
+    return f"What is {a} times {b}?"
+
+
+def calculator_rows(size: int, max_operand: int = 999, seed: int = 1234) -> Rows:
+    """``size`` products of a number with as many digits as ``max_operand`` (up to it) and one in 10..99,
+    none of them a worked example's (``CALCULATOR_EXAMPLES``)."""
+    rng = random.Random(seed)
+    low = 10 ** (len(str(max_operand)) - 1)
+    examples = {calculator_question(a, b) for a, b in CALCULATOR_EXAMPLES}
+    rows: Rows = []
+    while len(rows) < size:
+        a, b = rng.randint(low, max_operand), rng.randint(10, 99)
+        if calculator_question(a, b) not in examples:
+            rows.append(_row(calculator_question(a, b), a * b))
+    return rows
+
+
 BUILTIN_TASKS: dict[str, Callable[[int, int, int], Rows]] = {
     "arithmetic": arithmetic_rows,
     "sums": sums_rows,
@@ -131,6 +155,7 @@ BUILTIN_TASKS: dict[str, Callable[[int, int, int], Rows]] = {
     "compare": compare_rows,
     "count_items": count_items_rows,
     "count_letters": count_letters_rows,
+    "calculator": calculator_rows,
 }
 
 
