@@ -25,6 +25,7 @@ import numpy as np
 
 from services.learner.data.feeder import Row, prepare_rows
 from services.learner.data.sources import read_held_out, read_source
+from services.learner.metrics.batch_metrics import trajectory_metrics
 from shared.advantages import completion_metrics, reward_function_metrics
 from shared.codec import encode
 from shared.config.learner import LearnerSettings
@@ -79,6 +80,8 @@ def eval_metrics(groups: Sequence[ScoredGroup], wanted: int, seconds: float) -> 
         metrics[f"eval/{name}"] = completion_metrics(lengths, truncated)[name]
     metrics["eval/policy_version/min"] = float(min(g.rollout.policy_version for g in groups))
     metrics["eval/policy_version/max"] = float(max(g.rollout.finished_policy_version for g in groups))
+    tools = {name: value for name, value in trajectory_metrics(completions).items() if name.startswith("tools/")}
+    metrics.update({f"eval/{name}": value for name, value in tools.items()})  # multi-turn: held-out tool use
     return metrics
 
 

@@ -142,3 +142,11 @@ def test_a_round_keeps_its_own_groups_once():
     assert not round_.receive(mine)  # a redelivery
     assert round_.groups == [mine] and not round_.pending
     assert not math.isnan(eval_metrics(round_.groups, 1, 0.0)["eval/reward"])
+
+
+def test_eval_metrics_of_trajectories_record_the_held_out_tool_use():
+    from tests.support.factories import make_scored, make_trajectory_rollout
+
+    metrics = eval_metrics([make_scored(make_trajectory_rollout(group_size=2))], wanted=1, seconds=1.0)
+    assert metrics["eval/tools/call_frequency"] == 1.0 and metrics["eval/tools/num_turns/mean"] == 2.0
+    assert "eval/trajectories/cut_frequency" not in metrics
