@@ -109,7 +109,7 @@ def _steps(log_dir: Path) -> int:
 
 async def _wait(condition, what: str, timeout_s: float, services: list[ServiceProcess]) -> None:
     """Until ``condition()``; fails when a service but the learner killed on purpose exits meanwhile."""
-    await wait_until(condition, what, timeout_s, [s for s in services if s.name != "learner-killed"])
+    await wait_until(condition, what, timeout_s, services, killed=("learner-killed",))
 
 
 async def test_nothing_is_lost_or_trained_twice_under_faults(tmp_path, request):

@@ -47,17 +47,22 @@ async def audit_streams(
 
 
 async def wait_until(
-    condition: Callable[[], bool], what: str, timeout_s: float, services: Iterable[ServiceProcess]
+    condition: Callable[[], bool],
+    what: str,
+    timeout_s: float,
+    services: Sequence[ServiceProcess],
+    killed: Iterable[str] = (),
 ) -> None:
     """Until ``condition()``; fails when one of ``services`` exits meanwhile (with its exit status and last lines:
-    a learner says there how it ended) or after ``timeout_s`` (with every service's last lines). Leave out the
-    services the test killed itself."""
-    services = list(services)
+    a learner says there how it ended) or after ``timeout_s`` (with every service's last lines). ``services`` is
+    read afresh on every check (a test may add a restarted service, or rename one it killed, meanwhile); those
+    named in ``killed`` (the ones the test killed itself) may exit."""
+    killed = set(killed)
     deadline = time.monotonic() + timeout_s
     while not condition():
         for service in services:
             status = service.process.poll()
-            if status is not None:
+            if status is not None and service.name not in killed:
                 raise AssertionError(
                     f"{service.name} exited ({status}) while waiting for {what}:\n{service.output()[-3000:]}"
                 )
