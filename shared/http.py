@@ -52,6 +52,7 @@ _READ_METHODS = frozenset({"GET", "HEAD"})
 # million-line one; and no problem quotes the input back (it may be megabytes, or a NaN JSON cannot carry).
 MAX_REPORTED_ERRORS = 20
 _MAX_CONTEXT_CHARS = 200
+_MAX_MESSAGE_CHARS = 300  # a 422 message longer than this quotes input; the rest is cut
 
 
 def bearer_matches(given: str, expected: str) -> bool:
@@ -218,7 +219,11 @@ async def validation_error_response(request: Request, exc: Exception) -> JSONRes
 
 
 def _problem(error: Any) -> dict[str, Any]:
-    problem = {"type": error.get("type"), "loc": [str(part) for part in error.get("loc", ())], "msg": error.get("msg")}
+    # A message may quote the input (a discriminated union's "Input tag '...'"): cut like the context.
+    message = str(error.get("msg", ""))
+    if len(message) > _MAX_MESSAGE_CHARS:
+        message = message[:_MAX_MESSAGE_CHARS] + "..."
+    problem = {"type": error.get("type"), "loc": [str(part) for part in error.get("loc", ())], "msg": message}
     if error.get("ctx"):
         problem["ctx"] = {key: str(value)[:_MAX_CONTEXT_CHARS] for key, value in error["ctx"].items()}
     return problem
