@@ -47,7 +47,7 @@ BreakerResetS = Annotated[
 ]
 Headers = Annotated[
     dict[str, SecretStr],
-    Field(default_factory=dict, description="HTTP: headers sent with every request (values masked in logs)."),
+    Field(description="HTTP: headers sent with every request (values masked in logs)."),  # default: each field's
 ]
 BearerToken = Annotated[
     SecretStr | None, Field(description="HTTP: sent as 'Authorization: Bearer <token>' (masked in logs).")

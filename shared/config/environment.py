@@ -61,7 +61,7 @@ class EnvironmentSettings(BaseModel):
     concurrency: endpoint.Concurrency = 16
     breaker_failures: endpoint.BreakerFailures = 5
     breaker_reset_s: endpoint.BreakerResetS = 30.0
-    headers: endpoint.Headers
+    headers: endpoint.Headers = Field(default_factory=dict)
     bearer_token: endpoint.BearerToken = None
     bearer_token_env: endpoint.BearerTokenEnv = None
 

@@ -52,7 +52,7 @@ class RewardSpec(BaseModel):
     breaker_failures: endpoint.BreakerFailures = 5
     breaker_reset_s: endpoint.BreakerResetS = 30.0
     health_url: str | None = Field(None, description="HTTP plugin: probed at start; default <url dir>/health.")
-    headers: endpoint.Headers
+    headers: endpoint.Headers = Field(default_factory=dict)
     bearer_token: endpoint.BearerToken = None
     bearer_token_env: endpoint.BearerTokenEnv = None
 
