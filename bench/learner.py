@@ -11,7 +11,10 @@ Batch (``--batch``): "cpu", ``--groups`` groups of G = ``--group-size`` completi
 128-1024 tokens, micro-batch 8.
 
 * "bare": one forward over each micro-batch's prompt + completion (right-padded), log-softmax of the
-  completion tokens, a policy-gradient loss, backward, one AdamW step - the plain way to do it.
+  completion tokens, a policy-gradient loss, backward, one AdamW step - the plain way to do it. With
+  ``--bare-head-chunk N`` (the default on cuda: 8192) the LM head, log-softmax and loss run N token positions
+  at a time, each chunk's backward at once into the final hidden states (the plain way to keep a 151,936-word
+  vocabulary's logits out of memory; nothing computed twice).
 * "ours": ``Trainer.train`` - GRPO loss with clipping and importance weights, exact micro-batch accumulation,
   with the learner's defaults for the device (``share_prompts``, ``max_tokens_per_micro_batch``: packed
   micro-batches) unless ``--share-prompts`` / ``--max-tokens-per-micro-batch`` say otherwise.
@@ -152,10 +155,17 @@ def make_groups(shape: BatchShape, vocab: int) -> list[ScoredGroup]:
 
 
 def bare_step(
-    model, optimizer, groups: list[ScoredGroup], micro_batch_size: int, precision: Precision, device: str
+    model,
+    optimizer,
+    groups: list[ScoredGroup],
+    micro_batch_size: int,
+    precision: Precision,
+    device: str,
+    head_chunk_tokens: int = 0,
 ) -> None:
     """The plain loop: right-padded prompt + completion, log-softmax, policy gradient, AdamW; the forward
-    under the same autocast as ours."""
+    under the same autocast as ours. ``head_chunk_tokens`` > 0: the LM head in chunks of that many token
+    positions (see ``_chunked_head_backward``), 0: full logits at once."""
     rows = [
         (g.rollout.prompt_token_ids, c.token_ids, float(a))
         for g in groups
@@ -177,6 +187,11 @@ def bare_step(
             target_mask[row, len(prompt) - 1 : len(sequence) - 1] = 1
         ids, attention = ids.to(device), attention.to(device)
         target_mask, advantages = target_mask.to(device), advantages.to(device)
+        if head_chunk_tokens:
+            _chunked_head_backward(
+                model, ids, attention, target_mask, advantages, total_tokens, precision, device, head_chunk_tokens
+            )
+            continue
         with compute_context(precision, device):
             logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
@@ -184,6 +199,29 @@ def bare_step(
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
+
+
+def _chunked_head_backward(
+    model, ids, attention, target_mask, advantages, total_tokens: int, precision: Precision, device: str, chunk: int
+) -> None:
+    """The plain way to keep a large vocabulary's logits out of memory: the body's forward once, then the LM head,
+    log-softmax and loss over ``chunk`` positions at a time, each chunk's backward run at once into the final
+    hidden states' gradient (its logits freed before the next chunk), and last the body's backward from that
+    gradient. Nothing is computed twice."""
+    with compute_context(precision, device):
+        hidden = model.model(input_ids=ids, attention_mask=attention).last_hidden_state[:, :-1]
+    detached = hidden.detach().requires_grad_(True)
+    head = model.get_output_embeddings()
+    targets = ids[:, 1:]
+    weights = target_mask * advantages[:, None]
+    positions = max(1, chunk // ids.shape[0])
+    for start in range(0, detached.shape[1], positions):
+        piece = slice(start, start + positions)
+        with compute_context(precision, device):
+            logits = head(detached[:, piece]).float()
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, piece].unsqueeze(-1)).squeeze(-1)
+        (-(logprobs * weights[:, piece]).sum() / total_tokens).backward()
+    hidden.backward(detached.grad)
 
 
 # Dense bf16 peaks (TFLOP/s) from the vendors' data sheets, matched against torch.cuda.get_device_name().
@@ -309,7 +347,12 @@ def _best_bare(args, config, shape: BatchShape, groups: list[ScoredGroup], preci
     model = build_model(config, precision.param, args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     return min(
-        _timed(args.device, lambda: bare_step(model, optimizer, groups, shape.micro_batch_size, precision, args.device))
+        _timed(
+            args.device,
+            lambda: bare_step(
+                model, optimizer, groups, shape.micro_batch_size, precision, args.device, args.bare_head_chunk
+            ),
+        )
         for _ in range(args.repeats)
     )
 
@@ -349,6 +392,8 @@ def report(args, shape, config, model, groups, tokens, trainer, precision, best,
         f"each), micro-batch {shape.micro_batch_size}, {precision.describe()}, {args.device}, "
         f"{args.threads} thread(s), best of {args.repeats}"
     )
+    head = f"in chunks of {args.bare_head_chunk} positions" if args.bare_head_chunk else "full logits at once"
+    print(f"bare: LM head {head}")
     print(
         f"ours: share_prompts={trainer.planner.share_prompts}, packed={trainer.planner.packed} "
         f"(token budget {trainer.planner.token_budget}); device {name}, dense bf16 peak "
@@ -373,6 +418,14 @@ def _token_budget(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
+def _head_chunk(value: str) -> int | str:
+    if value == "auto":
+        return value
+    if int(value) < 0:
+        raise argparse.ArgumentTypeError(f"--bare-head-chunk must be >= 0 or auto, got {value}")
+    return int(value)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -389,8 +442,17 @@ if __name__ == "__main__":
     parser.add_argument("--compute-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     parser.add_argument("--max-tokens-per-micro-batch", type=_token_budget, default="auto")
     parser.add_argument("--share-prompts", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument(
+        "--bare-head-chunk",
+        type=_head_chunk,
+        default="auto",
+        help="the bare loop's LM head in chunks of this many token positions; 0: full logits at once; "
+        "auto: 8192 on cuda (a 151,936-word vocabulary's full float32 logits of the GPU batch do not fit), 0 on cpu",
+    )
     parser.add_argument("--quick", action="store_true", help="2 layers, 2 groups, 1 repeat (smoke test)")
     arguments = parser.parse_args()
+    if arguments.bare_head_chunk == "auto":
+        arguments.bare_head_chunk = 8192 if arguments.device == "cuda" else 0
     if arguments.quick:
         arguments.layers, arguments.groups, arguments.repeats = 2, 2, 1
     main(arguments)
