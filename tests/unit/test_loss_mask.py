@@ -149,7 +149,8 @@ def _paths(model, batch, entropy="grad"):
             logprobs, entropies = completion_logprobs_and_entropy(
                 model, batch, entropy=entropy, chunk_tokens=chunk, **kwargs
             )
-            weights = torch.linspace(-1.0, 1.0, logprobs.numel(), dtype=logprobs.dtype).reshape(logprobs.shape)
+            weights = torch.linspace(-1.0, 1.0, logprobs.numel(), dtype=logprobs.dtype, device=logprobs.device)
+            weights = weights.reshape(logprobs.shape)
             ((logprobs * weights).sum() + (entropies * weights.flip(0)).sum()).backward()
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
             out[f"{name}/chunk{chunk}"] = (logprobs.detach(), entropies.detach(), grads)

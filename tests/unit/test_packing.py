@@ -94,7 +94,10 @@ def test_share_prompts_is_on_for_the_cpu_and_off_for_cuda_and_under_torchrun():
 
 def test_token_budget_auto_is_the_padded_worst_case_and_zero_turns_packing_off():
     assert resolve_token_budget("auto", "cpu", rows=8, sequence_tokens=768) == 8 * 768
-    assert resolve_token_budget("auto", "cuda", rows=8, sequence_tokens=1280) == 8 * 1280
+    assert resolve_token_budget("auto", "cuda", rows=8, sequence_tokens=1280, attention="flash_attention_2") == 8 * 1280
+    assert resolve_token_budget("auto", "cuda", rows=8, sequence_tokens=1280, attention="sdpa") == 0
+    assert resolve_token_budget("auto", "cuda", rows=8, sequence_tokens=1280) == 0
+    assert resolve_token_budget(4096, "cuda", rows=8, sequence_tokens=1280, attention="sdpa") == 4096
     assert resolve_token_budget(0, "cuda", rows=8, sequence_tokens=1280) == 0
     assert resolve_token_budget(4096, "cpu", rows=8, sequence_tokens=1280) == 4096
     with pytest.raises(ValueError, match="'auto' or a count"):

@@ -37,14 +37,15 @@ class MicroBatchPlanner:
         self.micro_batch_size = settings.micro_batch_size
         self.share_prompts = resolve_share_prompts(settings.share_prompts, device_type, topology.distributed)
         # Under torchrun the ranks' pass counts must match (distributed.micro_batch_plan): padded, row-counted.
+        attention = getattr(model.config, "_attn_implementation", None) or "sdpa"
         self.token_budget = 0
         if not topology.distributed:
             sequence = settings.max_prompt_length + settings.max_completion_length
             self.token_budget = resolve_token_budget(
-                settings.max_tokens_per_micro_batch, device_type, settings.micro_batch_size, sequence
+                settings.max_tokens_per_micro_batch, device_type, settings.micro_batch_size, sequence, attention
             )
         if self.packed:
-            check_attention(getattr(model.config, "_attn_implementation", None) or "sdpa", self.share_prompts)
+            check_attention(attention, self.share_prompts)
 
     @property
     def packed(self) -> bool:

@@ -76,14 +76,20 @@ def resolve_share_prompts(setting: str, device_type: str, distributed: bool) -> 
     return setting == "on"
 
 
-def resolve_token_budget(setting: int | str, device_type: str, rows: int, sequence_tokens: int) -> int:
+def resolve_token_budget(
+    setting: int | str, device_type: str, rows: int, sequence_tokens: int, attention: str | None = None
+) -> int:
     """Tokens per micro-batch (``max_tokens_per_micro_batch``); 0: padded micro-batches of ``rows`` rows.
 
     auto: packing on, with a budget of ``rows`` x ``sequence_tokens`` (micro_batch_size x (max_prompt_length +
     max_completion_length), the padded worst case), so a packed micro-batch never holds more tokens than a
-    padded one could; on the CPU too (measured, see ``LearnerSettings.max_tokens_per_micro_batch``).
+    padded one could - on the CPU, and on CUDA with flash-attn's varlen kernel (``attention`` =
+    "flash_attention_2"). On CUDA with SDPA packing is off: its block-diagonal mask is a dense [tokens x tokens]
+    mask that keeps SDPA off its fused kernels (measured, see ``LearnerSettings.max_tokens_per_micro_batch``).
     """
     if setting == "auto":
+        if device_type == "cuda" and attention != "flash_attention_2":
+            return 0
         return rows * sequence_tokens
     if isinstance(setting, str) or setting < 0:
         raise ValueError(f"max_tokens_per_micro_batch must be 'auto' or a count >= 0, got {setting!r}")
