@@ -18,7 +18,7 @@ PYTHON_GPU ?= python3.12
 GPU_VENV ?= .venv-gpu
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-gpu compose-env lock lock-check check-fresh-setup test test-fast lint demo demo-tools bench bench-env bench-trl clean-venv
+.PHONY: setup setup-gpu compose-env lock lock-check check-fresh-setup test test-fast lint docs demo demo-tools bench bench-env bench-trl clean-venv
 
 setup: $(STAMP)
 
@@ -79,6 +79,13 @@ lint: $(STAMP)
 		services/learner/objective/entropy_control.py services/learner/logprobs/entropy.py \
 		services/learner/logprobs/lm_head.py services/learner/data/batch.py services/learner/data/staleness.py \
 		services/learner/metrics/batch_metrics.py services/learner/metrics/completions_log.py
+
+# The documentation site (mkdocs.yml, docs/): the generated reference pages must match the code, then a strict
+# build into build/site, which fails on a broken link or anchor and on a page missing from the nav
+# (NO_MKDOCS_2_WARNING silences Material's end-of-life banner, which is not a build warning).
+docs: $(STAMP)
+	$(BIN)/python tools/docs_reference.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
 demo: $(STAMP)
 	$(BIN)/python -m services.launcher demo

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import tomli_w  # noqa: E402
 
+from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
 from tests.support.launcher import run_pipeline  # noqa: E402
 from tests.support.redis_server import free_port  # noqa: E402
 
@@ -125,6 +126,10 @@ def main(args) -> None:
         f"measured {speedup:.2f}"
     )
     print(f"ratio measured/ideal: {speedup / ideal:.2f}  (goal >= 0.90)")
+    if args.record:
+        figures = {"sync_s_per_step": sync["seconds_per_step"], "async_s_per_step": asyn["seconds_per_step"]}
+        figures |= {"t_gen_s": t_gen, "t_train_s": t_train, "ideal_speedup": ideal, "speedup": speedup}
+        record("async_vs_sync", figures, args, ratio=speedup / ideal, goal=">= 0.90")
 
 
 if __name__ == "__main__":
@@ -133,7 +138,9 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 steps (smoke test)")
+    add_record_flag(parser)
     arguments = parser.parse_args()
+    refuse_quick(arguments)
     if arguments.quick:
         arguments.model, arguments.steps = "tiny", 4
     main(arguments)

@@ -39,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.record import add_record_flag, record  # noqa: E402
 from services.learner.data.feeder import build_prompt  # noqa: E402
 from services.learner.data.tasks import BUILTIN_TASKS, held_out_rows  # noqa: E402
 from services.scorer.rewards.builtin import correctness, extract_answer, hard_format  # noqa: E402
@@ -201,6 +202,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128, help="sequences vLLM batches (speed only)")
     parser.add_argument("--show", type=int, default=0, help="print this many completions per candidate")
     parser.add_argument("--json", help="also write the results to this file")
+    add_record_flag(parser)
     args = parser.parse_args()
     args.candidates = [c for c in args.candidates.split(",") if c]
     args.variants = [v for v in args.variants.split(",") if v]
@@ -213,6 +215,11 @@ def main() -> None:
     print(f"wall time {time.perf_counter() - started:.0f} s, n = {args.n} problems per candidate")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.record:
+        for row in results:  # one history row per candidate and prompt variant: a survey, no goal
+            one = argparse.Namespace(**{**vars(args), "candidates": row["candidate"], "variants": row["variant"]})
+            figures = {k: v for k, v in row.items() if k not in ("candidate", "variant")}
+            record("demo_tasks", figures, one, ratio=None, goal="")
 
 
 if __name__ == "__main__":

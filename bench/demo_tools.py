@@ -1,5 +1,5 @@
 """Can the tool-use demo work? SmolLM2-135M-Instruct's starting figures on calculator tasks, with and without the
-calculator tool (docs/design/multi_turn.md §3 step 19, §4 open question 5).
+calculator tool (docs/concepts/multi-turn-design.md §3 step 19, §4 open question 5).
 
 For each task (multi-digit arithmetic the model gets wrong mentally) and prompt variant, on ``--n`` held-out
 problems:
@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "configs"))  # calculator_env, as [environment] finds it beside the configuration
 
+from bench.record import add_record_flag, record  # noqa: E402
 from services.learner.data.tasks import CALCULATOR_EXAMPLES, held_out_rows  # noqa: E402
 from services.scorer.rewards.builtin import answers_equal, extract_answer  # noqa: E402
 from shared.records import ChatMessage, PromptTask, SamplingSpec  # noqa: E402
@@ -395,6 +396,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences vLLM batches (speed only)")
     parser.add_argument("--show", type=int, default=0, help="print this many sampled groups per variant (R/w, calls)")
     parser.add_argument("--json", help="also write the results to this file")
+    add_record_flag(parser)
     args = parser.parse_args()
     args.tasks = [t for t in args.tasks.split(",") if t]
     args.variants = [v for v in args.variants.split(",") if v]
@@ -407,6 +409,17 @@ def main() -> None:
     print(f"wall time {time.perf_counter() - started:.0f} s, n = {args.n} problems per task, G = {args.group_size}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.record:
+        record_results(args, results)
+
+
+def record_results(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    """One history row per task and prompt variant, its greedy and sampled figures flattened: a survey, no goal."""
+    for row in results:
+        figures = {f"{mode}_{k}": v for mode in ("greedy", "sampled") for k, v in row[mode].items()}
+        figures |= {"prompt_tokens": row["prompt_tokens"], "seconds": row["seconds"]}
+        one = argparse.Namespace(**{**vars(args), "tasks": row["task"], "variants": row["variant"]})
+        record("demo_tools", figures, one, ratio=None, goal="")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ Batch (``--batch``): "cpu", ``--groups`` groups of G = ``--group-size`` completi
   vocabulary's logits out of memory; nothing computed twice).
 * "ours": ``Trainer.train`` - GRPO loss with clipping and importance weights, exact micro-batch accumulation,
   with the learner's defaults for the device (``share_prompts``, ``max_tokens_per_micro_batch``: packed
-  micro-batches) unless ``--share-prompts`` / ``--max-tokens-per-micro-batch`` say otherwise.
+  micro-batches) unless ``--share-prompts`` / ``--max-tokens-per-micro-batch`` say otherwise; with
+  ``--gradient-checkpointing``, each decoder layer's activations recomputed in the backward
+  (``gradient_checkpointing``: lower peak memory, about one more forward).
 
 Both in the same process, alternating, best of ``--repeats``. Printed per loop: seconds, completion tokens/s,
 model TFLOP/s and MFU against the device's dense bf16 peak (model FLOPs: 6 x non-embedding parameters x the
@@ -29,7 +31,7 @@ step, and last the ratio ours/bare (goal >= 0.9).
 
     python bench/learner.py [--device cpu|cuda] [--shape smollm2|qwen2.5-0.5b|qwen2.5-1.5b] [--batch cpu|gpu]
         [--threads 1] [--repeats 3] [--compute-dtype auto] [--max-tokens-per-micro-batch auto|0|N]
-        [--share-prompts auto|on|off] [--quick]
+        [--share-prompts auto|on|off] [--gradient-checkpointing] [--quick]
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
 from services.learner.data.batch import TrainBatch, collate  # noqa: E402
 from services.learner.hardware import Precision, compute_context, resolve_precision  # noqa: E402
 from services.learner.logprobs.packing import attention_implementation  # noqa: E402
+from services.learner.model import checkpoint_layers  # noqa: E402
 from services.learner.trainer import Trainer  # noqa: E402
 from shared.config.learner import LearnerSettings  # noqa: E402
 from shared.records import Completion, PromptTask, Rollout, RolloutTimings, ScoredGroup  # noqa: E402
@@ -330,6 +334,7 @@ def _settings(args, shape: BatchShape, old_logprobs: str) -> LearnerSettings:
         model_context=longest,
         max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
         share_prompts=args.share_prompts,
+        gradient_checkpointing=args.gradient_checkpointing,
         old_logprobs=old_logprobs,
         loss_type="dapo",
         max_steps=1000,
@@ -372,6 +377,8 @@ def main(args) -> None:
     best["bare"] = _best_bare(args, config, shape, groups, precision)
     _release(args.device)
     ours_model = build_model(config, precision.param, args.device)
+    if settings.gradient_checkpointing:  # as load_policy does
+        checkpoint_layers(ours_model)
     trainer = Trainer(ours_model, settings)
     recompute = Trainer(ours_model, _settings(args, shape, "recompute"))  # only its no-grad pass runs
     assert trainer.optimizer.precision == precision
@@ -395,7 +402,8 @@ def report(args, shape, config, model, groups, tokens, trainer, precision, best,
     head = f"in chunks of {args.bare_head_chunk} positions" if args.bare_head_chunk else "full logits at once"
     print(f"bare: LM head {head}")
     print(
-        f"ours: share_prompts={trainer.planner.share_prompts}, packed={trainer.planner.packed} "
+        f"ours: share_prompts={trainer.planner.share_prompts}, packed={trainer.planner.packed}, "
+        f"gradient_checkpointing={args.gradient_checkpointing} "
         f"(token budget {trainer.planner.token_budget}); device {name}, dense bf16 peak "
         f"{'unknown' if peak is None else f'{peak:.0f} TFLOP/s'}; model FLOPs per step {flops / 1e12:.3f} T"
     )
@@ -412,6 +420,10 @@ def report(args, shape, config, model, groups, tokens, trainer, precision, best,
         f"{old_logprobs / best['ours'][0]:.2f} of our training step"
     )
     print(f"ratio ours/bare (tokens/s): {best['bare'][0] / best['ours'][0]:.2f}  (goal >= 0.90)")
+    if args.record:
+        speeds = {f"{loop}_tokens_per_s": tokens / best[loop][0] for loop in ("bare", "ours")}
+        figures = {**speeds, "old_logprobs_s": old_logprobs}
+        record("learner", figures, args, ratio=best["bare"][0] / best["ours"][0], goal=">= 0.90")
 
 
 def _token_budget(value: str) -> int | str:
@@ -443,6 +455,9 @@ if __name__ == "__main__":
     parser.add_argument("--max-tokens-per-micro-batch", type=_token_budget, default="auto")
     parser.add_argument("--share-prompts", choices=["auto", "on", "off"], default="auto")
     parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="ours: recompute each layer's activations in the backward"
+    )
+    parser.add_argument(
         "--bare-head-chunk",
         type=_head_chunk,
         default="auto",
@@ -450,7 +465,9 @@ if __name__ == "__main__":
         "auto: 8192 on cuda (a 151,936-word vocabulary's full float32 logits of the GPU batch do not fit), 0 on cpu",
     )
     parser.add_argument("--quick", action="store_true", help="2 layers, 2 groups, 1 repeat (smoke test)")
+    add_record_flag(parser)
     arguments = parser.parse_args()
+    refuse_quick(arguments)
     if arguments.bare_head_chunk == "auto":
         arguments.bare_head_chunk = 8192 if arguments.device == "cuda" else 0
     if arguments.quick:

@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
+
 _PROMPT = 64
 _MMAP_THRESHOLD = "131072"  # bytes: larger allocations are mmap'd, and returned to the system when freed
 
@@ -128,7 +130,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke test: small vocabulary and batch")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", choices=["training", "no-grad"], help=argparse.SUPPRESS)
+    add_record_flag(parser)
     args = parser.parse_args()
+    refuse_quick(args)
     if args.quick:
         args.vocab, args.tokens, args.rows, args.repeats, args.chunk = 4000, 64, 4, 2, 64
     if args.child:
@@ -145,7 +149,11 @@ def main() -> None:
             peaks[kind, chunk], seconds = _run(args, kind, chunk)
             label = "whole" if chunk == 0 else f"chunks of {chunk}"
             print(f"{kind:10s} {label:14s} {peaks[kind, chunk]:8.0f} {seconds:7.2f}")
-    print(f"ratio chunked/whole (training peak MB): {peaks['training', args.chunk] / peaks['training', 0]:.2f}")
+    ratio = peaks["training", args.chunk] / peaks["training", 0]
+    print(f"ratio chunked/whole (training peak MB): {ratio:.2f}")
+    if args.record:
+        figures = {f"{kind}_{'whole' if c == 0 else 'chunked'}_peak_mb": mb for (kind, c), mb in peaks.items()}
+        record("logprob_chunks", figures, args, ratio=ratio, goal="lower is better (no goal set)")
 
 
 if __name__ == "__main__":

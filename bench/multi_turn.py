@@ -1,5 +1,5 @@
 """Multi-turn vs single-turn sampling: does the generator keep the engine busy while trajectories wait on
-their environment? (docs/design/multi_turn.md §3 step 18, goal >= 0.8.)
+their environment? (docs/concepts/multi-turn-design.md §3 step 18, goal >= 0.8.)
 
 The same engine (the generator's ``Engine``, vLLM in this process, its threads pinned to the cores this
 process may use) samples the same prompts three ways, P prompts in flight (P x G sequences), each prompt that
@@ -52,6 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
 from environments.build import build_environment  # noqa: E402
 from services.generator.trajectory import runner as runner_module  # noqa: E402
 from services.generator.trajectory.parsing import ParsedTurn  # noqa: E402
@@ -305,6 +306,18 @@ def main(args: argparse.Namespace) -> None:
         f"ratio multi/single (tokens/s): python {python.tokens_per_s / single.tokens_per_s:.2f}, "
         f"http {http.tokens_per_s / single.tokens_per_s:.2f} (goal >= 0.8)"
     )
+    if args.record:
+        record_results(args, single, {"python": python, "http": http})
+
+
+def record_results(args: argparse.Namespace, single: Figures, multi: dict[str, Figures]) -> None:
+    """One history row per environment kind: its tokens/s against the single-turn run's."""
+    for kind, figures in multi.items():
+        numbers = {"single_tokens_per_s": single.tokens_per_s, "multi_tokens_per_s": figures.tokens_per_s}
+        if figures.env_p50_s is not None:
+            numbers["env_p50_s"] = figures.env_p50_s
+        one = argparse.Namespace(**{**vars(args), "environment": kind})
+        record("multi_turn", numbers, one, ratio=figures.tokens_per_s / single.tokens_per_s, goal=">= 0.8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -323,7 +336,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None, help="engine context (1024; --quick 512)")
     parser.add_argument("--step-s", type=float, default=0.05, help="seconds each environment step takes")
     parser.add_argument("--quick", action="store_true", help="tiny random model, fewer prompts (CI smoke)")
+    add_record_flag(parser)
     args = parser.parse_args(argv)
+    refuse_quick(args)
     defaults = {
         "prompts": (8, 4),
         "turns": (4, 3),

@@ -28,6 +28,7 @@ import uuid
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
 from shared.codec import decode, encode  # noqa: E402
 from shared.keys import Keys  # noqa: E402
 from shared.records import Rollout  # noqa: E402
@@ -154,7 +155,11 @@ def main(args) -> None:
         seconds = best[mode]
         rate = args.groups / seconds
         print(f"{mode:<6} {seconds:>9.3f} {rate:>10.1f} {rate * group_bytes / 1e6:>9.1f} {1e6 / rate:>9.0f}")
-    print(f"ratio ours/raw (groups/s): {best['raw'] / best['ours']:.2f}  (goal >= 0.50)")
+    ratio = best["raw"] / best["ours"]
+    print(f"ratio ours/raw (groups/s): {ratio:.2f}  (goal >= 0.50)")
+    if args.record:
+        rates = {f"{mode}_groups_per_s": args.groups / best[mode] for mode in ("raw", "ours")}
+        record("transport", rates, args, ratio=ratio, goal=">= 0.50")
 
 
 if __name__ == "__main__":
@@ -164,7 +169,9 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a few groups, one repeat (smoke test)")
+    add_record_flag(parser)
     arguments = parser.parse_args()
+    refuse_quick(arguments)
     if arguments.quick:
         arguments.groups, arguments.repeats = 50, 1
     main(arguments)

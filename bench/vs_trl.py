@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import tomli_w  # noqa: E402
 
+from bench.record import add_record_flag, record  # noqa: E402
 from services.launcher.prepare_model import prepare_smollm2  # noqa: E402
 from tests.support.launcher import run_pipeline  # noqa: E402
 
@@ -110,9 +111,15 @@ def main(args) -> None:
         f"speedup TRL/ours: {trl['seconds'] / ours['seconds']:.2f}x (goal >= 3); final reward ours "
         f"{tail(ours['rewards']):.3f} vs TRL {tail(trl['rewards']):.3f} (goal: not lower)"
     )
+    if args.record:
+        figures = {"trl_seconds": trl["seconds"], "ours_seconds": ours["seconds"], "ours_wall_seconds": ours["wall"]}
+        figures |= {"trl_final_reward": tail(trl["rewards"]), "ours_final_reward": tail(ours["rewards"])}
+        speedup = trl["seconds"] / ours["seconds"]
+        record("vs_trl", figures, args, ratio=speedup, goal=">= 3 (TRL seconds / ours), final reward not lower")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
+    add_record_flag(parser)
     main(parser.parse_args())

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
 from services.learner.model import linear_weight_names  # noqa: E402
 from shared.keys import Keys  # noqa: E402
 from shared.redis_conn import connect  # noqa: E402
@@ -234,6 +235,11 @@ def main(args) -> None:
         + ", ".join(f"{r} generator(s) {raw / ours:.2f}" for r, raw, ours in rows)
         + "  (goal >= 0.70)"
     )
+    if args.record:
+        for receivers, raw, ours in rows:  # one history row per generator count
+            figures = {"raw_s": raw, "ours_s": ours, "ours_gb_per_s": total / ours / 1e9, "megabytes": total / 1e6}
+            one = argparse.Namespace(**{**vars(args), "generators": receivers})
+            record("weight_push", figures, one, ratio=raw / ours, goal=">= 0.70")
 
 
 if __name__ == "__main__":
@@ -265,7 +271,9 @@ if __name__ == "__main__":
         action="store_true",
         help="the learner's parameters stay in their own memory, so every push packs a copy of them",
     )
+    add_record_flag(parser)
     arguments = parser.parse_args()
+    refuse_quick(arguments)
     if arguments.quick:
         arguments.layers, arguments.repeats, arguments.generators = 2, 1, [1]
     main(arguments)

@@ -1,4 +1,4 @@
-"""The reference calculator environment of ``make demo-tools`` (docs/design/multi_turn.md §3 step 19), in TRL's
+"""The reference calculator environment of ``make demo-tools`` (docs/concepts/multi-turn-design.md §3 step 19), in TRL's
 ``environment_factory`` shape: ``[environment] python = "calculator_env:CalculatorEnv"`` (found beside the
 configuration file).
 

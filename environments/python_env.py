@@ -1,5 +1,5 @@
 """A TRL environment in this process: an ``environment_factory`` class, plain tool functions, or both
-(docs/design/multi_turn.md §2.3). A TRL user's class and tool functions work unchanged.
+(docs/concepts/multi-turn-design.md §2.3). A TRL user's class and tool functions work unchanged.
 
 - The class needs a callable ``reset(**row)``, which receives the dataset row (``prompt`` plus the task's columns)
   and may return a first observation (``str``) or None. Its public methods other than ``reset`` and

@@ -1,6 +1,7 @@
-"""What the generator's trajectory runner sees of an environment, whatever provides it (docs/design/multi_turn.md
-§2.3, §2.8): an :class:`Environment` opens one :class:`Session` per trajectory, ``async with
-environment.session(row, key) as session``, and the session's ``step`` runs one assistant turn's tool calls.
+"""What the generator's trajectory runner sees of an environment, whatever provides it
+(docs/concepts/multi-turn-design.md §2.3, §2.8): an :class:`Environment` opens one :class:`Session` per
+trajectory, ``async with environment.session(row, key) as session``, and the session's ``step`` runs one
+assistant turn's tool calls.
 
 Two implementations: ``environments/python_env.py`` (a TRL environment class or plain tool functions, in this
 process) and ``environments/client.py`` (an ``asyncgrpo.env/v1`` server); ``environments/build.py`` picks one

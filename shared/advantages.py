@@ -356,14 +356,15 @@ def reward_metrics(rewards: npt.ArrayLike, group_size: int, *, std_unbiased: boo
 
 
 def reward_function_metrics(names: Sequence[str], rewards_per_func: FloatArray) -> dict[str, float]:
-    """TRL's ``rewards/<name>/mean`` and ``rewards/<name>/std`` (unbiased; 0 below two values) of each
-    function's non-NaN rewards, from rewards [N, F] (F = ``len(names)``)."""
+    """TRL's ``rewards/<name>/mean`` and ``rewards/<name>/std`` (unbiased; 0 for one value) of each
+    function's non-NaN rewards, from rewards [N, F] (F = ``len(names)``); both NaN where it has none."""
     metrics: dict[str, float] = {}
     for index, name in enumerate(names):
         column = rewards_per_func[:, index]
         values = column[~np.isnan(column)]
         metrics[f"rewards/{name}/mean"] = float(values.mean()) if values.size else math.nan
-        metrics[f"rewards/{name}/std"] = float(values.std(ddof=1)) if values.size > 1 else 0.0
+        spread = float(values.std(ddof=1)) if values.size > 1 else 0.0
+        metrics[f"rewards/{name}/std"] = spread if values.size else math.nan
     return metrics
 
 

@@ -8,7 +8,7 @@ mode (exact dtypes, lengths that agree, G that matches); every failure raises :c
 message names the offending field.
 
 Versions: a record is written as the lowest schema version that carries it (``WireModel.wire_version``), so a
-single-turn record is still v1 byte for byte; the reader takes v1 and v2 (docs/design/multi_turn.md §2.2).
+single-turn record is still v1 byte for byte; the reader takes v1 and v2 (docs/concepts/multi-turn-design.md §2.2).
 """
 
 from __future__ import annotations

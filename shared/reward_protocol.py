@@ -7,7 +7,7 @@ version, generated from these models by :func:`json_schema`, is committed as ``s
 and ``reward_v2.json`` (a test keeps them equal) and served by the example plugin at ``GET /schema`` and
 ``GET /schema/v2``, so a plugin in any language can validate against it.
 
-v2 carries a multi-turn tool-use group (docs/design/multi_turn.md §2.9): its messages gain ``tool_calls``,
+v2 carries a multi-turn tool-use group (docs/concepts/multi-turn-design.md §2.9): its messages gain ``tool_calls``,
 ``tool_call_id``, ``name`` and ``reasoning_content`` (each left out where unset), and each item gains
 ``env_reward``. The scorer sends v2 only for such groups, so a v1 plugin keeps getting exactly what it got
 before for every single-turn group; v1 is frozen.

@@ -1,4 +1,4 @@
-"""The policy version a trajectory's sampled tokens come from, for staleness (docs/design/multi_turn.md §2.2).
+"""The policy version a trajectory's sampled tokens come from, for staleness (docs/concepts/multi-turn-design.md §2.2).
 
 One named pure function, in prime-rl's ``min_fresh_version`` style, read by the ``Rollout`` validator and
 (from build step 12) the learner: numpy in, an int out, no Redis and no settings.

@@ -1,6 +1,6 @@
 """Wire records of a completion and its conversation: chat messages, tool calls, multi-turn trajectories.
 
-Schema version 2 (docs/design/multi_turn.md §2.2) adds tool calls to :class:`ChatMessage` and a trajectory's
+Schema version 2 (docs/concepts/multi-turn-design.md §2.2) adds tool calls to :class:`ChatMessage` and a trajectory's
 loss mask, messages and counters to :class:`Completion`. Every v2 field is optional and is left out of the
 encoding while it holds its default, so a single-turn record is written as schema v1 byte for byte and an
 old reader keeps reading it; :func:`uses_v2` tells the codec which version a record needs. The records that

@@ -143,7 +143,7 @@ def leave_shm_probe(service: Service[GeneratorSettings], lease: GpuLease) -> Shm
 def trajectory_runner(service: Service[GeneratorSettings], engine: Engine) -> TrajectoryRunner | None:
     """With an ``[environment]`` table: the runner of multi-turn trajectories (None: one completion a sample).
 
-    The chat template is checked before the first prompt is read (docs/design/multi_turn.md §2.4-2.5): a
+    The chat template is checked before the first prompt is read (docs/concepts/multi-turn-design.md §2.4-2.5): a
     template that rewrites history, or whose turn close is not a special token, stops the replica (exit 2)
     with the probe, the first differing tokens and the fix. An HTTP environment names its tools only when a
     session opens, so its template is checked then, and a failure there stops the replica the same way."""

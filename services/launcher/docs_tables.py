@@ -33,6 +33,14 @@ TABLES: tuple[tuple[type[BaseModel], str, str], ...] = (
 _LONGEST_DEFAULT = 48  # longer defaults (lists of modules) would stretch the table: the configs show them
 
 
+def markdown_text(text: str) -> str:
+    """``text`` for a markdown table cell: ``<name>`` outside code spans escaped, so that it is shown, not taken
+    for an HTML tag (``runs/<name>/`` would lose ``<name>``); ``|`` escaped."""
+    spans = text.split("`")
+    spans[::2] = [span.replace("<", "&lt;") for span in spans[::2]]
+    return "`".join(spans).replace("|", "\\|")
+
+
 def default_text(field: FieldInfo) -> str:
     """How the table shows a field's default."""
     extra = field.json_schema_extra
@@ -54,7 +62,7 @@ def settings_table(cls: type[BaseModel], prefix: str) -> str:
         env = f"`{prefix}{name.upper()}`" if prefix else ""
         if name in COMMON_ENV and prefix:
             env += f" or `{COMMON_ENV[name]}`"
-        rows.append(f"| `{name}` | {env} | {default_text(field)} | {field.description or ''} |")
+        rows.append(f"| `{name}` | {env} | {default_text(field)} | {markdown_text(field.description or '')} |")
     return "\n".join(rows)
 
 

@@ -1,4 +1,5 @@
-"""``asyncgrpo config explain``: the batch arithmetic of one step, and the same run in TRL and verl.
+"""``asyncgrpo config explain``: where the prompts come from, the batch arithmetic of one step, the same run in
+TRL and verl, and the start-up check's result (:mod:`services.launcher.preflight`).
 
 Our vocabulary (README, "Batch arithmetic"): ``groups_per_step`` prompts per optimizer step, ``group_size``
 (G) completions each, ``completions per step = groups_per_step * G``, ``micro_batch_size`` completions per
@@ -16,8 +17,11 @@ the GPU count.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.launcher.preflight import Problem
+from shared.config.data import DataSettings
 from shared.config.objective import ALGORITHMS, recipe_overrides
 from shared.config.pipeline import PipelineConfig
 
@@ -102,10 +106,49 @@ def verl_batch(
     )
 
 
-def explain(pipeline: PipelineConfig) -> str:
-    """One optimizer step of ``pipeline`` in our words, then its TRL and verl settings."""
-    sections = [_our_step(pipeline), _trajectory(pipeline), _algorithm(pipeline), _in_trl(pipeline), _in_verl(pipeline)]
+def explain(pipeline: PipelineConfig, problems: Sequence[Problem] | None = None) -> str:
+    """Where ``pipeline``'s prompts come from, one optimizer step in our words, its TRL and verl settings, and
+    the start-up check's ``problems`` (None: the check was not run)."""
+    sections = [
+        _data(pipeline.learner.data),
+        _our_step(pipeline),
+        _trajectory(pipeline),
+        _algorithm(pipeline),
+        _in_trl(pipeline),
+        _in_verl(pipeline),
+    ]
+    if problems is not None:
+        sections.append(_start_check(problems))
     return "\n\n".join("\n".join(lines) for lines in sections)
+
+
+def _data(data: DataSettings) -> list[str]:
+    """The data source, and what of each row the prompt and the reward functions get."""
+    renames = ", ".join(f"{old} -> {new}" for old, new in data.renames.items())
+    framing = [
+        f"system prompt {data.system_prompt[:40]!r}" if data.system_prompt else "",
+        f"{len(data.examples)} example turns" if data.examples else "",
+        f"assistant prefill {data.assistant_prefill!r}" if data.assistant_prefill else "",
+    ]
+    return [
+        "Data",
+        f"  source                                  {data.source!r}  (split {data.train_split!r})",
+        f"  prompt column                           {data.prompt_column or 'prompt, else question'}",
+        f"  prompt framing                          {', '.join(f for f in framing if f) or 'none (as in the rows)'}",
+        f"  columns renamed for the rewards         {renames or 'none (every column under its own name)'}",
+        f"  columns required (extra_columns)        {', '.join(data.extra_columns) or 'none'}",
+        f"  epochs                                  {data.epochs or 'no limit'}  (shuffle_seed {data.shuffle_seed})",
+    ]
+
+
+def _start_check(problems: Sequence[Problem]) -> list[str]:
+    """The start-up check's verdict: each problem, or that none was found."""
+    if not problems:
+        return ["Start-up check: passed (rewards, environment and the rewards' columns)"]
+    return [
+        f"Start-up check: {len(problems)} problem(s); asyncgrpo run would refuse to start",
+        *(f"  - {p}" for p in problems),
+    ]
 
 
 # The settings across the scorer and the learner that make an algorithm, in the order explain shows them.
@@ -163,7 +206,7 @@ def _our_step(pipeline: PipelineConfig) -> list[str]:
 
 
 def _trajectory(pipeline: PipelineConfig) -> list[str]:
-    """With an ``[environment]``: what one multi-turn trajectory may hold (docs/design/multi_turn.md §2.6)."""
+    """With an ``[environment]``: what one multi-turn trajectory may hold (docs/concepts/multi-turn-design.md §2.6)."""
     environment, s, g = pipeline.generator.environment, pipeline.learner, pipeline.generator
     if environment is None:
         return ["Per sample: one completion (no [environment] table)"]

@@ -2,16 +2,20 @@
 
 The file holds ``GRPOConfig`` fields (with the ``TrainingArguments`` it extends) and, as the ``trl grpo``
 YAML does, TRL's ``ModelConfig`` (``model_name_or_path``, ``use_peft``, ``lora_*``) and script arguments
-(``reward_funcs``). Options the file leaves out take TRL's own defaults (read from the installed TRL's
-dataclasses, or a JSON of them), never ours, so a translated run means what the TRL run meant; where it
-cannot, the value is refused with the reason or listed as a difference with both values. The README's TRL
-mapping table is the map; every option read is listed in ``_TRL_READ``. This module holds the algorithm's
-side; ``trl_training`` the Trainer's (steps, schedule, checkpoints, precision, LoRA) and ``trl_rewards`` the
-reward functions.
+(``reward_funcs``, ``dataset_name``). Options the file leaves out take TRL's own defaults (read from the
+installed TRL's dataclasses; without TRL, those of the TRL release the project pins, packaged in
+``trl_defaults/``), never ours, so a translated run means what the TRL run meant; where it cannot, the value is
+refused with the reason or listed as a difference with both values. Options that change nothing learned
+(logging, the Hub, dataloader workers) are listed as "no effect here". The README's TRL mapping table is the
+map; every option read is listed in ``_TRL_READ``. This module holds the algorithm's side; ``trl_training``
+the Trainer's (steps, schedule, checkpoints, precision, LoRA, data, evaluation, logging) and ``trl_rewards``
+the reward functions.
 """
 
 from __future__ import annotations
 
+import json
+from importlib import resources
 from typing import Any
 
 from services.launcher.explain import trl_batch
@@ -20,13 +24,22 @@ from services.launcher.trl_rewards import trl_rewards
 from services.launcher.trl_training import (
     LORA_FIELDS,
     trl_checkpoints,
+    trl_data,
+    trl_deployment,
+    trl_evaluation,
     trl_lora,
+    trl_monitoring,
+    trl_no_effect,
     trl_output,
     trl_precision,
     trl_schedule,
     trl_steps,
 )
 from shared.config.objective import CLIPPED_LOSSES, LOSS_TYPES
+
+# The TRL release the project pins (Makefile's bench-env); its defaults ship in trl_defaults/.
+PINNED_TRL_VERSION = "1.16.0"
+_PINNED_DEFAULTS = "trl_1_16_grpo_defaults.json"
 
 _TRL_LOSS = tuple(name for name in LOSS_TYPES if name not in ("geo_mean", "kl_cov"))  # verl's two are not TRL's
 
@@ -103,11 +116,22 @@ _TRL_READ = (
     "resume_from_checkpoint",
     "bf16",
     "fp16",
+    "gradient_checkpointing",
+    "logging_steps",
+    "log_completions",
+    "num_completions_to_print",
+    "eval_strategy",
+    "eval_steps",
+    "eval_on_start",
     # ModelConfig and the trl grpo script's arguments
     "use_peft",
     *LORA_FIELDS,
     "reward_funcs",
     "reward_model_name_or_path",
+    "dataset_name",
+    "dataset_config",
+    "dataset_train_split",
+    "dataset_test_split",
 )
 
 
@@ -129,6 +153,13 @@ def installed_trl_defaults() -> dict[str, Any] | None:
     for cls in reversed(classes):  # GRPOConfig's value wins where two classes share a name
         out.update(_dataclass_defaults(cls))
     return out
+
+
+def pinned_trl_defaults() -> dict[str, Any]:
+    """The defaults of TRL :data:`PINNED_TRL_VERSION` that the translation reads, packaged with asyncgrpo for
+    where TRL is not installed (read from that release's dataclasses; the file's ``_comment`` says how)."""
+    text = resources.files("services.launcher").joinpath("trl_defaults", _PINNED_DEFAULTS).read_text()
+    return {name: value for name, value in json.loads(text).items() if not name.startswith("_")}
 
 
 def _dataclass_defaults(cls: type) -> dict[str, Any]:
@@ -157,7 +188,7 @@ def from_trl(fields: dict[str, Any], defaults: dict[str, Any] | None = None) -> 
     steps_known = trl_steps(fields, draft)
     _trl_algorithm(fields, draft, staleness, defaults is not None)
     _trl_trainer(fields, draft, steps_known)
-    return draft.finish(fields)
+    return draft.finish(fields, "dataset_name")
 
 
 def _trl_algorithm(fields: dict[str, Any], draft: Draft, staleness: int, defaults_known: bool) -> None:
@@ -172,6 +203,7 @@ def _trl_algorithm(fields: dict[str, Any], draft: Draft, staleness: int, default
         for name in ("sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps"):
             fields.pop(name, None)  # off: nothing to translate
     _trl_generator(fields, draft.generator)
+    trl_deployment(fields, draft, use_vllm)
     staleness_difference(
         draft,
         staleness,
@@ -183,12 +215,17 @@ def _trl_algorithm(fields: dict[str, Any], draft: Draft, staleness: int, default
 
 
 def _trl_trainer(fields: dict[str, Any], draft: Draft, steps_known: bool) -> None:
-    """The Trainer's and ModelConfig's side (``trl_training``), and a micro-batch that divides the step."""
+    """The Trainer's, ModelConfig's and the script's side (``trl_training``), what has no effect here, and a
+    micro-batch that divides the step."""
     trl_schedule(fields, draft, steps_known)
     trl_checkpoints(fields, draft, steps_known)
     trl_output(fields, draft)
     trl_precision(fields, draft)
     trl_lora(fields, draft)
+    test_split = trl_data(fields, draft)
+    trl_evaluation(fields, draft, steps_known, test_split)
+    trl_monitoring(fields, draft, steps_known)
+    trl_no_effect(fields, draft)
     fit_micro_batch(draft.learner, draft.notes)
 
 

@@ -3,7 +3,8 @@
 Keys the document leaves out take verl's values from its composed configuration when one is given
 (``defaults``: ``--verl-defaults``), else ours; a Hydra ``defaults:`` file without it is refused
 (``verl_hydra``). Values that behave differently here are listed with both values. The README's verl
-mapping table is the map; keys with no counterpart stay in the flattened document and are reported.
+mapping table is the map; keys that change nothing learned here (``VERL_NO_EFFECT``) are listed as such, and
+keys with no counterpart stay in the flattened document and are reported.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from services.launcher.verl_training import (
     VERL_TRAINING_READ,
     verl_checkpoints,
     verl_correction,
+    verl_data,
     verl_lora,
+    verl_monitoring,
+    verl_no_effect,
     verl_optimizer,
     verl_steps,
 )
@@ -115,6 +119,9 @@ def from_verl(document: dict[str, Any], defaults: dict[str, Any] | None = None) 
     verl_checkpoints(flat, draft, steps_known)
     verl_lora(flat, draft)
     verl_correction(flat, draft)
+    verl_data(flat, draft)
+    verl_monitoring(flat, draft)
+    verl_no_effect(flat, draft)
     staleness_difference(
         draft,
         theirs_staleness,
@@ -122,7 +129,7 @@ def from_verl(document: dict[str, Any], defaults: dict[str, Any] | None = None) 
         f"set max_staleness = {theirs_staleness} for verl's on-policy batches; generation then waits for every step",
     )
     fit_micro_batch(draft.learner, draft.notes)
-    return draft.finish(flat)
+    return draft.finish(flat, "data.train_files")
 
 
 def _verl_flat(document: dict[str, Any], defaults: dict[str, Any] | None) -> dict[str, Any]:
@@ -201,6 +208,8 @@ def _verl_objective(flat: dict[str, Any], learner: dict[str, Any], notes: list[s
 
 
 def _verl_kl(flat: dict[str, Any], learner: dict[str, Any]) -> None:
+    if flat.get("algorithm.use_kl_in_reward") is False:
+        flat.pop("algorithm.use_kl_in_reward")  # off: nothing to translate (on: unmapped)
     use_kl = flat.pop(f"{_ACTOR}.use_kl_loss", False)
     coef = flat.pop(f"{_ACTOR}.kl_loss_coef", 0.0)
     learner["beta"] = float(coef) if use_kl else 0.0

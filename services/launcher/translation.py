@@ -1,8 +1,10 @@
 """What ``config from-trl`` and ``config from-verl`` share: the result, the refusal, reading and writing files.
 
-A translation is our TOML tables, the peer's options with no counterpart here (the command refuses them
-unless ``--allow-unmapped``, then lists them at the top of the output), the values whose behaviour differs
-from the peer's (each with both values: they head the output and the command's summary line) and notes on
+A translation is our TOML tables, the peer's options with no counterpart here that could change what is
+learned (the command refuses them unless ``--allow-unmapped``, then lists them at the top of the output), the
+options that change nothing learned and are left out ("no effect here": logging, the Hub, dataloader workers;
+listed, never refused), the values whose behaviour differs from the peer's (each with both values: they head
+the output and the command's summary line), warnings (a run with no data source of its own) and notes on
 what changed meaning. A translation that our settings would refuse is refused with their reasons, so what
 the command writes always passes ``config explain`` once the model is filled in.
 """
@@ -15,16 +17,18 @@ import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel
 
 from shared.config.generator import GeneratorSettings
-from shared.config.learner import LearnerSettings
+from shared.config.learner import TRACKER_PACKAGES, LearnerSettings, ReportTo
 from shared.config.pipeline import PipelineConfig, PipelineError
 
 # Fills the model for the check of a translation that names none (the user gives it before running).
 _PLACEHOLDER_MODEL = "/path/to/model"
+# data.source's default: what a translated run trains on when the peer's file names no dataset.
+BUILTIN_SOURCE = "builtin:arithmetic"
 
 
 class UnmappedError(ValueError):
@@ -32,8 +36,10 @@ class UnmappedError(ValueError):
 
     def __init__(self, names: list[str]) -> None:
         super().__init__(
-            "no counterpart here for: " + ", ".join(names) + " (remove them, or pass --allow-unmapped to translate "
-            "the rest and list these at the top of the output)"
+            "no counterpart here for: " + ", ".join(names) + " (these may change the algorithm or the data, so "
+            "leaving them out could change what is learned; remove them, or pass --allow-unmapped to translate "
+            "the rest and list these at the top of the output. Options that change nothing learned, such as "
+            "logging, the Hub or the output directory, need no flag: they are listed as 'no effect here')"
         )
         self.names = names
 
@@ -78,6 +84,8 @@ class Translation:
     unmapped: list[str]
     notes: list[str]
     differences: list[Difference] = field(default_factory=list)
+    no_effect: dict[str, str] = field(default_factory=dict)  # option -> why leaving it out changes nothing learned
+    warnings: list[str] = field(default_factory=list)  # what the user must see before running it
 
 
 @dataclass
@@ -92,6 +100,12 @@ class Draft:
     notes: list[str] = field(default_factory=list)
     differences: list[Difference] = field(default_factory=list)
     given: set[str] = field(default_factory=set)  # the options the peer's file itself sets
+    no_effect: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def ignore(self, name: str, why: str) -> None:
+        """Leave out ``name``, which changes nothing learned here, saying why (listed, never refused)."""
+        self.no_effect[name] = why
 
     def differ(self, name: str, theirs: Any, ours: Any, why: str) -> None:
         """Record that ``name`` behaves as ``theirs`` in the peer and as ``ours`` here."""
@@ -105,7 +119,10 @@ class Draft:
             f"({iterations})"
         )
 
-    def finish(self, rest: Iterable[str]) -> Translation:
+    def finish(self, rest: Iterable[str], source_option: str) -> Translation:
+        """The translation, with the options nothing consumed (``rest``) as unmapped; ``source_option``: the
+        peer's name for its dataset, named in the warning when the file gives none."""
+        _name_data_source(self, source_option)
         return translation(
             self.generator,
             self.scorer,
@@ -114,7 +131,21 @@ class Draft:
             self.notes,
             data=self.data,
             differences=self.differences,
+            no_effect=self.no_effect,
+            warnings=self.warnings,
         )
+
+
+def _name_data_source(draft: Draft, source_option: str) -> None:
+    """A translated config always names its data: without the peer's dataset, the built-in task, loudly."""
+    if draft.data.get("source"):
+        return
+    draft.data["source"] = BUILTIN_SOURCE
+    draft.warnings.append(
+        f"the {draft.peer} file names no dataset ({source_option}), so this run would train on asyncgrpo's "
+        f"built-in arithmetic task (data.source = {BUILTIN_SOURCE!r}, written out below): set data.source to your "
+        "prompts (a datasets name, a JSONL/Parquet file or a directory; README, Data)"
+    )
 
 
 def _shown(value: Any) -> str:
@@ -131,14 +162,24 @@ def translation(
     *,
     data: dict[str, Any] | None = None,
     differences: Iterable[Difference] = (),
+    no_effect: dict[str, str] | None = None,
+    warnings: Iterable[str] = (),
 ) -> Translation:
     """The non-empty tables (the generator loads the learner's initial model and holds prompt + completion),
-    the options nothing consumed (``rest``), sorted, the differences and the notes."""
+    the options nothing consumed (``rest``), sorted, the differences, what was left out to no effect, the
+    warnings and the notes."""
     if "model" in learner:
         generator["model"] = learner["model"]
     _fit_model_len(generator, learner)
     tables = {"generator": generator, "scorer": scorer, "learner": learner, "data": data or {}}
-    return Translation({k: v for k, v in tables.items() if v}, sorted(rest), list(notes), list(differences))
+    return Translation(
+        {k: v for k, v in tables.items() if v},
+        sorted(rest),
+        list(notes),
+        list(differences),
+        dict(sorted((no_effect or {}).items())),
+        list(warnings),
+    )
 
 
 def ours(table: dict[str, Any], name: str, settings: type[BaseModel] = LearnerSettings) -> Any:
@@ -209,9 +250,13 @@ def to_toml(result: Translation, source: Path, kind: str, defaults_from: str) ->
         f"# Translated from {kind} configuration {source} by `asyncgrpo config from-{kind.lower()}`.",
         f"# Options the file leaves out: {defaults_from}.",
     ]
+    header.extend(f"# WARNING: {warning}" for warning in result.warnings)
     if result.unmapped:
         header.append("# Options with no counterpart here (not translated, --allow-unmapped):")
         header.extend(f"#   {name}" for name in result.unmapped)
+    if result.no_effect:
+        header.append("# Options with no effect here (they change nothing learned; not translated):")
+        header.extend(f"#   {name}: {why}" for name, why in result.no_effect.items())
     if result.differences:
         header.append(f"# Behaviour that differs from {kind}'s ({kind}'s value; ours):")
         header.extend(f"#   {difference.line()}" for difference in result.differences)
@@ -222,11 +267,16 @@ def to_toml(result: Translation, source: Path, kind: str, defaults_from: str) ->
 def summary(result: Translation, kind: str, written: Path | None) -> str:
     """The command's closing line: where the TOML went, how many options were left out, what differs."""
     where = f"wrote {written}" if written else "translated"
-    line = f"{where}; {len(result.unmapped)} option(s) had no counterpart (listed at its top)"
+    line = (
+        f"{where}; {len(result.unmapped)} option(s) had no counterpart, {len(result.no_effect)} had no effect "
+        "here (listed at its top)"
+    )
     if not result.differences:
-        return line + f"; no value differs from {kind}'s"
-    listed = "; ".join(difference.short() for difference in result.differences)
-    return line + f"; {len(result.differences)} value(s) differ from {kind}'s: {listed}"
+        line += f"; no value differs from {kind}'s"
+    else:
+        listed = "; ".join(difference.short() for difference in result.differences)
+        line += f"; {len(result.differences)} value(s) differ from {kind}'s: {listed}"
+    return "".join(f"WARNING: {warning}\n" for warning in result.warnings) + line
 
 
 def staleness_difference(draft: Draft, theirs: int, theirs_means: str, fix: str) -> None:
@@ -248,3 +298,20 @@ def warmup_from_share(draft: Draft, share: float, steps_known: bool, refusal: st
     if not steps_known:
         raise ValueError(refusal)
     draft.learner["warmup_steps"] = math.ceil(share * draft.learner["max_steps"])
+
+
+def trackers(names: Iterable[str], option: str, draft: Draft) -> None:
+    """The peer's trackers (``option``: its setting's name) -> ``learner.report_to``; one that does not exist
+    here is listed as having no effect (every metric is in metrics.jsonl anyway)."""
+    known = get_args(ReportTo)
+    chosen = list(dict.fromkeys(name for name in names if name in known))
+    for name in names:
+        if name not in known:
+            draft.ignore(
+                f"{option} {name!r}",
+                f"no {name} tracker here (trackers: {', '.join(known)}); every metric is in metrics.jsonl",
+            )
+    draft.learner["report_to"] = chosen
+    for name in chosen:
+        if name in TRACKER_PACKAGES:
+            draft.notes.append(f"{option} {name!r}: install {TRACKER_PACKAGES[name]} in the learner's environment")

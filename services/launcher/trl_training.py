@@ -1,10 +1,12 @@
 """``config from-trl``, the Trainer's side: steps and epochs, the learning-rate schedule, checkpoints, the
-output directory, precision and LoRA.
+output directory, precision, LoRA, the dataset, evaluation, logging and trackers, and where vLLM runs.
 
-These come from ``transformers.TrainingArguments`` (which ``GRPOConfig`` extends) and from TRL's
-``ModelConfig`` (``use_peft``, ``lora_*``), which the ``trl grpo`` YAML mixes with GRPOConfig's fields. Each
-function takes the fields it reads out of ``fields``; a value with no faithful counterpart is refused with
-the reason, or translated to the nearest setting and recorded as a :class:`~translation.Difference`.
+These come from ``transformers.TrainingArguments`` (which ``GRPOConfig`` extends), from TRL's
+``ModelConfig`` (``use_peft``, ``lora_*``) and from the ``trl grpo`` script's arguments (``dataset_*``), which
+the ``trl grpo`` YAML mixes with GRPOConfig's fields. Each function takes the fields it reads out of
+``fields``; a value with no faithful counterpart is refused with the reason, or translated to the nearest
+setting and recorded as a :class:`~translation.Difference`. Options that change nothing learned here are
+listed in ``TRL_NO_EFFECT`` with the reason, and left out without ``--allow-unmapped``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.launcher.translation import Draft, ours, warmup_from_share
+from services.launcher.translation import Draft, ours, trackers, warmup_from_share
 
 # TRL's ModelConfig fields that only mean something with use_peft.
 LORA_FIELDS = (
@@ -26,6 +28,72 @@ LORA_FIELDS = (
     "use_rslora",
     "use_dora",
 )
+_LOGGING = "logging only: metrics here go to metrics.jsonl every step, and to learner.report_to"
+_HUB = "the Hugging Face Hub: nothing is pushed from here; checkpoints stay in learner.checkpoint_dir"
+_LOADING = "how the Trainer loads batches, not which prompts: the learner reads the dataset itself"
+_VLLM_SERVER = "TRL's connection to its vLLM server: generators here register themselves through Redis"
+# Options that change nothing learned here, and why; listed in the output, never refused.
+TRL_NO_EFFECT = {
+    **dict.fromkeys(
+        (
+            "logging_strategy",
+            "logging_first_step",
+            "logging_nan_inf_filter",
+            "logging_dir",
+            "log_level",
+            "log_level_replica",
+            "log_on_each_node",
+            "disable_tqdm",
+            "log_unique_prompts",
+            "wandb_log_unique_prompts",
+            "log_multimodal",
+            "include_num_input_tokens_seen",
+            "skip_memory_metrics",
+            "trackio_space_id",
+        ),
+        _LOGGING,
+    ),
+    **dict.fromkeys(
+        (
+            "push_to_hub",
+            "hub_model_id",
+            "hub_strategy",
+            "hub_token",
+            "hub_private_repo",
+            "hub_always_push",
+            "hub_revision",
+            "log_completions_hub_repo",
+        ),
+        _HUB,
+    ),
+    **dict.fromkeys(
+        (
+            "dataloader_num_workers",
+            "dataloader_pin_memory",
+            "dataloader_persistent_workers",
+            "dataloader_prefetch_factor",
+            "dataset_streaming",
+        ),
+        _LOADING,
+    ),
+    **dict.fromkeys(
+        ("vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout", "vllm_group_port"),
+        _VLLM_SERVER,
+    ),
+    "run_name": "the trackers' name for the run; learner.run_name here also names the run's directory and "
+    "continues a run of that name, so it is left for you to set",
+    "overwrite_output_dir": "each run here has its own directory under learner.runs_dir",
+    "save_only_model": "checkpoints here always hold the optimizer state (resuming needs it)",
+    "save_on_each_node": "the learner's rank 0 writes every checkpoint",
+    "per_device_eval_batch_size": "evaluation completions here are sampled by the generators",
+    "eval_accumulation_steps": "evaluation completions here are sampled by the generators",
+    "gradient_checkpointing_kwargs": "how activations are recomputed, not what is computed",
+    "torch_empty_cache_steps": "memory housekeeping",
+    "ignore_bias_buffers": "a DDP workaround of the trl script",
+    "ds3_gather_for_generation": "DeepSpeed ZeRO-3 generation: generation here is vLLM's",
+    "vllm_enable_sleep_mode": "vLLM memory housekeeping in TRL's colocated mode",
+    "vllm_tensor_parallel_size": "a deployment choice: GPUs per generator replica are generator.tensor_parallel_size",
+}
 # transformers' lr_scheduler_type -> our min_lr_ratio (warm-up, then cosine decay to min_lr_ratio x lr).
 _SCHEDULES = {"constant": 1.0, "constant_with_warmup": 1.0, "cosine": 0.0, "linear": 0.0}
 
@@ -117,11 +185,10 @@ def _trl_warmup(fields: dict[str, Any], draft: Draft, steps_known: bool) -> None
 
 def trl_checkpoints(fields: dict[str, Any], draft: Draft, steps_known: bool) -> None:
     """save_strategy/save_steps -> ``checkpoint_every``; save_total_limit -> ``keep_checkpoints``."""
-    strategy = fields.pop("save_strategy", None)
+    strategy = _option(fields.pop("save_strategy", None))
     every = fields.pop("save_steps", None)
     known_limit = "save_total_limit" in fields
     limit = fields.pop("save_total_limit", None)
-    strategy = None if strategy is None else str(getattr(strategy, "value", strategy)).lower()
     max_steps = ours(draft.learner, "max_steps")
     if strategy == "no":
         draft.learner["checkpoint_every"] = max_steps
@@ -137,20 +204,26 @@ def trl_checkpoints(fields: dict[str, Any], draft: Draft, steps_known: bool) -> 
             "use save_strategy: steps with save_steps"
         )
     elif every is not None:
-        draft.learner["checkpoint_every"] = _save_every(every, max_steps, steps_known)
+        draft.learner["checkpoint_every"] = _interval("save_steps", every, max_steps, steps_known)
     if limit is not None:
         draft.learner["keep_checkpoints"] = int(limit)
     elif known_limit:
         _keep_every_checkpoint(draft, steps_known)
 
 
-def _save_every(every: float, max_steps: int, steps_known: bool) -> int:
+def _option(value: Any) -> str | None:
+    """A TrainingArguments choice (a string or its enum) as its lower-case name."""
+    return None if value is None else str(getattr(value, "value", value)).lower()
+
+
+def _interval(name: str, every: float, max_steps: int, steps_known: bool) -> int:
+    """TrainingArguments' ``*_steps``: a number of steps, or below 1 a share of the run (of ``max_steps``)."""
     if every >= 1:
         return int(every)
     if not steps_known:
         raise ValueError(
-            f"save_steps = {every} is a share of the run, whose length in steps the file does not give (or leaves "
-            "to num_train_epochs and the dataset): set save_steps to a number of steps, or set max_steps"
+            f"{name} = {every} is a share of the run, whose length in steps the file does not give (or leaves "
+            f"to num_train_epochs and the dataset): set {name} to a number of steps, or set max_steps"
         )
     return max(1, math.ceil(every * max_steps))
 
@@ -245,3 +318,137 @@ def _lora_targets(targets: Any, draft: Draft) -> None:
         draft.notes.append("lora_target_modules 'all-linear': every linear projection of a Llama-style block")
     else:
         draft.learner["lora_target_modules"] = [targets] if isinstance(targets, str) else list(targets)
+
+
+def trl_data(fields: dict[str, Any], draft: Draft) -> str | None:
+    """The script's dataset_name, dataset_config and dataset_train_split -> ``[data]`` source, dataset_config
+    and train_split; data_seed -> shuffle_seed. Returns dataset_test_split (evaluation's, ``trl_evaluation``)."""
+    name = fields.pop("dataset_name", None)
+    config = fields.pop("dataset_config", None)
+    train = fields.pop("dataset_train_split", None)
+    test = fields.pop("dataset_test_split", None)
+    seed = fields.pop("data_seed", None)
+    if seed is not None:
+        draft.data["shuffle_seed"] = int(seed)
+    if not name:
+        given = sorted({"dataset_config", "dataset_train_split", "dataset_test_split"} & draft.given)
+        if given:
+            draft.notes.append(f"{', '.join(given)} left out: the file names no dataset_name they belong to")
+        return None  # Draft.finish names the built-in task, with a warning
+    draft.data["source"] = str(name)
+    if config:
+        draft.data["dataset_config"] = str(config)
+    if train:
+        draft.data["train_split"] = str(train)
+    draft.notes.append(
+        f"data.source {name!r}: a dataset name is read with datasets.load_dataset on the learner's host, so where "
+        "the Hub is out of reach it must be in the local Hugging Face cache"
+    )
+    return None if test is None else str(test)
+
+
+def trl_evaluation(fields: dict[str, Any], draft: Draft, steps_known: bool, test_split: str | None) -> None:
+    """eval_strategy with eval_steps (None: logging_steps, as the Trainer does) -> ``eval_every`` on
+    ``data.eval_split`` (the script's dataset_test_split); eval_on_start -> ``eval_on_start``."""
+    strategy = _option(fields.pop("eval_strategy", None))
+    steps = fields.pop("eval_steps", None)
+    on_start = fields.pop("eval_on_start", None)
+    if strategy in (None, "no"):
+        if "dataset_test_split" in draft.given and test_split is not None:
+            draft.notes.append(f"dataset_test_split {test_split!r} left out: eval_strategy is 'no', as TRL's")
+        return
+    if strategy not in ("steps", "epoch"):
+        raise ValueError(f"eval_strategy = {strategy!r} is unknown here: 'no', 'steps' or 'epoch' translate")
+    if test_split is None:
+        draft.notes.append(f"eval_strategy {strategy!r} left out: the file names no dataset split to evaluate on")
+        return
+    if test_split == draft.data.get("train_split", "train"):
+        raise ValueError(
+            f"dataset_test_split = dataset_train_split = {test_split!r}: TRL would evaluate on training prompts, "
+            "which evaluation here refuses; name another split, or set eval_strategy: 'no' and hold rows out with "
+            "data.eval_fraction after translating"
+        )
+    draft.data["eval_split"] = test_split
+    draft.learner["eval_on_start"] = bool(on_start)
+    _eval_every(strategy, steps if steps is not None else fields.get("logging_steps"), draft, steps_known)
+    draft.notes.append(
+        f"each evaluation reads the first learner.eval_samples ({ours(draft.learner, 'eval_samples')}) prompts of "
+        f"the {test_split!r} split; TRL evaluates the whole split: raise eval_samples to match"
+    )
+
+
+def _eval_every(strategy: str, every: float | None, draft: Draft, steps_known: bool) -> None:
+    """'steps': every eval_steps (the caller's ``every``) optimizer steps; 'epoch' is listed as a difference."""
+    if strategy == "steps" and every is not None:
+        draft.learner["eval_every"] = _interval("eval_steps", every, ours(draft.learner, "max_steps"), steps_known)
+    elif strategy == "epoch":
+        here = draft.learner.setdefault("eval_every", ours(draft.learner, "eval_every"))
+        draft.differ(
+            "eval_strategy",
+            "'epoch' (after every pass over the data)",
+            f"eval_every = {here}",
+            "evaluation here is every eval_every optimizer steps: set it to the steps of one epoch",
+        )
+
+
+def trl_monitoring(fields: dict[str, Any], draft: Draft, steps_known: bool) -> None:
+    """gradient_checkpointing; report_to and project (the trackers); log_completions every logging_steps and
+    num_completions_to_print (the completion tables); logging_steps itself has no effect here."""
+    if "gradient_checkpointing" in fields:
+        draft.learner["gradient_checkpointing"] = bool(fields.pop("gradient_checkpointing"))
+    logging_steps = fields.pop("logging_steps", None)
+    if "logging_steps" in draft.given:
+        draft.ignore("logging_steps", "metrics are written every optimizer step here (metrics.jsonl, report_to)")
+    if fields.pop("log_completions", False):
+        every = 1 if logging_steps is None else logging_steps
+        draft.learner["log_completions"] = _interval(
+            "logging_steps", every, ours(draft.learner, "max_steps"), steps_known
+        )
+    shown = fields.pop("num_completions_to_print", None)
+    if shown is not None and draft.learner.get("log_completions"):
+        draft.learner["num_completions_to_log"] = int(shown)
+    if "report_to" in fields:
+        _report_to(fields.pop("report_to"), draft)
+    project = fields.pop("project", None)
+    if project:
+        draft.learner["tracking_project"] = str(project)
+
+
+def _report_to(value: Any, draft: Draft) -> None:
+    """TRL's report_to: 'none', 'all' (every installed tracker: ours, TensorBoard), a name or a list."""
+    names = [] if value is None else [value] if isinstance(value, str) else [str(name) for name in value]
+    if "all" in names:
+        draft.notes.append("report_to 'all' (every installed tracker) -> 'tensorboard'; add 'wandb' or 'trackio'")
+    trackers(["tensorboard" if name == "all" else name for name in names if name != "none"], "report_to", draft)
+
+
+def trl_deployment(fields: dict[str, Any], draft: Draft, use_vllm: bool | None) -> None:
+    """vllm_mode -> a note naming the matching placement here (README, "GPU box")."""
+    mode = fields.pop("vllm_mode", None)
+    if mode is None or (not use_vllm and "vllm_mode" not in draft.given):
+        return
+    unused = "" if use_vllm else " (TRL uses it only with use_vllm: true; vLLM always generates here)"
+    if mode == "colocate":
+        draft.notes.append(
+            f"deployment: vllm_mode 'colocate'{unused} runs vLLM on the training GPU; the matching setup here is the "
+            "one-GPU placement, generator and learner sharing GPU 0 (README, GPU box: docker compose -f "
+            "docker-compose.yml -f deploy/one-gpu.yml up, with configs/gpu-1.toml's generator.colocated = true and "
+            "generator.gpu_memory_utilization + learner.gpu_memory_share at most 1)"
+        )
+    elif mode == "server":
+        draft.notes.append(
+            f"deployment: vllm_mode 'server'{unused} generates on GPUs of its own (trl vllm-serve); the matching "
+            "setup here is generator replicas beside the learner, one GPU each (README, GPU box: docker compose up "
+            "--scale generator=<GPUs minus the learner's>)"
+        )
+    else:
+        raise ValueError(f"vllm_mode = {mode!r} is unknown: TRL's 'server' and 'colocate' translate")
+
+
+def trl_no_effect(fields: dict[str, Any], draft: Draft) -> None:
+    """Take out the options that change nothing learned here, listing those the file itself gives."""
+    for name, why in TRL_NO_EFFECT.items():
+        if name in fields:
+            fields.pop(name)
+            if name in draft.given:
+                draft.ignore(name, why)

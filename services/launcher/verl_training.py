@@ -1,8 +1,11 @@
 """``config from-verl``, the trainer's side: epochs and steps, the optimizer's schedule, checkpoints, resuming,
-LoRA, and verl's rollout correction (its importance sampling).
+LoRA, verl's rollout correction (its importance sampling), the data files, validation, loggers and gradient
+checkpointing.
 
 Each function takes the dotted keys it reads out of ``flat``; a value with no faithful counterpart is
-refused with the reason, or translated to the nearest setting and recorded as a difference.
+refused with the reason, or translated to the nearest setting and recorded as a difference. Keys that change
+nothing learned here are listed in ``VERL_NO_EFFECT`` with the reason, and left out without
+``--allow-unmapped``.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.launcher.translation import Draft, ours, warmup_from_share
+from services.launcher.translation import Draft, ours, trackers, warmup_from_share
 
 _OPTIM = "actor_rollout_ref.actor.optim"
 _MODEL = "actor_rollout_ref.model"
@@ -35,7 +38,33 @@ VERL_TRAINING_READ = (
     f"{_MODEL}.target_modules",
     f"{_CORRECTION}.rollout_is",
     f"{_CORRECTION}.rollout_is_threshold",
+    "data.filter_overlong_prompts",
+    "data.truncation",
+    "trainer.test_freq",
+    "trainer.val_before_train",
 )
+_PLACEMENT = (
+    "placement: GPUs here are given at deployment, LEARNER_GPUS and one per generator replica (README, GPU box)"
+)
+_NO_GRAD_BATCH = "how log-probabilities are batched, not their values (learner.no_grad_micro_batch_size here)"
+_OFFLOAD = "where FSDP keeps weights and optimizer state, not their values"
+# Keys that change nothing learned here, and why; listed in the output, never refused.
+VERL_NO_EFFECT = {
+    "trainer.n_gpus_per_node": _PLACEMENT,
+    "trainer.nnodes": _PLACEMENT,
+    "actor_rollout_ref.rollout.name": "the rollout engine: generators here run vLLM",
+    f"{_MODEL}.use_remove_padding": "padding-free kernels compute the same loss",
+    "trainer.experiment_name": "the trackers' name for the run; learner.run_name here also names the run's "
+    "directory and continues a run of that name, so it is left for you to set",
+    "trainer.log_val_generations": "logging only: learner.log_completions writes completion tables here",
+    "trainer.default_hdfs_dir": "a copy of the checkpoints on HDFS: nothing is copied from here",
+    "data.dataloader_num_workers": "how batches are loaded, not which prompts",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": _OFFLOAD,
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": _OFFLOAD,
+    "actor_rollout_ref.ref.fsdp_config.param_offload": _OFFLOAD,
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": _NO_GRAD_BATCH,
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": _NO_GRAD_BATCH,
+}
 
 
 def verl_steps(flat: dict[str, Any], draft: Draft) -> bool:
@@ -178,3 +207,74 @@ def verl_correction(flat: dict[str, Any], draft: Draft) -> None:
             f"{ours(draft.learner, 'importance_mode')}, cap {ours(draft.learner, 'importance_cap')})",
             "here vLLM samples from weights up to max_staleness versions old; the weights correct for it",
         )
+
+
+def verl_data(flat: dict[str, Any], draft: Draft) -> None:
+    """data.train_files -> ``data.source``, val_files -> ``learner.eval_data``, prompt_key -> ``prompt_column``,
+    seed -> ``shuffle_seed``; what verl does with a prompt over max_prompt_length against what is done here."""
+    files = flat.pop("data.train_files", None)
+    if files:
+        draft.data["source"] = files if isinstance(files, str) else [str(path) for path in files]
+        draft.notes.append(
+            "verl's preprocessed parquet files keep the reference answer in reward_model.ground_truth: for the "
+            "built-in correctness reward set data.rename_columns = {'reward_model.ground_truth' = 'answer'}"
+        )
+    val = flat.pop("data.val_files", None)
+    if val:
+        draft.learner["eval_data"] = val if isinstance(val, str) else [str(path) for path in val]
+    prompt_key = flat.pop("data.prompt_key", None)
+    if prompt_key:
+        draft.data["prompt_column"] = str(prompt_key)
+    seed = flat.pop("data.seed", None)
+    if seed is not None:
+        draft.data["shuffle_seed"] = int(seed)
+    _verl_long_prompts(flat, draft)
+
+
+def _verl_long_prompts(flat: dict[str, Any], draft: Draft) -> None:
+    """verl drops prompts over max_prompt_length (filter_overlong_prompts), as is done here, or else cuts them
+    (truncation left/right/middle) or stops (error)."""
+    dropped = flat.pop("data.filter_overlong_prompts", None)
+    truncation = flat.pop("data.truncation", None)
+    if dropped or (dropped is None and truncation is None):
+        return
+    theirs = "the run stops at one" if truncation in (None, "error") else f"they are cut ({truncation!r})"
+    draft.differ(
+        "data.filter_overlong_prompts",
+        f"false (prompts longer than max_prompt_length are kept: {theirs})",
+        "longer prompts are skipped, and counted",
+        "raise max_prompt_length above your longest prompt",
+    )
+
+
+def verl_monitoring(flat: dict[str, Any], draft: Draft) -> None:
+    """trainer.logger and project_name -> the trackers; validation (test_freq, val_before_train) ->
+    ``eval_every`` and ``eval_on_start``; model.enable_gradient_checkpointing -> ``gradient_checkpointing``."""
+    logger = flat.pop("trainer.logger", None)
+    if logger is not None:
+        names = [logger] if isinstance(logger, str) else [str(name) for name in logger]
+        if "console" in names:
+            draft.ignore("trainer.logger 'console'", "the learner logs every step to its log anyway")
+        trackers([name for name in names if name != "console"], "trainer.logger", draft)
+    project = flat.pop("trainer.project_name", None)
+    if project:
+        draft.learner["tracking_project"] = str(project)
+    checkpointing = flat.pop(f"{_MODEL}.enable_gradient_checkpointing", None)
+    if checkpointing is not None:
+        draft.learner["gradient_checkpointing"] = bool(checkpointing)
+    frequency = flat.pop("trainer.test_freq", None)
+    before = flat.pop("trainer.val_before_train", None)
+    if "eval_data" not in draft.learner:
+        return  # no val_files: verl validates nothing either
+    if frequency is not None and frequency > 0:
+        draft.learner["eval_every"] = int(frequency)
+    if before is not None:
+        draft.learner["eval_on_start"] = bool(before)
+
+
+def verl_no_effect(flat: dict[str, Any], draft: Draft) -> None:
+    """Take out the keys that change nothing learned here, listing each."""
+    for key, why in VERL_NO_EFFECT.items():
+        if key in flat:
+            flat.pop(key)
+            draft.ignore(key, why)

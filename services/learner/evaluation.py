@@ -1,11 +1,12 @@
 """Evaluation on held-out prompts: the generators complete them, the scorer scores them, the learner reports.
 
 A round publishes ``eval_samples`` held-out prompts (the same ones every round: the first rows of
-``eval_data``) as tasks marked with the learner's step (``PromptTask.eval_step``); the generators sample
-them like any task (greedy by default: ``eval_temperature = 0``) and the scorer scores them with the
-training reward functions, writing them to the evaluated stream instead of the training one. The learner
-waits for the round (it trains nothing meanwhile, so every completion comes from the weights of that step;
-``eval/policy_version/{min,max}`` show it) and writes ``eval/*`` metrics for the step.
+``eval_data``, or of the rows ``data.eval_split`` or ``data.eval_fraction`` hold out of the training source,
+none of them a training row) as tasks marked with the learner's step (``PromptTask.eval_step``); the
+generators sample them like any task (greedy by default: ``eval_temperature = 0``) and the scorer scores them
+with the training reward functions, writing them to the evaluated stream instead of the training one. The
+learner waits for the round (it trains nothing meanwhile, so every completion comes from the weights of that
+step; ``eval/policy_version/{min,max}`` show it) and writes ``eval/*`` metrics for the step.
 
 Rounds run before the first step (``eval_on_start``), every ``eval_every`` steps and after the last step.
 A round that is not back within ``eval_timeout_s`` is reported with what came back (``eval/missing``); its
@@ -24,10 +25,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.learner.data.feeder import Row, prepare_rows
-from services.learner.data.sources import read_held_out, read_source
+from services.learner.data.sources import read_eval_source, read_held_out, read_source
 from services.learner.metrics.batch_metrics import trajectory_metrics
 from shared.advantages import completion_metrics, reward_function_metrics
 from shared.codec import encode
+from shared.config.data import unsliced
 from shared.config.learner import LearnerSettings
 from shared.intake import decode_or_reject
 from shared.records import PromptTask, SamplingSpec, ScoredGroup
@@ -39,15 +41,31 @@ log = logging.getLogger(__name__)
 HELD_OUT = "held_out"
 
 
+def eval_source(settings: LearnerSettings) -> str | None:
+    """Where the held-out rows come from, in words for the log (None: no evaluation)."""
+    data = settings.data
+    if settings.eval_data is not None:
+        return repr(settings.eval_data)
+    if data.eval_split is not None:
+        return f"split {data.eval_split!r} of {data.source!r}"
+    if data.eval_fraction is not None:
+        return f"the last {data.eval_fraction:g} of split {data.train_split!r} of {data.source!r}"
+    return None
+
+
 def load_eval_rows(settings: LearnerSettings) -> list[Row]:
-    """The held-out rows of every round: the first ``eval_samples`` of ``eval_data``, prepared by the
-    ``[data]`` table's prompt rules (system prompt, examples, prefill, column names)."""
+    """The held-out rows of every round: the first ``eval_samples`` of ``eval_data``, or of the rows
+    ``data.eval_split`` / ``data.eval_fraction`` hold out of ``data.source``, prepared by the ``[data]``
+    table's prompt rules (system prompt, examples, prefill, column names)."""
     data = settings.data
     if settings.eval_data == HELD_OUT:
         raw = read_held_out(data, settings.eval_samples)
-    else:
-        source = data.model_copy(update={"source": settings.eval_data, "split": settings.eval_split or data.split})
+    elif settings.eval_data is not None:
+        split = settings.eval_split or unsliced(data.train_split)
+        source = data.model_copy(update={"source": settings.eval_data, "train_split": split})
         raw = read_source(source)
+    else:
+        raw = read_eval_source(data)
     return prepare_rows(raw[: settings.eval_samples], data)
 
 

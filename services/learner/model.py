@@ -1,5 +1,6 @@
-"""The trained model: loading it (full or LoRA), its frozen reference copy, and its weights as a push sends
-them (LoRA merged; which of them only linear layers hold; :class:`WeightExport`)."""
+"""The trained model: loading it (full or LoRA), activation checkpointing of its decoder layers, its frozen
+reference copy, and its weights as a push sends them (LoRA merged; which of them only linear layers hold;
+:class:`WeightExport`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from services.learner import distributed
 from services.learner.distributed import Topology
@@ -41,6 +43,9 @@ def load_policy(settings: LearnerSettings, path: str, adapter_path: str | None =
     model.config.use_cache = False
     if settings.lora_rank:
         model = _with_adapters(model, settings, adapter_path)
+    if settings.gradient_checkpointing:
+        layers = checkpoint_layers(model)
+        log.info("gradient checkpointing: %d decoder layers recompute their activations in the backward", layers)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
 
@@ -65,6 +70,77 @@ def _with_adapters(model: torch.nn.Module, settings: LearnerSettings, adapter_pa
             param.data = param.data.float()  # an adapter saved in another dtype trains in float32 too
             log.info("adapter %s cast to float32", name)
     return model
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of a causal LM (``.model.layers``, under PEFT's wrapper too); a ValueError naming
+    the setting to turn off when the model has none."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(base, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(
+            f"{type(base).__name__} has no .model.layers to checkpoint; set learner.gradient_checkpointing = false"
+        )
+    return layers
+
+
+class _ReplayedCache:
+    """The KV cache as one checkpointed layer sees it. The forward updates the model's cache once; the
+    recompute in the backward gets the same keys and values back instead of appending its own a second
+    time (the shared-prompt forward, :mod:`services.learner.logprobs.policy`, runs its completions on top of
+    the prompt's cache, and the recomputed layer must see exactly what the forward saw)."""
+
+    def __init__(self, cache) -> None:
+        self._cache = cache
+        self._keys_values: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._keys_values is None:
+            self._keys_values = self._cache.update(key_states, value_states, *args, **kwargs)
+        return self._keys_values
+
+    def __getattr__(self, name: str):
+        if name == "_cache":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
+        return getattr(self._cache, name)
+
+
+# The names transformers' decoder layers take the KV cache under (the plural since transformers 4.56).
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value")
+
+
+class _CheckpointedForward:
+    """A decoder layer's forward that keeps only its inputs for the backward and recomputes the rest there
+    (``torch.utils.checkpoint``, non-reentrant: gradients reach LoRA adapters and inputs that do not require
+    grad, and keyword arguments pass through). Only while autograd records: the no-grad passes (old and
+    reference logprobs) run the plain forward. An attribute of the layer, not a wrapper module, so parameter
+    names, FSDP2's hooks on the layer (which gather its shards before the recompute of its backward) and a
+    ``deepcopy`` (the reference model) are unchanged."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self.layer = layer
+
+    def __call__(self, *args, **kwargs):
+        forward = type(self.layer).forward.__get__(self.layer)
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        for name in _CACHE_ARGUMENTS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = _ReplayedCache(kwargs[name])
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_layers(model: torch.nn.Module) -> int:
+    """Activation checkpointing per decoder layer (``gradient_checkpointing``): a layer's activations are
+    recomputed in the backward instead of kept from the forward, so a training pass holds one layer's
+    activations plus every layer's input hidden states (and, with shared prompts, its KV cache). Not
+    transformers' ``gradient_checkpointing_enable``, which drops the KV cache the shared-prompt forward
+    needs. The values and gradients are unchanged. Idempotent; returns the number of layers."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        if not isinstance(layer.__dict__.get("forward"), _CheckpointedForward):
+            layer.forward = _CheckpointedForward(layer)
+    return len(layers)
 
 
 def reference_model(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:

@@ -6,11 +6,15 @@ Precision (:mod:`services.learner.hardware`): the weights, their gradients and A
 gathered weights itself under torchrun, so there the autocast is a no-op :class:`Precision`).
 
 On one rank the optimizer's state travels in the trainer's state dict; on several, each rank writes and
-reads its own shards under a checkpoint's ``optimizer/`` (:func:`distributed.save_optimizer`).
+reads its own shards under a checkpoint's ``optimizer/`` (:func:`distributed.save_optimizer`). A resumed run
+follows the schedule its own settings describe (``lr``, ``warmup_steps``, ``max_steps``, ``min_lr_ratio``)
+from the restored step on, also from the first resumed step: a run resumed with a longer ``max_steps`` decays
+over the new length (:meth:`OptimizerStep.load_state_dict`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -20,6 +24,8 @@ from services.learner import distributed
 from services.learner.distributed import Topology
 from services.learner.hardware import Precision, resolve_precision
 from shared.config.learner import LearnerSettings
+
+log = logging.getLogger(__name__)
 
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -37,7 +43,7 @@ class OptimizerStep:
 
     def __init__(self, model: torch.nn.Module, settings: LearnerSettings, topology: Topology) -> None:
         s = settings
-        self.model, self.topology, self.max_grad_norm = model, topology, s.max_grad_norm
+        self.model, self.topology, self.max_grad_norm, self.peak_lr = model, topology, s.max_grad_norm, s.lr
         self.precision = resolve_precision(s.param_dtype, s.compute_dtype, s.device)
         # Sharded, FSDP2's MixedPrecisionPolicy casts the gathered weights (distributed.shard_model).
         self.autocast = Precision() if topology.distributed else self.precision
@@ -59,7 +65,7 @@ class OptimizerStep:
         )
         if hasattr(grad_norm, "full_tensor"):  # a DTensor when the parameters are sharded
             grad_norm = grad_norm.full_tensor()
-        learning_rate = float(self.scheduler.get_last_lr()[0])
+        learning_rate = float(self.adamw.param_groups[0]["lr"])
         self.adamw.step()
         self.scheduler.step()
         self.step += 1
@@ -87,6 +93,25 @@ class OptimizerStep:
             )
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
+        self._follow_schedule()
+
+    def _follow_schedule(self) -> None:
+        """Set the learning rates to this run's schedule at the restored step. A checkpoint's optimizer and
+        scheduler carry the rate its own run's settings gave for the next step; after a change of
+        ``max_steps`` (or ``lr``, ``warmup_steps``, ``min_lr_ratio``) that is the old schedule's. The
+        expression is LambdaLR's own, so the rate equals a fresh schedule's at this step exactly."""
+        step, saved = self.scheduler.last_epoch, self.adamw.param_groups[0]["lr"]
+        self.scheduler.base_lrs = [self.peak_lr] * len(self.adamw.param_groups)
+        for group, schedule in zip(self.adamw.param_groups, self.scheduler.lr_lambdas, strict=True):
+            group["initial_lr"] = self.peak_lr
+            group["lr"] = self.peak_lr * schedule(step)
+        if self.adamw.param_groups[0]["lr"] != saved:
+            log.info(
+                "resumed at step %d with this run's schedule: learning rate %.6g (the checkpoint's schedule: %.6g)",
+                step,
+                self.adamw.param_groups[0]["lr"],
+                saved,
+            )
 
     def save(self, path: Path) -> None:
         """On several ranks: this rank's optimizer shards under ``path`` (every rank calls it)."""

@@ -21,7 +21,7 @@ from services.learner.checkpoint import LearnerState, load_state
 from services.learner.data.admission import FEEDER_POSITION, RUNTIME
 from services.learner.data.feeder import PromptFeeder, load_rows
 from services.learner.distributed import Topology
-from services.learner.evaluation import Evaluator, eval_sampling, load_eval_rows
+from services.learner.evaluation import Evaluator, eval_sampling, eval_source, load_eval_rows
 from services.learner.hardware import resolve_precision
 from services.learner.metrics.telemetry import MetricsSink
 from services.learner.metrics.trackers import TrackingRun
@@ -155,9 +155,10 @@ async def saved_feeder_position(client: aioredis.Redis, keys: Keys, stats: Regis
 
 
 async def build_evaluator(settings: LearnerSettings, client: aioredis.Redis, keys: Keys, tokenizer) -> Evaluator | None:
-    """The evaluator of ``eval_data`` (None without): its held-out rows (those over ``max_prompt_length``
-    left out, counted in the log) and its consumer of the evaluated stream."""
-    if settings.eval_data is None:
+    """The evaluator of ``eval_data`` or the ``[data]`` table's held-out rows (None without): its held-out rows
+    (those over ``max_prompt_length`` left out, counted in the log) and its consumer of the evaluated stream."""
+    source = eval_source(settings)
+    if source is None:
         return None
     rows = load_eval_rows(settings)
     length = prompt_length_counter(tokenizer)
@@ -167,11 +168,11 @@ async def build_evaluator(settings: LearnerSettings, client: aioredis.Redis, key
             "evaluation: %d held-out prompts exceed max_prompt_length and are left out", len(rows) - len(fitting)
         )
     if not fitting:
-        raise NotStarting(f"evaluation: no held-out prompt of {settings.eval_data!r} fits max_prompt_length")
+        raise NotStarting(f"evaluation: no held-out prompt of {source} fits max_prompt_length")
     consumer = await start_consumer(
         client, keys, settings, stream=keys.evaluated, group=Keys.LEARNER, name="learner", batch_size=len(fitting)
     )
-    log.info("evaluation: %d held-out prompts from %s", len(fitting), settings.eval_data)
+    log.info("evaluation: %d held-out prompts from %s", len(fitting), source)
     return Evaluator(
         fitting,
         eval_sampling(sampling_spec(settings), settings.eval_temperature),

@@ -265,7 +265,7 @@ class LearnerLoop:
     def _batch_figures(self, groups: list[ScoredGroup]) -> dict[str, float]:
         """The collected batch's figures; its completions and group ids written to the sink first."""
         if completions_due(self.trainer.step + 1, self.settings.num_iterations, self.settings.log_completions):
-            rows = completion_rows(groups, self.settings.num_completions_to_log)
+            rows = completion_rows(groups, self.settings.num_completions_to_log, self.tokenizer.decode)
             self.sink.write_completions(self.trainer.step + 1, rows)
         metrics = {**batch_metrics(groups, self.policy_version), **self.collector.dynamic_sampling}
         metrics["num_tokens"] = float(self.counters.tokens_seen(metrics.pop("input_tokens")))

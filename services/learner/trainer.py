@@ -13,7 +13,7 @@ Per batch (TRL's semantics for ``num_iterations`` = mu):
 
 The loss acts on the batch's ``loss_mask`` (the tokens the policy sampled; a multi-turn trajectory's tool
 results and template tokens are context only): the ratio, the importance weights, the entropy, the KL and every
-token count read it, never ``completion_mask`` (docs/design/multi_turn.md §2.10).
+token count read it, never ``completion_mask`` (docs/concepts/multi-turn-design.md §2.10).
 
 Steps 1-3 give a :class:`PreparedBatch`, fixed for the mu iterations; each iteration's backward gives a
 :class:`StepResult`.

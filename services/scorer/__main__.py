@@ -7,8 +7,8 @@ import sys
 import httpx
 
 from services.scorer.app import ScorerAppState, build_app
-from services.scorer.scoring import build_functions
 from services.scorer.scoring_loop import ScoringLoop
+from services.scorer.startup import build_rewards
 from shared.config.scorer import ScorerSettings
 from shared.keys import Keys
 from shared.lifecycle import Service, run_service
@@ -17,7 +17,7 @@ from shared.service import main
 
 async def start(service: Service[ScorerSettings]) -> None:
     settings, keys = service.settings, service.keys
-    functions, plugins = build_functions(settings.rewards, await service.enter(httpx.AsyncClient()))
+    functions, plugins = build_rewards(settings.rewards, await service.enter(httpx.AsyncClient()))
     state = service.app_state(ScorerAppState, functions=functions)
     await service.serve_http(build_app(state))
     await asyncio.gather(*(plugin.probe() for plugin in plugins))

@@ -6,7 +6,10 @@ When the task prefills the assistant turn (its last message is the assistant's s
 the completion text the rewards judge is that prefill followed by the sampled text, since that is the
 answer the model gave.
 
-A multi-turn tool-use group (its completions carry ``messages``, docs/design/multi_turn.md §2.9) gets TRL's
+Functions that take ``trainer_state`` (or ``**kwargs``) get a :class:`TrainerState`: ``global_step`` is the
+group's ``policy_version`` (the learner step its sampling started at), ``max_steps`` the scorer's ``max_steps``.
+
+A multi-turn tool-use group (its completions carry ``messages``, docs/concepts/multi-turn-design.md §2.9) gets TRL's
 tool-use shape instead: ``prompts[i]`` is that sample's prompt messages (with the environment's reset
 observation where it added one), ``completions[i]`` the conversation after the prompt as message dicts
 (assistant turns with ``tool_calls`` ``[{"id", "type": "function", "function": {"name", "arguments": dict}}]``,
@@ -29,7 +32,7 @@ import httpx
 import numpy as np
 
 from services.scorer.rewards.builtin import BUILTINS
-from services.scorer.rewards.functions import RewardBatch, RewardFunction, trl_style
+from services.scorer.rewards.functions import RewardBatch, RewardFunction, TrainerState, trl_style
 from services.scorer.rewards.http_plugin import HttpRewardPlugin
 from shared.advantages import (
     combine_rewards,
@@ -45,10 +48,11 @@ from shared.resilience import CircuitBreaker
 from shared.reward_protocol import load_reward_function
 
 
-def reward_batch(rollout: Rollout) -> RewardBatch:
-    """TRL-style reward inputs for one group (see the module docstring)."""
+def reward_batch(rollout: Rollout, max_steps: int | None = None) -> RewardBatch:
+    """TRL-style reward inputs for one group (see the module docstring); ``max_steps``: the learner's, for
+    the functions' ``trainer_state`` (None: not known)."""
     if any(c.messages for c in rollout.completions):
-        return conversation_batch(rollout)
+        return conversation_batch(rollout, max_steps)
     task = rollout.task
     size = rollout.group_size
     texts = [c.text for c in rollout.completions]
@@ -63,10 +67,17 @@ def reward_batch(rollout: Rollout) -> RewardBatch:
     columns = {key: [value] * size for key, value in task.columns.items()}
     columns.setdefault("max_completion_length", [task.sampling.max_tokens] * size)
     completion_ids = [c.token_ids.tolist() for c in rollout.completions]
-    return RewardBatch(prompts, completions, completion_ids, columns, group_id=rollout.group_id)
+    state = trainer_state(rollout, max_steps)
+    return RewardBatch(prompts, completions, completion_ids, columns, group_id=rollout.group_id, trainer_state=state)
 
 
-def conversation_batch(rollout: Rollout) -> RewardBatch:
+def trainer_state(rollout: Rollout, max_steps: int | None) -> TrainerState:
+    """What reward functions taking ``trainer_state`` get for this group (:class:`TrainerState`): the learner
+    step it was sampled at (its policy version), ``max_steps`` and no epoch."""
+    return TrainerState(global_step=rollout.policy_version, max_steps=max_steps)
+
+
+def conversation_batch(rollout: Rollout, max_steps: int | None = None) -> RewardBatch:
     """A tool-use group's reward inputs, in TRL's tool-use shape (see the module docstring)."""
     task = rollout.task
     size = rollout.group_size
@@ -76,7 +87,10 @@ def conversation_batch(rollout: Rollout) -> RewardBatch:
     columns.setdefault(BUDGET_COLUMN, [task.sampling.max_tokens] * size)
     columns[ENV_REWARD_COLUMN] = [c.trajectory.env_reward if c.trajectory else None for c in rollout.completions]
     completion_ids = [c.token_ids.tolist() for c in rollout.completions]
-    return RewardBatch(prompts, completions, completion_ids, columns, group_id=rollout.group_id, multi_turn=True)
+    state = trainer_state(rollout, max_steps)
+    return RewardBatch(
+        prompts, completions, completion_ids, columns, group_id=rollout.group_id, multi_turn=True, trainer_state=state
+    )
 
 
 def _prompt(prompt: str | Sequence[ChatMessage]) -> str | list[dict[str, Any]]:
@@ -181,6 +195,7 @@ def build_functions(
                 breaker=breaker,
                 timeout_s=spec.timeout_s if in_thread else None,
                 threads=spec.concurrency,
+                batched=spec.batched,
             )
         )
     return functions, plugins

@@ -19,7 +19,8 @@ reward's *bug* (an exception from a Python function that is not an outage, see
 loop stops, raising :class:`RewardBugError` (the scorer exits 1). A group that a reward cannot even be given
 (:class:`RewardInputError`, e.g. a column an HTTP plugin's JSON request cannot carry) is a bad record: it is
 dead-lettered at once with the reason, like an undecodable rollout, whether that reward is required or not,
-and no breaker counts it.
+and no breaker counts it. A reward with ``batched = true`` is called once over several groups
+(:mod:`services.scorer.rewards.batching`); every other reward once per group.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.scorer.holding import HoldPolicy, Released
+from services.scorer.rewards.batching import RewardBatcher
 from services.scorer.rewards.functions import (
+    RewardBatch,
     RewardBugError,
     RewardFailure,
     RewardFunction,
@@ -108,7 +111,12 @@ class ScoringLoop:
         max_reward_wait_s: float = 1800.0,
         retry_backoff_s: float = 1.0,
         retry_backoff_max_s: float = 30.0,
+        batch_groups: int | None = None,
+        batch_wait_s: float = 0.0,
+        max_steps: int | None = None,
     ) -> None:
+        """``batch_groups`` (None: ``max_in_flight``) and ``batch_wait_s``: a batched reward's most groups per
+        call and longest wait for them; ``max_steps``: the learner's, for the rewards' ``trainer_state``."""
         self.consumer, self.scored, self.evaluated = consumer, scored, evaluated
         self.functions, self.weights = list(functions), list(weights)
         self.names = [f.name for f in self.functions]
@@ -120,6 +128,13 @@ class ScoringLoop:
         self._stop = asyncio.Event()
         self.redis = RedisRetry()
         self.bug: RewardBugError | None = None  # set when a required reward's bug stops the loop
+        self.max_steps = max_steps
+        groups = batch_groups or max_in_flight
+        self.batchers = {
+            index: RewardBatcher(function, groups, batch_wait_s)
+            for index, function in enumerate(self.functions)
+            if function.batched
+        }
 
     @classmethod
     def from_settings(
@@ -142,6 +157,9 @@ class ScoringLoop:
             max_reward_wait_s=settings.max_reward_wait_s,
             retry_backoff_s=settings.retry_backoff_s,
             retry_backoff_max_s=settings.retry_backoff_max_s,
+            batch_groups=settings.batch_groups,
+            batch_wait_s=settings.reward_batch_wait_s,
+            max_steps=settings.max_steps,
         )
 
     def collector(self) -> CallbackCollector:
@@ -245,14 +263,14 @@ class ScoringLoop:
     async def score_rewards(self, rollout: Rollout) -> np.ndarray | str:
         """Rewards [G, F] once every required reward has answered, or the reason to dead-letter the group;
         RewardInputError when a reward cannot be given the group at all (a bad record)."""
-        batch = reward_batch(rollout)
+        batch = reward_batch(rollout, self.max_steps)
         per_func = np.full((len(batch), len(self.functions)), np.nan, dtype=np.float32)
         todo = list(range(len(self.functions)))
         started = time.monotonic()
         held = False
         try:
             for attempt in itertools.count():
-                results = await asyncio.gather(*(run_function(self.functions[i], batch) for i in todo))
+                results = await asyncio.gather(*(self._call(i, batch, rollout.task.eval_step) for i in todo))
                 bad = [r for r in results if isinstance(r, RewardFailure) and r.bad_input]
                 if bad:
                     raise RewardInputError(str(bad[0]))
@@ -283,6 +301,14 @@ class ScoringLoop:
             if held:
                 self.stats.groups_held -= 1
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _call(self, index: int, batch: RewardBatch, lane: int | None) -> list[float] | RewardFailure:
+        """Reward ``index`` on one group: through its batcher when it is batched (``lane``: the evaluation
+        round, None for training), else on its own."""
+        batcher = self.batchers.get(index)
+        if batcher is not None:
+            return await batcher.run(batch, lane)
+        return await run_function(self.functions[index], batch)
 
     async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
         log.error("group %s dead-lettered: %s", delivery.record_id, reason)

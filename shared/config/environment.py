@@ -1,7 +1,7 @@
 """Environment settings: ``[environment]`` (what the generator's trajectories talk to) and ``[env_server]`` (the
 process ``python -m services.env_server`` serving a Python environment over HTTP).
 
-An environment is one of three kinds (docs/design/multi_turn.md §2.3, §2.12):
+An environment is one of three kinds (docs/concepts/multi-turn-design.md §2.3, §2.12):
 
 - ``python = "mod:Class"``: a TRL ``environment_factory`` class run in the generator's process (``tools`` may add
   plain tool functions to its methods);

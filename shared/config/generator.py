@@ -22,7 +22,7 @@ class GeneratorSettings(ServiceSettings):
     environment: EnvironmentSettings | None = Field(
         None,
         description="The [environment] table: with one, each sample is a multi-turn trajectory with tools "
-        "(docs/multi_turn.md); without, one completion.",
+        "(docs/guides/multi-turn.md); without, one completion.",
         json_schema_extra={DEFAULT_TEXT: "none: its own table"},
     )
 

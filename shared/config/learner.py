@@ -33,7 +33,7 @@ from pydantic_settings import SettingsConfigDict
 
 from shared.allowed_hosts import LOOPBACK, HostAllowList
 from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
-from shared.config.data import DataSettings
+from shared.config.data import DataSettings, parse_split
 from shared.config.objective import Objective
 
 log = logging.getLogger(__name__)
@@ -159,6 +159,12 @@ class BatchSettings(BaseModel):
         "exist (0: whole logits, as before; needed for models that change logits after their LM head, e.g. "
         "Gemma's softcapping).",
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Activation checkpointing per decoder layer (TRL's name): a training pass keeps each layer's "
+        "input and recomputes the layer's activations in the backward, for less memory at the cost of about one "
+        "more forward per step; same values and gradients (padded, packed and shared-prompt passes, LoRA, FSDP2).",
+    )
     num_iterations: int = Field(1, ge=1, description="Optimizer steps per batch (TRL's num_iterations, mu).")
     sync_every: int = Field(1, ge=1, description="Optimizer steps between weight pushes to the generators.")
     max_staleness: int = Field(1, ge=0, description="Oldest trainable group, in policy versions behind.")
@@ -216,9 +222,14 @@ class EvaluationSettings(BaseModel):
     eval_data: str | list[str] | None = Field(
         None,
         description="Held-out prompts, read like data.source with the [data] table's prompt rules; 'held_out': "
-        "new problems of the built-in training task, none of them a training row; None: no evaluation.",
+        "new problems of the built-in training task, none of them a training row; None: none here (data.eval_split "
+        "or data.eval_fraction may hold rows of data.source out instead; with neither, no evaluation).",
     )
-    eval_split: str | None = Field(None, description="Split of eval_data to read (None: data.split).")
+    eval_split: str | None = Field(
+        None,
+        description="Split of eval_data to read, a name or a datasets-style slice ('test[:500]') (None: the split "
+        "names of data.train_split, without their slices).",
+    )
     eval_samples: int = Field(100, ge=1, description="Prompts per evaluation: the first eval_samples of eval_data.")
     eval_every: int = Field(
         0, ge=0, description="Steps between evaluations (0: only at the start and after the last step)."
@@ -451,13 +462,30 @@ class LearnerSettings(
 
 
 def _check_eval(s: LearnerSettings) -> None:
-    """``eval_data = "held_out"`` draws from the built-in training task; files need eval_data of their own."""
-    source = s.data.source
+    """One source of evaluation rows: ``eval_data`` (a file of its own, or ``"held_out"`` problems of the built-in
+    training task) or ``data.eval_split`` / ``data.eval_fraction`` (rows of ``data.source``); ``eval_split``
+    only beside a file of ``eval_data``."""
+    source, data = s.data.source, s.data
     if s.eval_data == "held_out" and not (isinstance(source, str) and source.startswith("builtin:")):
         raise ValueError(
             f"eval_data = 'held_out' draws new problems of a built-in task, and data.source is {source!r}: set "
             "eval_data to a file or dataset of held-out rows (read with the [data] table's prompt rules)"
         )
+    in_data = [f"data.{name}" for name in ("eval_split", "eval_fraction") if getattr(data, name) is not None]
+    if s.eval_data is not None and in_data:
+        raise ValueError(
+            f"two sources of evaluation rows: learner.eval_data ({s.eval_data!r}) and {in_data[0]}; keep "
+            "eval_data for rows of their own, or the data table's for rows held out of data.source"
+        )
+    if s.eval_split is not None and s.eval_data in (None, "held_out"):
+        raise ValueError(
+            f"learner.eval_split ({s.eval_split!r}) picks the split of learner.eval_data, which is "
+            f"{s.eval_data!r}; for a split of data.source set data.eval_split instead"
+        )
+    try:
+        parse_split(s.eval_split or "train")
+    except ValueError as exc:
+        raise ValueError(f"learner.eval_split: {exc}") from None
 
 
 def _divisor_below(n: int, limit: int) -> int:

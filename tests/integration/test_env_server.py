@@ -1,4 +1,4 @@
-"""The environment server and its client over real HTTP (docs/design/multi_turn.md §3 step 6): the server
+"""The environment server and its client over real HTTP (docs/concepts/multi-turn-design.md §3 step 6): the server
 (``python -m services.env_server``) in a process of its own, bearer auth, ``/health``, ``/schema``, exactly-once
 creates and steps, the idle TTL; and the client against ``tests/support/fault_env.py``: retries, timeouts and
 the breaker."""

@@ -1,7 +1,7 @@
 """Token fidelity of multi-turn trajectories through the real vLLM engine (CPU build): for every turn the
 engine's input is the prompt's ids plus the trajectory's tokens so far, the sampled spans are the engine's own
 outputs, and at the generator's weights the learner's logprobs of the sampled tokens match the behaviour
-logprobs (docs/design/multi_turn.md §3 step 15), with two chat templates (the tiny model's ChatML, and a
+logprobs (docs/concepts/multi-turn-design.md §3 step 15), with two chat templates (the tiny model's ChatML, and a
 Qwen2.5-style template that renders tools and tool calls).
 
 A random tiny model never writes a tool call, so the parser is replaced by one that reads every turn as a

@@ -1,7 +1,7 @@
 """Golden schema-v1 payloads: one record of every kind, encoded by the code that predates schema v2.
 
 The files under ``tests/support/records_v1/`` were written by ``main()`` *before* records v2 existed
-(docs/design/multi_turn.md §2.2), so they are what a v1 service puts on the wire. ``test_records_v2.py``
+(docs/concepts/multi-turn-design.md §2.2), so they are what a v1 service puts on the wire. ``test_records_v2.py``
 decodes them forever and checks that ``golden_records()``, encoded by today's code, still gives the same
 bytes (a single-turn record stays v1 byte for byte).
 

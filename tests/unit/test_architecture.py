@@ -10,7 +10,8 @@ Layers, lowest first (a module may import its own layer's package and the layers
    itself and ``shared`` only (services talk through the wire records, never through each other's code);
    the generator and the learner, the two ends of a weight push, import ``weight_sync`` too; the generator and
    the environment server, the two ends of the environment protocol, import ``environments``.
-4. ``services.launcher``: starts the services as processes; imports ``shared`` and itself.
+4. ``services.launcher``: starts the services as processes; imports ``shared``, itself, and for its start-up
+   check (``services.launcher.preflight``) the scorer's reward loading and the learner's data reading.
 
 Every import counts, also one inside a function; only ``if TYPE_CHECKING:`` blocks are left out.
 """

@@ -1,5 +1,5 @@
 """TRL's batch figures on hand-built groups: terminated lengths and the token counts behind ``num_tokens``; the
-multi-turn figures (docs/design/multi_turn.md §2.11)."""
+multi-turn figures (docs/concepts/multi-turn-design.md §2.11)."""
 
 from __future__ import annotations
 

@@ -20,8 +20,15 @@ from services.learner.metrics.completions_log import (
 from shared.records import ChatMessage, ScoredGroup
 from shared.trajectory import TrajectoryInfo
 from tests.support.factories import make_rollout, make_task, make_trajectory_completion
+from tests.support.tiny_model import build_tokenizer
 
 NAN = math.nan
+
+
+def ids_text(ids: list[int]) -> str:
+    """A stand-in tokenizer's decode that shows exactly which ids it was given."""
+    assert all(type(i) is int for i in ids)  # plain ints, as a tokenizer's decode takes them
+    return " ".join(f"<{i}>" for i in ids)
 
 
 def _group(prompt, texts, per_func, rewards, advantages, names=("accuracy", "format"), version=3) -> ScoredGroup:
@@ -42,11 +49,12 @@ def _group(prompt, texts, per_func, rewards, advantages, names=("accuracy", "for
 
 def test_one_row_per_completion_with_each_reward_and_nan_as_none():
     group = _group("2+3=", ["5", "6"], [[1.0, 0.5], [NAN, 0.25]], [1.5, 0.25], [0.5, -0.5])
-    assert completion_rows([group], limit=16) == [
+    assert completion_rows([group], limit=16, decode=ids_text) == [
         {
             "group_id": group.group_id,
             "policy_version": 3,
             "prompt": "2+3=",
+            "prompt_text": "<0> <1> <2> <3> <4>",  # the factory's rollout prompt ids, decoded
             "completion": "5",
             "rewards/accuracy": 1.0,
             "rewards/format": 0.5,
@@ -57,6 +65,7 @@ def test_one_row_per_completion_with_each_reward_and_nan_as_none():
             "group_id": group.group_id,
             "policy_version": 3,
             "prompt": "2+3=",
+            "prompt_text": "<0> <1> <2> <3> <4>",
             "completion": "6",
             "rewards/accuracy": None,
             "rewards/format": 0.25,
@@ -68,7 +77,7 @@ def test_one_row_per_completion_with_each_reward_and_nan_as_none():
 
 def test_a_conversation_prompt_is_kept_as_its_messages_and_a_reward_named_reward_keeps_its_own_column():
     group = _group(None, ["a", "b"], [[1.0], [0.0]], [NAN, 0.0], [0.0, 0.0], names=("reward",))
-    row = completion_rows([group], limit=1)[0]
+    row = completion_rows([group], limit=1, decode=ids_text)[0]
     assert row["prompt"] == [
         {"role": "system", "content": "Answer."},
         {"role": "user", "content": "What is 2+3?"},
@@ -79,13 +88,16 @@ def test_a_conversation_prompt_is_kept_as_its_messages_and_a_reward_named_reward
 def test_the_limit_takes_the_batch_first_completions_group_by_group():
     first = _group("p1", ["a", "b"], [[0, 0], [1, 1]], [0, 2], [-1, 1])
     second = _group("p2", ["c", "d"], [[0, 0], [1, 1]], [0, 2], [-1, 1], version=4)
-    rows = completion_rows([first, second], limit=3)
+    rows = completion_rows([first, second], limit=3, decode=ids_text)
     assert [(r["prompt"], r["completion"], r["policy_version"]) for r in rows] == [
         ("p1", "a", 3),
         ("p1", "b", 3),
         ("p2", "c", 4),
     ]
-    assert completion_rows([first, second], limit=10) == rows + completion_rows([second], limit=2)[1:]
+    assert (
+        completion_rows([first, second], limit=10, decode=ids_text)
+        == rows + completion_rows([second], limit=2, decode=ids_text)[1:]
+    )
 
 
 @pytest.mark.parametrize(
@@ -144,7 +156,7 @@ def test_a_trajectory_row_has_its_messages_counters_and_own_prompt_and_stays_jso
     rollout = make_rollout(make_task(group_size=2), completions=(plain, cut))
     group = _group("2+3=", ["", ""], [[1.0, 0.0], [0.0, 0.0]], [1.0, 0.0], [0.5, -0.5])
     group = group.model_copy(update={"rollout": rollout})
-    first, second = completion_rows([group], limit=4)
+    first, second = completion_rows([group], limit=4, decode=ids_text)
     assert first["messages"] == [
         {
             "role": "assistant",
@@ -169,6 +181,8 @@ def test_a_trajectory_row_has_its_messages_counters_and_own_prompt_and_stays_jso
         {"role": "user", "content": "What is 2+3?"},
     ]
     assert second["prompt"] == [{"role": "user", "content": "What is 2+3? The calculator is on."}]
+    # Each prompt_text renders the ids that completion was sampled after: the rollout's, or its own.
+    assert (first["prompt_text"], second["prompt_text"]) == ("<0> <1> <2> <3> <4>", "<0> <1> <2>")
     assert (second["turns"], second["tool_errors"], second["env_reward"], second["cut"]) == (4, 2, None, "max_turns")
     assert json.loads(jsonl_records(1, [first, second]).splitlines()[1])["cut"] == "max_turns"
     assert cell_text(first["messages"]) == (
@@ -178,5 +192,23 @@ def test_a_trajectory_row_has_its_messages_counters_and_own_prompt_and_stays_jso
 
 
 def test_a_single_turn_row_gains_no_trajectory_column():
-    row = completion_rows([_group("p", ["a"], [[1.0, 0.0]], [1.0], [0.0])], limit=1)[0]
+    row = completion_rows([_group("p", ["a"], [[1.0, 0.0]], [1.0], [0.0])], limit=1, decode=ids_text)[0]
     assert not {"messages", "turns", "tool_calls", "tool_errors", "env_reward", "cut"} & set(row)
+
+
+def test_prompt_text_is_the_chat_templated_prompt_the_model_read():
+    """With a real tokenizer: the generator sent the chat-templated prompt's ids, and the row shows them as text,
+    special tokens and generation prompt included (TRL's completions table shows its prompts so)."""
+    tokenizer = build_tokenizer()
+    group = _group(None, ["5", "6"], [[1.0], [0.0]], [1.0, 0.0], [0.5, -0.5], names=("accuracy",))
+    messages = [m.model_dump() for m in group.rollout.task.prompt]
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded  # transformers 5 returns a dict
+    rollout = group.rollout.model_copy(update={"prompt_token_ids": np.asarray(ids, dtype=np.int32)})
+    rows = completion_rows([group.model_copy(update={"rollout": rollout})], limit=2, decode=tokenizer.decode)
+    rendered = (
+        "<|im_start|>system\nAnswer.<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert [row["prompt_text"] for row in rows] == [rendered, rendered]
+    assert rows[0]["prompt"] == messages  # the messages stay beside it
+    assert json.loads(jsonl_records(3, rows).splitlines()[0])["prompt_text"] == rendered

@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.learner.data.feeder import DataError, PromptFeeder, build_prompt, load_rows, plain_value
+from services.learner.data.sources import read_eval_source, read_source
 from services.scorer.scoring import reward_batch
 from shared.config.data import DataSettings
 from shared.config.pipeline import PipelineConfig
@@ -225,9 +226,11 @@ def test_a_directory_written_by_save_to_disk(tmp_path):
     )
     splits.save_to_disk(str(tmp_path / "dict"))
     assert _prompts(str(tmp_path / "dict")) == ["q0", "q1"]
-    assert [r.prompt for r in load_rows(DataSettings(source=str(tmp_path / "dict"), split="test"))] == ["q2"]
-    with pytest.raises(DataError, match="holds the splits train, test, not 'dev'"):
-        load_rows(DataSettings(source=str(tmp_path / "dict"), split="dev"))
+    assert [r.prompt for r in load_rows(DataSettings(source=str(tmp_path / "dict"), train_split="test"))] == ["q2"]
+    old_name = DataSettings(source=str(tmp_path / "dict"), split="test")  # split: train_split's former name
+    assert [r.prompt for r in load_rows(old_name)] == ["q2"]
+    with pytest.raises(DataError, match=r"holds the splits train, test, not 'dev'; set data\.train_split"):
+        load_rows(DataSettings(source=str(tmp_path / "dict"), train_split="dev"))
 
 
 @pytest.fixture
@@ -257,6 +260,16 @@ def test_a_datasets_name_in_the_local_cache(offline_cache, tmp_path):
     _cache_as(offline_cache, "someone/tiny-math", ROWS, tmp_path)
     rows = load_rows(DataSettings(source="someone/tiny-math"))
     assert sorted(r.prompt for r in rows) == ["q0", "q1", "q2"] and rows[0].columns.keys() == {"solution"}
+
+
+def test_a_datasets_name_is_split_and_sliced_like_any_source(offline_cache, tmp_path):
+    _cache_as(offline_cache, "someone/tiny-math", ROWS, tmp_path)
+    data = DataSettings(source="someone/tiny-math", train_split="train[:2]", eval_split="train[2:]")
+    training, held = read_source(data), read_eval_source(data)
+    assert (len(training), len(held)) == (2, 1)
+    assert sorted(row["prompt"] for row in training + held) == ["q0", "q1", "q2"]
+    with pytest.raises(DataError, match=r"split='test'\) failed"):  # the split's name reaches datasets
+        read_eval_source(data.model_copy(update={"eval_split": "test"}))
 
 
 def test_a_datasets_name_not_in_the_cache_says_how_to_fix_it(offline_cache):

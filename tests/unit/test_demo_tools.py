@@ -1,4 +1,4 @@
-"""The tool-use demo's pieces (docs/design/multi_turn.md §3 step 19): its configuration validates, its held-out
+"""The tool-use demo's pieces (docs/concepts/multi-turn-design.md §3 step 19): its configuration validates, its held-out
 problems are new builtin:calculator products (never a training row or a worked example), the
 prefix-preserving template passes the generator's start check with the calculator's real tool schema (on the
 tiny tokenizer always, on SmolLM2's own where the demo converted it), the worked examples are right, and the

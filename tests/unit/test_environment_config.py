@@ -1,5 +1,5 @@
 """The ``[environment]`` table in a pipeline file: read by the generator, checked against the learner's budget,
-and shown by ``config explain`` as the per-trajectory token budget (docs/design/multi_turn.md §2.12)."""
+and shown by ``config explain`` as the per-trajectory token budget (docs/concepts/multi-turn-design.md §2.12)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The learner on multi-turn trajectories (docs/design/multi_turn.md §2.10): the loss mask, not the completion
+"""The learner on multi-turn trajectories (docs/concepts/multi-turn-design.md §2.10): the loss mask, not the completion
 mask, drives the logprobs, the loss, the importance weights and every count; tool and template tokens are
 context only; a sample with a prompt of its own never shares another's. Float64 on a tiny Llama."""
 

@@ -1,4 +1,4 @@
-"""The chat-template delta between turns and the start check (docs/design/multi_turn.md §2.4, §2.5).
+"""The chat-template delta between turns and the start check (docs/concepts/multi-turn-design.md §2.4, §2.5).
 
 Real tokenizer (the tiny character-level one, so one character is one token and every expected delta can be
 written out), real Jinja templates from tests/support/templates and configs/templates.

@@ -1,4 +1,4 @@
-"""The in-process environment adapter (docs/design/multi_turn.md §2.3, §3 step 5): TRL's environment class and
+"""The in-process environment adapter (docs/concepts/multi-turn-design.md §2.3, §3 step 5): TRL's environment class and
 tool functions, their schemas, tool errors, faults, the instance pool and the session lifecycle."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Schema v2 records (docs/design/multi_turn.md §2.2): tool calls, trajectories and their loss masks.
+"""Schema v2 records (docs/concepts/multi-turn-design.md §2.2): tool calls, trajectories and their loss masks.
 
 v1 goldens (encoded before v2 existed) decode forever, a record that uses no v2 field is still written as v1
 byte for byte, v2 records round-trip, and each validator refuses its bad case naming what is wrong.

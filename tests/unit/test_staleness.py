@@ -1,5 +1,5 @@
 """``shared.staleness.trajectory_version`` and the ``Rollout.policy_version`` check it backs
-(docs/design/multi_turn.md §2.2, build step 3).
+(docs/concepts/multi-turn-design.md §2.2, build step 3).
 
 The oldest version over sampled tokens only (masked -1 context ignored), None where nothing bounds it; a rollout
 whose ``policy_version`` is newer than a sampled token is refused, naming the completion, and every record

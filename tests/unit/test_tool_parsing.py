@@ -1,4 +1,4 @@
-"""Tool calls out of a sampled turn (docs/design/multi_turn.md §2.7): vLLM's real hermes parser on the tiny
+"""Tool calls out of a sampled turn (docs/concepts/multi-turn-design.md §2.7): vLLM's real hermes parser on the tiny
 tokenizer's ids, and what we do with its output (ids, unknown tools, non-object arguments, malformed turns)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The scorer on multi-turn tool-use groups (docs/design/multi_turn.md §2.9): reward functions get TRL's
+"""The scorer on multi-turn tool-use groups (docs/concepts/multi-turn-design.md §2.9): reward functions get TRL's
 tool-use shape and the ``env_reward`` column; the ``env_reward`` built-in; HTTP plugins get protocol v2 for
 tool-use groups only, while a single-turn group's v1 request stays byte for byte what it was before v2."""
 

@@ -1,4 +1,4 @@
-"""The trajectory runner with a scripted engine and real Python environments (docs/design/multi_turn.md §3
+"""The trajectory runner with a scripted engine and real Python environments (docs/concepts/multi-turn-design.md §3
 step 9): the engine reads exactly the prompt's ids and the trajectory's tokens before every turn (I1); the mask,
 logprob and version invariants (I3); the budgets and cuts; faults close every session and make no record."""
 

@@ -22,7 +22,7 @@ from shared.config.pipeline import PipelineConfig
 from tests.support.processes import ROOT
 
 SUPPORT = ROOT / "tests" / "support"
-TRL_DEFAULTS = SUPPORT / "trl_1_16_grpo_defaults.json"
+TRL_DEFAULTS = ROOT / "services" / "launcher" / "trl_defaults" / "trl_1_16_grpo_defaults.json"
 VERL_COMPOSED = SUPPORT / "verl_ppo_trainer_composed.yaml"
 MINIMAL_TRL = """\
 model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct
@@ -278,3 +278,49 @@ def test_verl_warmup_share_becomes_steps_or_is_refused_without_the_run_length():
     assert sized.tables["learner"]["warmup_steps"] == 10
     with pytest.raises(ValueError, match=r"lr_warmup_steps_ratio = 0\.05 is a share of the run"):
         from_verl(optim)
+
+
+def test_verl_data_files_validation_loggers_and_checkpointing_translate():
+    """data.train_files used to be refused as having no counterpart, so a translated run trained on the
+    built-in task; trainer.logger, test_freq and the gradient checkpointing flag were refused too."""
+    document = {
+        "data": {"train_files": ["a.parquet", "b.parquet"], "val_files": "test.parquet", "prompt_key": "question"},
+        "actor_rollout_ref": {"model": {"enable_gradient_checkpointing": True, "use_remove_padding": True}},
+        "trainer": {
+            "logger": ["console", "wandb", "swanlab"],
+            "project_name": "gsm8k",
+            "experiment_name": "run-1",
+            "test_freq": 5,
+            "val_before_train": False,
+            "n_gpus_per_node": 8,
+        },
+    }
+    result = from_verl(document)
+    assert result.unmapped == [] and result.warnings == []
+    data, learner = result.tables["data"], result.tables["learner"]
+    assert (data["source"], data["prompt_column"]) == (["a.parquet", "b.parquet"], "question")
+    assert (learner["eval_data"], learner["eval_every"], learner["eval_on_start"]) == ("test.parquet", 5, False)
+    assert (learner["report_to"], learner["tracking_project"]) == (["wandb"], "gsm8k")
+    assert learner["gradient_checkpointing"] is True
+    assert sorted(result.no_effect) == [
+        "actor_rollout_ref.model.use_remove_padding",
+        "trainer.experiment_name",
+        "trainer.logger 'console'",
+        "trainer.logger 'swanlab'",
+        "trainer.n_gpus_per_node",
+    ]
+    check(result, "verl")
+
+
+def test_verl_long_prompts_and_a_missing_data_source():
+    kept = from_verl({"data": {"train_files": "t.parquet", "filter_overlong_prompts": False, "truncation": "left"}})
+    assert differences(kept)["data.filter_overlong_prompts"][0] == (
+        "false (prompts longer than max_prompt_length are kept: they are cut ('left'))"
+    )
+    dropped = from_verl({"data": {"train_files": "t.parquet", "filter_overlong_prompts": True}})
+    assert "data.filter_overlong_prompts" not in differences(dropped)
+    nothing = from_verl({"data": {"train_batch_size": 8}})
+    assert nothing.tables["data"]["source"] == "builtin:arithmetic"
+    assert nothing.warnings[0].startswith("the verl file names no dataset (data.train_files)")
+    assert "WARNING: the verl file" in summary(nothing, "verl", None)
+    assert from_verl({"algorithm": {"use_kl_in_reward": True}}).unmapped == ["algorithm.use_kl_in_reward"]

@@ -1,4 +1,4 @@
-"""Tool calls out of one sampled assistant turn (docs/design/multi_turn.md §2.7).
+"""Tool calls out of one sampled assistant turn (docs/concepts/multi-turn-design.md §2.7).
 
 ``kind = "hermes"`` (or any other name vLLM's ``ToolParserManager`` knows) runs vLLM's own parser, built once
 with the tokenizer and the tool schemas, on the decode of the sampled turn (special tokens kept, the close

@@ -1,7 +1,7 @@
 """Runs a prompt's G trajectories against an environment: sample a turn, parse its tool calls, call the
 environment, append the template's delta, until the model stops calling tools or a bound is reached.
 
-One task per trajectory inside one ``asyncio.TaskGroup`` per prompt (docs/design/multi_turn.md §2.8): a
+One task per trajectory inside one ``asyncio.TaskGroup`` per prompt (docs/concepts/multi-turn-design.md §2.8): a
 trajectory waiting on its environment holds nothing else, and the engine batches whichever are sampling. An
 :class:`~environments.session.EnvFault` in any trajectory cancels its siblings and propagates: the prompt is
 abandoned and redelivered, and no ``Completion`` is ever made of a trajectory the environment failed (I5).

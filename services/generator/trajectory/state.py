@@ -1,7 +1,7 @@
 """One trajectory's tokens, masks, versions and messages, and its per-turn budget: values in, values out.
 
 The runner (``runner.py``) drives a :class:`Trajectory` turn by turn; this module keeps the invariants of
-docs/design/multi_turn.md §2.1 where they are made:
+docs/concepts/multi-turn-design.md §2.1 where they are made:
 
 - I1: the engine reads ``prompt_ids ++ tokens`` before every turn (:meth:`Trajectory.engine_input`);
 - I2: sampled ids are the engine's own, appended unchanged (:meth:`Trajectory.add_sampled`);

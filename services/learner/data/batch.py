@@ -12,7 +12,7 @@ right-padded to the longest completion T, so every completion starts at column P
 (``loss_mask`` and ``prompt_index`` are properties: the fields ``sampled_mask`` and ``row_prompts`` where a batch
 has trajectories or per-sample prompts, else the completion mask and the group index.)
 
-Two masks (docs/design/multi_turn.md §2.10). ``completion_mask`` is 1 on every real token after the prompt: it
+Two masks (docs/concepts/multi-turn-design.md §2.10). ``completion_mask`` is 1 on every real token after the prompt: it
 drives attention, positions and packing lengths. ``loss_mask`` is 1 on the tokens the policy sampled, a subset:
 a multi-turn trajectory's tool results and template tokens are context only (0), so the loss, the importance
 weights, the entropy, the KL, every token count and the LM head see the loss mask alone. A single-turn

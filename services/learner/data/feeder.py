@@ -1,7 +1,8 @@
 """The prompt feeder: the learner owns the data, so it can bound how many groups are in flight.
 
 Rows come from :mod:`services.learner.data.sources` (files, ``save_to_disk`` directories, cached ``datasets``
-names, built-in tasks). Each row becomes a :class:`Row`, following TRL's rules:
+names, built-in tasks): the rows of ``train_split``, less those ``eval_fraction`` holds out for evaluation,
+which are never fed. Each row becomes a :class:`Row`, following TRL's rules:
 
 * the prompt: a list of ``{"role", "content"}`` messages is a conversation (the generator applies the chat
   template, and the reward functions get each completion as ``[{"role": "assistant", "content": ...}]``); a

@@ -4,15 +4,21 @@
 ``source``                               read with
 =======================================  ===============================================================
 ``builtin:arithmetic``                   :mod:`services.learner.data.tasks` (conversational: the question is
-                                         the user's turn)
+                                         the user's turn); one split, ``train``
 a ``.jsonl``/``.json``/``.parquet``/     ``datasets.load_dataset("json" | "parquet" | "csv")``; a
 ``.csv`` file, a list of them, or a      directory's files are read whole, or only those whose name holds
-directory of them                        ``split`` when some do; one kind per source
-a directory written by ``save_to_disk``  ``datasets.load_from_disk`` (a ``DatasetDict``: its ``split``)
-any other name (``openai/gsm8k``)        ``datasets.load_dataset(name, dataset_config, split=split)``: it
+directory of them                        the split's name when some do; one kind per source
+a directory written by ``save_to_disk``  ``datasets.load_from_disk`` (a ``DatasetDict``: the named split)
+any other name (``openai/gsm8k``)        ``datasets.load_dataset(name, dataset_config, split=name)``: it
                                          must be in the local Hugging Face cache when the Hub is out of
                                          reach; the error says how to put it there
 =======================================  ===============================================================
+
+Splits are datasets' split strings (:func:`shared.config.data.parse_split`): ``train_split = "train[:90%]"``
+reads split ``train`` as above and keeps its first 90% of rows, for every kind of source alike. Evaluation
+rows come from ``eval_split`` or from the last ``eval_fraction`` of the training split; every row is keyed by
+what its split name resolved to and its index there (:data:`RowKey`), and an evaluation row that is also a
+training row is refused.
 
 Which columns reach the reward functions, and how the prompt is built, is :mod:`services.learner.data.feeder`'s.
 """
@@ -23,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from services.learner.data.tasks import BUILTIN_TASKS, held_out_rows
-from shared.config.learner import DataSettings
+from shared.config.data import DataSettings, parse_split
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # What datasets' save_to_disk writes beside the Arrow files: one split, or a DatasetDict of several.
@@ -34,17 +40,97 @@ class DataError(ValueError):
     """The configured data cannot be read, or a row does not fit the rules (the message says how to fix it)."""
 
 
+RowKey = tuple[str, int]  # (the file, split or task a row was read from, the row's index there)
+Keyed = list[tuple[RowKey, dict[str, Any]]]
+
+
 def read_source(data: DataSettings) -> list[dict[str, Any]]:
-    """Every row of ``data.source``, as dicts of Python values."""
+    """The training rows: ``data.train_split`` of ``data.source``, less the ``eval_fraction`` held out."""
+    training, _ = _hold_out(_select(data, data.train_split, "train_split"), data.eval_fraction)
+    return [row for _, row in training]
+
+
+def read_eval_source(data: DataSettings) -> list[dict[str, Any]]:
+    """The evaluation rows of ``data.eval_split`` or ``data.eval_fraction``, in the source's order; DataError
+    when neither is set, or when one of them is also a training row."""
+    if data.eval_split is None and data.eval_fraction is None:
+        raise DataError("no evaluation split: set data.eval_split or data.eval_fraction")
+    training, held = _hold_out(_select(data, data.train_split, "train_split"), data.eval_fraction)
+    evaluated = held if data.eval_split is None else _select(data, data.eval_split, "eval_split")
+    shared = overlap([key for key, _ in training], [key for key, _ in evaluated])
+    if shared:
+        chosen = f"eval_split = {data.eval_split!r}" if data.eval_split else f"eval_fraction = {data.eval_fraction}"
+        raise DataError(
+            f"data.{chosen} selects {shared} rows that data.train_split = {data.train_split!r} also selects; "
+            "evaluation rows are never training rows: make the two disjoint (e.g. train_split = 'train[:90%]' "
+            "and eval_split = 'train[90%:]'), or hold rows out with data.eval_fraction"
+        )
+    return [row for _, row in evaluated]
+
+
+def held_out_count(size: int, fraction: float) -> int:
+    """How many of ``size`` rows ``eval_fraction = fraction`` holds out: the nearest whole number, at least one,
+    leaving at least one training row."""
+    count = max(1, round(size * fraction))
+    if count >= size:
+        raise DataError(f"data.eval_fraction = {fraction} of {size} rows leaves no training row; lower it or add rows")
+    return count
+
+
+def overlap(training: list[RowKey], evaluated: list[RowKey]) -> int:
+    """How many evaluation rows are also training rows."""
+    trained = set(training)
+    return sum(key in trained for key in evaluated)
+
+
+def _hold_out(rows: Keyed, fraction: float | None) -> tuple[Keyed, Keyed]:
+    """``rows`` split into the training rows and the last ``fraction`` held out (none without one)."""
+    if fraction is None:
+        return rows, []
+    cut = len(rows) - held_out_count(len(rows), fraction)
+    return rows[:cut], rows[cut:]
+
+
+def _select(data: DataSettings, spec: str, field: str) -> Keyed:
+    """The rows ``spec`` (a split string: names, slices, ``+``) selects, each with its :data:`RowKey`."""
+    read: dict[str, Keyed] = {}
+    selected: Keyed = []
+    for part in parse_split(spec):
+        if part.name not in read:
+            read[part.name] = _split_rows(data, part.name, field)
+        rows = read[part.name]
+        try:
+            start, stop = part.bounds(len(rows))
+        except ValueError as exc:
+            raise DataError(f"data.{field}: {exc}") from None
+        selected.extend(rows[start:stop])
+    if not selected:
+        sizes = ", ".join(f"{name}: {len(rows)}" for name, rows in read.items())
+        raise DataError(f"data.{field} {spec!r} selects no row of {data.source} (rows per split: {sizes})")
+    return selected
+
+
+def _split_rows(data: DataSettings, split: str, field: str) -> Keyed:
+    """Every row of split ``split`` of ``data.source``, keyed by where it was read from: two split names that
+    read the same file (any name of a single file, say) give its rows the same keys."""
     sources = data.source if isinstance(data.source, list) else [data.source]
     if len(sources) == 1 and sources[0].startswith("builtin:"):
-        return _builtin(sources[0].removeprefix("builtin:"), data)
+        if split != "train":
+            raise DataError(
+                f"data.{field} {split!r}: a built-in task has one split, 'train'; slice it ('train[90%:]'), set "
+                "data.eval_fraction, or evaluate on new problems with learner.eval_data = 'held_out'"
+            )
+        return _keyed(sources[0], _builtin(sources[0].removeprefix("builtin:"), data))
     paths = [Path(source).expanduser() for source in sources]
     if len(paths) == 1 and _is_saved_dataset(paths[0]):
-        return _read_saved(paths[0], data.split)
+        return _read_saved(paths[0], split, field)
     if len(sources) == 1 and not paths[0].exists() and not _looks_like_a_path(sources[0]):
-        return _read_named(sources[0], data)
-    return _read_files(paths, data.split)
+        return _keyed(split, _read_named(sources[0], data, split))
+    return _read_files(paths, _files_of(paths, split))
+
+
+def _keyed(origin: str, rows: list[dict[str, Any]]) -> Keyed:
+    return [((origin, index), row) for index, row in enumerate(rows)]
 
 
 def _builtin(name: str, data: DataSettings) -> list[dict[str, Any]]:
@@ -88,16 +174,17 @@ def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and any(all((path / name).is_file() for name in names) for names in SAVED_DATASET_MARKERS)
 
 
-def _read_saved(path: Path, split: str) -> list[dict[str, Any]]:
-    """A directory written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
+def _read_saved(path: Path, split: str, field: str) -> Keyed:
+    """A directory written by ``Dataset.save_to_disk`` (one split, whatever its name) or
+    ``DatasetDict.save_to_disk`` (the split named ``split``)."""
     from datasets import DatasetDict, load_from_disk
 
     dataset = load_from_disk(str(path))
-    if isinstance(dataset, DatasetDict):
-        if split not in dataset:
-            raise DataError(f"{path} holds the splits {', '.join(dataset)}, not {split!r}; set data.split")
-        dataset = dataset[split]
-    return dataset.to_list()
+    if not isinstance(dataset, DatasetDict):
+        return _keyed(str(path), dataset.to_list())
+    if split not in dataset:
+        raise DataError(f"{path} holds the splits {', '.join(dataset)}, not {split!r}; set data.{field}")
+    return _keyed(split, dataset[split].to_list())
 
 
 def _files_of(paths: list[Path], split: str) -> list[Path]:
@@ -114,8 +201,8 @@ def _files_of(paths: list[Path], split: str) -> list[Path]:
     return files
 
 
-def _read_files(paths: list[Path], split: str) -> list[dict[str, Any]]:
-    files = _files_of(paths, split)
+def _read_files(paths: list[Path], files: list[Path]) -> Keyed:
+    """``files``, one after the other (each read as a split of its own, so that a row's key is its file's)."""
     if not files:
         raise DataError(f"{', '.join(map(str, paths))} holds no {'/'.join(FILE_KINDS)} files")
     unknown = [f for f in files if f.suffix.lower() not in FILE_KINDS]
@@ -126,20 +213,21 @@ def _read_files(paths: list[Path], split: str) -> list[dict[str, Any]]:
         raise DataError(f"the data source mixes {' and '.join(sorted(kinds))} files; point data.source at one kind")
     from datasets import load_dataset
 
-    dataset = load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train")
-    return dataset.to_list()
+    per_file = load_dataset(kinds.pop(), data_files={f"file{i}": str(f) for i, f in enumerate(files)})
+    return [row for i, f in enumerate(files) for row in _keyed(str(f.resolve()), per_file[f"file{i}"].to_list())]
 
 
-def _read_named(name: str, data: DataSettings) -> list[dict[str, Any]]:
-    """A ``datasets`` name: from the Hub when it is reachable, else from the local cache."""
+def _read_named(name: str, data: DataSettings, split: str) -> list[dict[str, Any]]:
+    """Split ``split`` of a ``datasets`` name (whole: its slice is taken here, as for every source): from the
+    Hub when it is reachable, else from the local cache."""
     import datasets
 
     try:
-        dataset = datasets.load_dataset(name, data.dataset_config, split=data.split)
+        dataset = datasets.load_dataset(name, data.dataset_config, split=split)
     except Exception as exc:  # datasets raises many types: unreachable Hub, missing config or split, ...
         raise DataError(
             f"data.source {name!r} is not a local file or directory, and datasets.load_dataset({name!r}"
-            f"{', ' + repr(data.dataset_config) if data.dataset_config else ''}, split={data.split!r}) failed: "
+            f"{', ' + repr(data.dataset_config) if data.dataset_config else ''}, split={split!r}) failed: "
             f"{type(exc).__name__}: {exc}. Without the Hub, a dataset name must be in the local Hugging Face cache "
             f"({datasets.config.HF_DATASETS_CACHE}): load it once where the Hub is reachable, then run with "
             "HF_DATASETS_OFFLINE=1 (and the same HF_HOME); or save it (to_parquet, to_json or save_to_disk) and "

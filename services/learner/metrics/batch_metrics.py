@@ -5,8 +5,8 @@ what :func:`finalize_advantages` returns, for :func:`services.learner.data.batch
 
 Lengths are sampled tokens (:func:`sampled_tokens`; TRL counts ``tool_mask == 1``): a multi-turn trajectory's
 tool results and template tokens are context, counted only by ``trajectories/mean_tokens``. The ``tools/*``,
-``env/*`` and ``trajectories/*`` figures (:func:`trajectory_metrics`, docs/design/multi_turn.md §2.11) appear only
-when the batch has trajectories; a single-turn batch's figures are what they were.
+``env/*`` and ``trajectories/*`` figures (:func:`trajectory_metrics`, docs/concepts/multi-turn-design.md §2.11) appear
+only when the batch has trajectories; a single-turn batch's figures are what they were.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _reward_figures(groups: Sequence[ScoredGroup]) -> dict[str, float]:
 
 
 def trajectory_metrics(completions: Sequence[Completion]) -> dict[str, float]:
-    """The multi-turn figures of docs/design/multi_turn.md §2.11 over the completions that are trajectories;
+    """The multi-turn figures of docs/concepts/multi-turn-design.md §2.11 over the completions that are trajectories;
     empty when none is. ``tools/failure_frequency`` is the batch's failed calls over its calls (summed counts, not
     a mean of per-trajectory ratios); the latency percentiles are over every environment call of the batch."""
     infos = [c.trajectory for c in completions if c.trajectory is not None]

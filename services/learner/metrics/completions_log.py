@@ -3,10 +3,12 @@ prompt, how each reward function scored it and the advantage it got, every ``log
 
 Reading a few completions is the quickest check that a reward function does what its author meant; the
 metrics alone show that reward goes up, not why. Rows are plain JSON-able dicts: one per completion, columns
-``group_id``, ``policy_version``, ``prompt``, ``completion``, ``rewards/<function>`` (None where the function
-gave no reward: NaN on the wire), ``reward`` (the weighted combination) and ``advantage``. The reward
-functions' columns are namespaced as in the metrics (``rewards/<function>/mean``) so that a function named
-``reward`` or ``prompt`` cannot overwrite another column.
+``group_id``, ``policy_version``, ``prompt`` (the text, or the ``{role, content}`` messages), ``prompt_text``
+(the prompt as the model read it: its token ids decoded with the learner's tokenizer, so a conversation is
+chat-templated, special tokens and all, as TRL's table shows it), ``completion``, ``rewards/<function>``
+(None where the function gave no reward: NaN on the wire), ``reward`` (the weighted combination) and
+``advantage``. The reward functions' columns are namespaced as in the metrics (``rewards/<function>/mean``)
+so that a function named ``reward`` or ``prompt`` cannot overwrite another column.
 
 A multi-turn trajectory's row also has ``messages`` (the conversation after the prompt: assistant turns with
 their tool calls, tool results), ``turns``, ``tool_calls``, ``tool_errors``, ``env_reward`` and ``cut``; its
@@ -20,12 +22,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from shared.records import ChatMessage, Completion, ScoredGroup
+from shared.records import ChatMessage, Completion, Rollout, ScoredGroup
 
 Row = dict[str, Any]
+Decode = Callable[[list[int]], str]  # token ids -> text, special tokens kept (the tokenizer's ``decode``)
 
 REWARD_PREFIX = "rewards/"
 
@@ -40,9 +43,9 @@ def completions_due(first_step: int, steps: int, every: int) -> bool:
     return last // every > (first_step - 1) // every
 
 
-def completion_rows(groups: Sequence[ScoredGroup], limit: int) -> list[Row]:
+def completion_rows(groups: Sequence[ScoredGroup], limit: int, decode: Decode) -> list[Row]:
     """The first ``limit`` completions of ``groups`` in batch order (whole groups first: a group's completions
-    are compared with each other), one row each."""
+    are compared with each other), one row each; ``decode`` renders their prompt ids as ``prompt_text``."""
     rows: list[Row] = []
     for group in groups:
         rollout = group.rollout
@@ -54,6 +57,7 @@ def completion_rows(groups: Sequence[ScoredGroup], limit: int) -> list[Row]:
                 "group_id": group.group_id,
                 "policy_version": rollout.policy_version,
                 "prompt": prompt if completion.prompt is None else _prompt_value(completion.prompt),
+                "prompt_text": prompt_text(rollout, completion, decode),
                 "completion": completion.text,
                 **trajectory_columns(completion),
             }
@@ -63,6 +67,13 @@ def completion_rows(groups: Sequence[ScoredGroup], limit: int) -> list[Row]:
             row["advantage"] = float(group.advantages[i])
             rows.append(row)
     return rows
+
+
+def prompt_text(rollout: Rollout, completion: Completion, decode: Decode) -> str:
+    """The prompt ``completion`` was sampled from as the model read it: its own prompt ids where a multi-turn
+    environment's reset gave it one, else the rollout's, decoded (one decode per logged row)."""
+    ids = rollout.prompt_token_ids if completion.prompt_token_ids is None else completion.prompt_token_ids
+    return decode(ids.tolist())
 
 
 def trajectory_columns(completion: Completion) -> Row:

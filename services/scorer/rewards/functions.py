@@ -19,34 +19,67 @@ function has one (later ones are one line each) and counted in ``rewards/<name>/
 stops the scorer on a required reward's bug (as TRL's trainer stops) instead of waiting it out. A *bad input*
 (:class:`RewardInputError`: the group cannot even be put to the function, e.g. a column a plugin's JSON
 request cannot carry) is the record's fault, not the function's: it never counts against the breaker, and
-the scoring loop dead-letters the group as a bad record.
+the scoring loop dead-letters the group as a bad record. A group whose row lacks a column the function needs
+(a parameter without a default, :mod:`services.scorer.rewards.columns`) is such a bad input: it is checked
+before the call, and a ``TypeError`` the call itself raises for a keyword that is a column problem (a missing
+one, or a dataset column the function takes no keyword for) is reported the same way (one the scorer passes to
+every function, such as ``max_completion_length``, is a bug whose message says to add ``**kwargs``).
+
+A failure names where the user's code raised it: the deepest frame in the function's own file (else the first
+frame outside this project and the standard library), never the worker thread's or the event loop's. Functions
+that take ``trainer_state`` (or ``**kwargs``, as TRL passes it always) get a :class:`TrainerState`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
+import os
+import re
+import sysconfig
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
+from services.scorer.rewards.columns import SCORER_ARGUMENTS, missing_columns, missing_columns_message
 from services.scorer.rewards.threads import RewardThreads, RewardTimeoutError
 from shared.resilience import CircuitBreaker, CircuitOpenError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CircuitOpenError", "RewardBatch", "RewardError", "RewardFailure", "RewardFunction", "RewardInputError"]
+__all__ = [
+    "CircuitOpenError",
+    "RewardBatch",
+    "RewardError",
+    "RewardFailure",
+    "RewardFunction",
+    "RewardInputError",
+    "TrainerState",
+]
 
 # What a Python reward function raises when something it calls is out of reach: an outage, retried like an
 # HTTP plugin's. Anything else it raises is a bug in the function.
 OUTAGE_EXCEPTIONS: tuple[type[Exception], ...] = (OSError, httpx.HTTPError)
+
+# Code that is not the user's, for finding the user's frame in a traceback: this project's services and shared
+# packages (the scorer, the worker threads) and the standard library (asyncio, concurrent.futures, json, ...).
+_PROJECT_ROOT = Path(__file__).resolve().parents[3]
+_SCORER_CODE = (str(_PROJECT_ROOT / "services") + os.sep, str(_PROJECT_ROOT / "shared") + os.sep)
+_NOT_USER_CODE = _SCORER_CODE + tuple(
+    {os.path.realpath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib")}
+)
+# What Python's TypeError says when a call's keywords do not fit the function's parameters.
+_UNEXPECTED_KEYWORD = re.compile(r"got an unexpected keyword argument '(\w+)'")
+_MISSING_ARGUMENTS = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (.+)$")
 
 
 class RewardError(RuntimeError):
@@ -70,6 +103,22 @@ class RewardBugError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class TrainerState:
+    """The ``trainer_state`` a reward function gets: the fields of TRL's ``transformers.TrainerState`` that mean
+    the same here, under TRL's names (any other TrainerState attribute raises AttributeError).
+
+    ``global_step``: the learner's optimizer step when the group's sampling started (its ``policy_version``; the
+    newest of them when a batched reward is called over several groups). ``max_steps``: the learner's
+    ``max_steps`` as the scorer is told it (``scorer.max_steps``), None when it is not. ``epoch``: TRL's fractional
+    progress through the data; always None, since the scorer does not know the dataset's length.
+    """
+
+    global_step: int
+    max_steps: int | None = None
+    epoch: float | None = None
+
+
+@dataclass(frozen=True)
 class RewardBatch:
     """One group in TRL's reward-function vocabulary (every list has G entries).
 
@@ -83,6 +132,7 @@ class RewardBatch:
     columns: dict[str, list[Any]]
     group_id: str = ""  # for logs and errors only; reward functions never see it
     multi_turn: bool = False
+    trainer_state: TrainerState | None = None  # what functions taking ``trainer_state`` get
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -124,6 +174,8 @@ class RewardFunction:
     ``required``: a failure holds the group back (the scoring loop retries it) instead of giving NaN.
     ``in_process``: a Python function (built-in or plugin), whose failures other than outages are bugs.
     ``threads``: the worker threads a Python plugin runs in (their ``hung`` count is a gauge).
+    ``source``: the file of a Python function, where its failures are located (:func:`failure_detail`).
+    ``batched``: called once over several groups (:mod:`services.scorer.rewards.batching`), not once per group.
     """
 
     name: str
@@ -133,6 +185,8 @@ class RewardFunction:
     breaker: CircuitBreaker | None = None
     in_process: bool = False
     threads: RewardThreads | None = None
+    source: str | None = None
+    batched: bool = False
 
     def __post_init__(self) -> None:
         if self.breaker is None:
@@ -183,30 +237,106 @@ def trl_style(
     breaker: CircuitBreaker | None = None,
     timeout_s: float | None = None,
     threads: int = 8,
+    batched: bool = False,
 ) -> RewardFunction:
-    """Wrap a function with TRL's convention ``f(prompts, completions, completion_ids, **columns)``.
+    """Wrap a function with TRL's convention ``f(prompts, completions, completion_ids, **columns)``, plus
+    ``trainer_state`` when it takes that parameter or ``**kwargs``.
 
     Coroutine functions are awaited; plain ones run in one of ``threads`` worker threads of their own when
     ``in_thread`` (plugins, whose cost is unknown) or inline (the fast built-ins). A call that gives no answer
     within ``timeout_s`` (None: no limit; an inline call has none) raises :class:`RewardTimeoutError`, an
-    outage.
+    outage. A group whose row lacks a column the function needs raises :class:`RewardInputError` unasked.
     """
     runner = RewardThreads(name, threads) if in_thread else None
+    takes_state = takes_trainer_state(function)
 
     async def call(batch: RewardBatch) -> Any:
-        kwargs = dict(
+        missing = missing_columns(function, batch.columns)
+        if missing:
+            raise RewardInputError(missing_columns_message(name, missing, batch.columns))
+        kwargs: dict[str, Any] = dict(
             prompts=batch.prompts,
             completions=batch.completions,
             completion_ids=batch.completion_ids,
             **batch.columns,
         )
-        if inspect.iscoroutinefunction(function):
-            return await _awaited(function(**kwargs), timeout_s)
-        if runner is not None:
-            return await runner.run(function, kwargs, timeout_s, batch.group_id)
-        return function(**kwargs)
+        if takes_state:
+            kwargs["trainer_state"] = batch.trainer_state
+        try:
+            if inspect.iscoroutinefunction(function):
+                return await _awaited(function(**kwargs), timeout_s)
+            if runner is not None:
+                return await runner.run(function, kwargs, timeout_s, batch.group_id)
+            return function(**kwargs)
+        except TypeError as exc:
+            problem = call_problem(name, exc, batch.columns)
+            if problem is None:
+                raise
+            raise problem from exc
 
-    return RewardFunction(name, call, required=required, breaker=breaker, in_process=True, threads=runner)
+    return RewardFunction(
+        name,
+        call,
+        required=required,
+        breaker=breaker,
+        in_process=True,
+        threads=runner,
+        source=source_file(function),
+        batched=batched,
+    )
+
+
+def takes_trainer_state(function: Callable[..., Any]) -> bool:
+    """Whether ``function`` has a ``trainer_state`` parameter or ``**kwargs`` (where TRL passes it too)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):  # no Python signature: pass only what TRL's convention requires
+        return False
+    return any(p.name == "trainer_state" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def source_file(function: Callable[..., Any]) -> str | None:
+    """The real path of the file ``function`` is defined in (a partial's or a callable object's too); None for
+    a function without one (a builtin)."""
+    target = inspect.unwrap(function)
+    while isinstance(target, functools.partial):
+        target = target.func
+    for candidate in (target, type(target)):
+        try:
+            return os.path.realpath(inspect.getfile(candidate))
+        except TypeError:
+            continue
+    return None
+
+
+def call_problem(reward: str, exc: TypeError, columns: Mapping[str, Any]) -> RewardError | None:
+    """What a ``TypeError`` raised by the call itself (binding the keywords, not inside the function) stands for:
+    a :class:`RewardInputError` (a bad record) for a parameter no column fills or a dataset column the function
+    takes no keyword for; a :class:`RewardError` (a bug) for a keyword the scorer passes to every function;
+    None when it is neither (then it is the function's own error)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or not os.path.realpath(frames[-1].filename).startswith(_SCORER_CODE):
+        return None  # raised inside the user's code
+    text = str(exc)
+    unexpected = _UNEXPECTED_KEYWORD.search(text)
+    keyword = unexpected.group(1) if unexpected else ""
+    fix = "give the function **kwargs, as TRL's reward functions have (def f(prompts, completions, **kwargs))"
+    if keyword in SCORER_ARGUMENTS:
+        return RewardError(
+            f"reward {reward!r} takes no keyword {keyword!r}, which the scorer passes to every reward function. "
+            f"Fix: {fix}"
+        )
+    if keyword in columns:
+        return RewardInputError(
+            f"reward {reward!r} takes no keyword for the column {keyword!r} that the dataset's rows carry (TRL "
+            f"passes every column as a keyword argument). Fix: {fix}, or a parameter {keyword!r}"
+        )
+    missing_arguments = _MISSING_ARGUMENTS.search(text)
+    if missing_arguments:
+        missing = [n for n in re.findall(r"'(\w+)'", missing_arguments.group(1)) if n not in columns]
+        if missing:
+            return RewardInputError(missing_columns_message(reward, missing, columns))
+    return None
 
 
 async def _awaited(coroutine: Any, timeout_s: float | None) -> Any:
@@ -221,18 +351,33 @@ async def _awaited(coroutine: Any, timeout_s: float | None) -> Any:
         raise RewardTimeoutError(f"no answer within timeout_s={timeout_s:g}") from None
 
 
-def failure_detail(exc: BaseException) -> str:
-    """What went wrong, in one line: a RewardError's message, else the exception and where it was raised."""
+def failure_detail(exc: BaseException, source: str | None = None) -> str:
+    """What went wrong, in one line: a RewardError's message, else the exception and where the user's code
+    raised it (:func:`user_frame`; ``source``: the function's file), e.g. ``ValueError: x (at my_rewards.py:12
+    in accuracy)``."""
     if isinstance(exc, RewardError):
         return str(exc)
     if isinstance(exc, RewardTimeoutError):
         return f"{type(exc).__name__}: {exc}"  # where the call was abandoned says nothing
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip() or type(exc).__name__
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames:
-        last = frames[-1]
-        text += f" (at {last.filename.rsplit('/', 1)[-1]}:{last.lineno} in {last.name})"
+    frame = user_frame(traceback.extract_tb(exc.__traceback__), source)
+    if frame is not None:
+        text += f" (at {Path(frame.filename).name}:{frame.lineno} in {frame.name})"
     return text
+
+
+def user_frame(frames: Sequence[traceback.FrameSummary], source: str | None) -> traceback.FrameSummary | None:
+    """The frame to name for a failure, from the outermost ``frames`` to the innermost: the deepest one in the
+    function's own file ``source``; else the first outside this project's services/ and shared/ and the standard
+    library (the user's code that was called); else the innermost; None without frames."""
+    if source is not None:
+        own = [frame for frame in frames if os.path.realpath(frame.filename) == source]
+        if own:
+            return own[-1]
+    outside = [frame for frame in frames if not os.path.realpath(frame.filename).startswith(_NOT_USER_CODE)]
+    if outside:
+        return outside[0]
+    return frames[-1] if frames else None
 
 
 async def run_function(function: RewardFunction, batch: RewardBatch) -> list[float] | RewardFailure:
@@ -271,7 +416,7 @@ def is_bug(function: RewardFunction, exc: Exception) -> bool:
 
 def _failed(function: RewardFunction, batch: RewardBatch, exc: Exception, trial: bool, *, first: bool) -> RewardFailure:
     bug = is_bug(function, exc)
-    failure = RewardFailure(function.name, batch.group_id, failure_detail(exc), bug=bug)
+    failure = RewardFailure(function.name, batch.group_id, failure_detail(exc, function.source), bug=bug)
     function.stats.errors += 1
     function.stats.timeouts += isinstance(exc, RewardTimeoutError)
     function.stats.last_error = failure.detail

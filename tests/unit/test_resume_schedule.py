@@ -1,0 +1,119 @@
+"""A resumed learner follows the learning-rate schedule of its own settings from its first step on: resumed with
+a longer ``max_steps``, its first step's rate is a fresh schedule's for the new length at that step, exactly;
+with the same settings, the rate the run would have used had it not stopped."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+
+from services.learner.checkpoint import LearnerState, save_checkpoint
+from services.learner.distributed import Topology
+from services.learner.optimizer import OptimizerStep, lr_lambda
+from services.learner.startup import build_trainer
+from shared.config.learner import LearnerSettings
+from shared.runs import run_identity, write_run_file
+from tests.support.tiny_model import build_tiny_llama
+from tests.unit.test_learner_core import _batch, _groups, _settings
+
+N = 6  # the first run's max_steps
+TRAINED = 4  # steps before the checkpoint: past the warm-up, in the cosine decay
+
+
+def _optimizer(max_steps: int, lr: float = 1e-3) -> OptimizerStep:
+    torch.manual_seed(0)
+    settings = LearnerSettings(
+        model="m",
+        api_token="t",
+        group_size=2,
+        groups_per_step=1,
+        micro_batch_size=2,
+        lr=lr,
+        warmup_steps=2,
+        min_lr_ratio=0.1,
+        max_steps=max_steps,
+    )
+    return OptimizerStep(torch.nn.Linear(3, 2), settings, Topology())
+
+
+def _rates(optimizer: OptimizerStep, steps: int) -> list[float]:
+    """The learning rate each of ``steps`` optimizer steps used."""
+    rates = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        optimizer.model(torch.ones(1, 3)).sum().backward()
+        rates.append(optimizer.apply()["learning_rate"])
+    return rates
+
+
+def _through_trainer_pt(optimizer: OptimizerStep) -> dict:
+    """The optimizer's state as ``trainer.pt`` gives it back (``torch.load(weights_only=True)``)."""
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _resumed(first: OptimizerStep, max_steps: int, lr: float = 1e-3) -> OptimizerStep:
+    resumed = _optimizer(max_steps, lr)
+    resumed.load_state_dict(_through_trainer_pt(first))
+    return resumed
+
+
+def test_resumed_with_a_longer_max_steps_the_first_step_takes_the_new_schedules_rate():
+    first = _optimizer(N)
+    _rates(first, TRAINED)
+    resumed = _resumed(first, 2 * N)
+    fresh = _rates(_optimizer(2 * N), TRAINED + 3)[TRAINED:]
+    assert resumed.step == TRAINED
+    assert _rates(resumed, 3) == fresh
+    assert fresh[0] == 1e-3 * lr_lambda(TRAINED, 2, 2 * N, 0.1)
+    assert _rates(first, 1)[0] != fresh[0]  # the old schedule's rate, which the resumed step no longer takes
+
+
+def test_resumed_with_the_same_settings_the_rates_are_the_uninterrupted_runs():
+    first = _optimizer(N)
+    _rates(first, TRAINED)
+    resumed = _resumed(first, N)
+    assert _rates(resumed, 2) == _rates(first, 2)
+
+
+def test_resumed_with_another_lr_the_schedule_peaks_at_the_new_lr():
+    first = _optimizer(N)
+    _rates(first, TRAINED)
+    resumed = _resumed(first, N, lr=2e-3)
+    assert _rates(resumed, 2) == _rates(_optimizer(N, lr=2e-3), TRAINED + 2)[TRAINED:]
+
+
+def test_resumed_at_the_end_of_a_schedule_the_rate_decays_from_the_restored_step():
+    first = _optimizer(N)
+    _rates(first, N)  # the old schedule has reached min_lr_ratio
+    resumed = _resumed(first, 2 * N)
+    assert _rates(resumed, 1) == _rates(_optimizer(2 * N), N + 1)[N:]
+    assert resumed.adamw.param_groups[0]["lr"] > 1e-3 * 0.1
+
+
+def test_a_learner_restarted_with_a_longer_max_steps_steps_at_the_new_schedules_rate(tmp_path):
+    """The service's path: a checkpoint written after two steps of max_steps = 3, resumed by ``build_trainer``
+    with max_steps = 6; its first step's ``learning_rate`` is a fresh 6-step schedule's at step 2."""
+    tiny = build_tiny_llama(tmp_path / "m", seed=3)
+    common = dict(
+        warmup_steps=1, max_prompt_length=64, run_name="resume-schedule", checkpoint_dir=str(tmp_path / "checkpoints")
+    )
+    first = _settings(tiny, max_steps=3, **common)
+    trainer, tokenizer, state, resumed = build_trainer(first)
+    batch = _batch(_groups(trainer.model, seed=5))
+    assert not resumed
+    for _ in range(2):
+        trainer.train(batch)
+    write_run_file(first, run_identity(first))
+    save_checkpoint(Path(first.checkpoint_dir), trainer, tokenizer, LearnerState(step=2, policy_version=2), keep=1)
+
+    longer = _settings(tiny, max_steps=6, **common)
+    trainer, _, state, resumed = build_trainer(longer)
+    assert resumed and state.step == trainer.step == 2
+    [metrics] = trainer.train(batch)
+    assert metrics["learning_rate"] == longer.lr * lr_lambda(2, 1, 6, longer.min_lr_ratio)
+    assert metrics["learning_rate"] != first.lr * lr_lambda(2, 1, 3, first.min_lr_ratio)
