@@ -23,7 +23,7 @@ from services.launcher.docs_tables import settings_tables
 from services.launcher.explain import explain
 from services.launcher.from_trl import PINNED_TRL_VERSION, from_trl, installed_trl_defaults, pinned_trl_defaults
 from services.launcher.from_verl import from_verl
-from services.launcher.preflight import preflight
+from services.launcher.preflight import isolated_preflight
 from services.launcher.prepare_model import prepare_smollm2
 from services.launcher.run import run
 from services.launcher.translation import UnmappedError, check, read_mapping, summary, to_toml
@@ -126,7 +126,7 @@ def _config_command(args: argparse.Namespace) -> int:
 def _explain(path: Path) -> int:
     """The explanation, with the start-up check's result; status 2 when ``asyncgrpo run`` would refuse the file."""
     pipeline = PipelineConfig.load(path)
-    problems = preflight(pipeline, config_file=path)
+    problems = isolated_preflight(path)
     print(explain(pipeline, problems))
     return 2 if problems else 0
 

@@ -8,25 +8,44 @@ A configuration that loads can still fail seconds into a run, after vLLM has loa
 * a Python reward function with a parameter (no default) that is not a column of the dataset's rows: the
   first rows are read by the learner's reader and prepared by its rules (``rename_columns``,
   ``answer_column``, the prompt column taken out), and a missing column is reported with the scorer's message
-  (:func:`~services.scorer.rewards.columns.missing_columns_message`).
+  (:func:`~services.scorer.rewards.columns.missing_columns_message`);
+* a Python reward function without ``**kwargs`` that cannot take every keyword the scorer passes it (the first
+  rows' columns, ``max_completion_length``, ...): every call would fail, so it is reported with the scorer's
+  message (:func:`~services.scorer.rewards.columns.unaccepted_keywords_message`).
 
 Modules are looked up as the services look them up: on ``sys.path``, beside the configuration file, in the
-working directory. The data is read only when a reward needs a column, so a run of built-in rewards starts as
-fast as before.
+working directory. Only the first ``FIRST_ROWS`` rows are read (:func:`~services.learner.data.sources.read_source`
+with a limit), and only when a reward needs a column or has no ``**kwargs``, so a run of built-in rewards starts
+as fast as before.
+
+``asyncgrpo run`` and ``config explain`` run the check in a child process (:func:`isolated_preflight`): the user's
+modules are imported there, so what they do at import (a reward model loaded onto the GPU, ``sys.path``
+extended) ends with the check instead of staying in the launcher for the whole run.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.learner.data.feeder import prepare_rows
+from services.learner.data.feeder import Row, prepare_rows
 from services.learner.data.sources import DataError, read_source
-from services.scorer.rewards.columns import missing_columns, missing_columns_message, required_columns
+from services.scorer.rewards.columns import (
+    missing_columns,
+    missing_columns_message,
+    passed_keywords,
+    required_columns,
+    takes_every_keyword,
+    unaccepted_keywords,
+    unaccepted_keywords_message,
+)
 from services.scorer.rewards.imports import import_callable
 from shared.config.base import CONFIG_ENV, ConfigFileError, config_path
 from shared.config.data import DataSettings
@@ -74,7 +93,41 @@ def preflight(config: str | Path | PipelineConfig, *, config_file: str | Path | 
     with _modules_beside(source):
         functions, problems = _reward_functions(pipeline.scorer.rewards)
         problems += _environment_problems(pipeline.generator.environment)
-    return problems + column_problems(functions, pipeline.learner.data)
+    multi_turn = pipeline.generator.environment is not None
+    return problems + column_problems(functions, pipeline.learner.data, multi_turn=multi_turn)
+
+
+def isolated_preflight(config: str | Path) -> list[Problem]:
+    """:func:`preflight` of the file ``config``, run in a child process (spawned: a fresh interpreter with none of
+    the launcher's state) when it names user code (a Python reward, environment class or tool), so that the
+    user's modules are imported there and never in the launcher; in this process when it names none (nothing is
+    imported). A child that ends without an answer (a module that calls ``os._exit`` or crashes the interpreter
+    at import) is one problem; any other exception of the check is raised here, as it would be in-process."""
+    try:
+        pipeline = PipelineConfig.load(Path(config))
+    except (PipelineError, ConfigFileError):
+        return preflight(config)  # the file's own problems, found without importing anything
+    if not names_user_code(pipeline):
+        return preflight(pipeline, config_file=config)
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as child:
+        try:
+            return child.submit(preflight, Path(config)).result()
+        except BrokenProcessPool as exc:
+            return [
+                Problem(
+                    "--config",
+                    f"the start-up check of {config} ended without an answer ({exc}): a module it imports (a reward "
+                    "function, environment class or tool) ended the process; import each one with python -c to see "
+                    "which",
+                )
+            ]
+
+
+def names_user_code(pipeline: PipelineConfig) -> bool:
+    """Whether ``pipeline`` names a module of the user's: a Python reward function, environment class or tool."""
+    environment = pipeline.generator.environment
+    in_environment = environment is not None and bool(environment.python or environment.tools)
+    return in_environment or any(spec.function is not None for spec in pipeline.scorer.rewards)
 
 
 @contextmanager
@@ -121,27 +174,46 @@ def _environment_problems(environment: EnvironmentSettings | None) -> list[Probl
     return problems
 
 
-def column_problems(functions: Sequence[PythonReward], data: DataSettings) -> list[Problem]:
+def column_problems(
+    functions: Sequence[PythonReward], data: DataSettings, *, multi_turn: bool = False
+) -> list[Problem]:
     """A problem for each reward function whose parameters without a default are not all columns of the
-    dataset's first rows (read only when a function needs a column), or the reason the rows cannot be read."""
-    if not any(required_columns(reward.function) for reward in functions):
+    dataset's first rows, or that cannot take every keyword the scorer passes it with them (``multi_turn``: an
+    environment runs, so ``env_reward`` too); or the reason the rows cannot be read. The rows are read only when
+    a function needs a column or has no ``**kwargs``."""
+    if all(takes_every_keyword(r.function) and not required_columns(r.function) for r in functions):
         return []
     try:
-        columns = first_row_columns(data)
+        rows = _first_rows(data)
     except DataError as exc:
         return [Problem("data", str(exc))]
     except Exception as exc:  # datasets' own errors, of many types (a malformed file, an unknown split)
         return [Problem("data.source", f"reading {data.source!r} failed: {type(exc).__name__}: {exc}")]
+    common = _columns(rows, every=True)
+    keywords = passed_keywords(_columns(rows, every=False), multi_turn=multi_turn)
     problems = []
     for reward in functions:
-        missing = missing_columns(reward.function, columns)
+        unaccepted = unaccepted_keywords(reward.function, keywords)
+        if unaccepted:
+            message = unaccepted_keywords_message(reward.name, reward.function, unaccepted)
+            problems.append(Problem(reward.setting, message))
+        missing = missing_columns(reward.function, common)
         if missing:
-            problems.append(Problem(reward.setting, missing_columns_message(reward.name, missing, columns)))
+            problems.append(Problem(reward.setting, missing_columns_message(reward.name, missing, common)))
     return problems
 
 
 def first_row_columns(data: DataSettings) -> list[str]:
     """The columns the reward functions get with every one of the first rows, as the learner prepares them."""
-    rows = prepare_rows(read_source(data)[:FIRST_ROWS], data)
-    common = set(rows[0].columns).intersection(*(row.columns for row in rows[1:]))
-    return sorted(common)
+    return _columns(_first_rows(data), every=True)
+
+
+def _columns(rows: Sequence[Row], *, every: bool) -> list[str]:
+    """The columns of ``every`` row (those a parameter may count on), else of any row (those passed somewhere)."""
+    sets = [set(row.columns) for row in rows]
+    return sorted(set.intersection(*sets) if every else set.union(*sets))
+
+
+def _first_rows(data: DataSettings) -> list[Row]:
+    """The first ``FIRST_ROWS`` training rows, read alone and prepared as the learner prepares them."""
+    return prepare_rows(read_source(data, limit=FIRST_ROWS), data)

@@ -5,8 +5,10 @@ Before Redis or any service starts:
 * the file is validated across services, with the launcher's own checks
   (:func:`shared.config.pipeline.launch_or_exit`: every problem named, exit status 2);
 * what would stop a service at its start is looked for (:func:`~services.launcher.preflight.preflight`: a
-  Python reward, environment class or tool that does not import, a reward's column the dataset lacks), and
-  each one found is printed once, with exit status 2 and no run directory;
+  Python reward, environment class or tool that does not import, a reward's column the dataset lacks, a
+  reward without ``**kwargs`` that cannot take what the scorer passes it), in a child process so that the
+  user's modules are never imported into the launcher, and each one found is printed once, with exit status 2
+  and no run directory;
 * a model placeholder (``model = "@smollm2"``, as in ``configs/demo-cpu.toml``) becomes the path of the model
   it stands for, prepared once;
 * the run is named (``--run-name``, else ``learner.run_name``, else a timestamp) and its directory
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from services.launcher.local_redis import redis_for_run
-from services.launcher.preflight import Problem, preflight
+from services.launcher.preflight import Problem, isolated_preflight
 from services.launcher.prepare_model import prepare_smollm2
 from services.launcher.supervisor import Supervisor
 from shared.config.launcher import MODEL_PLACEHOLDERS
@@ -48,7 +50,7 @@ REFUSED = 2  # as for an invalid configuration: nothing was started
 def run(config: Path, *, prefix: str | None = None, run_name: str | None = None) -> tuple[int, dict[str, int]]:
     """Run the pipeline of ``config`` to the learner's end; returns its exit code and every child's."""
     pipeline = launch_or_exit(config)
-    refuse_on(preflight(pipeline, config_file=config))
+    refuse_on(isolated_preflight(config))
     models = resolve_models(pipeline)
     overrides = {"model": models["LEARNER_MODEL"]} if "LEARNER_MODEL" in models else {}
     learner = LearnerSettings.load(config, run_name=run_name or pipeline.learner.run_name, **overrides)

@@ -21,11 +21,20 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from services.learner.data.feeder import Row, prepare_rows
-from services.learner.data.sources import read_eval_source, read_held_out, read_source
+from services.learner.data.sources import (
+    DataError,
+    overlap,
+    read_eval_source,
+    read_held_out,
+    read_keyed,
+    read_source,
+)
 from services.learner.metrics.batch_metrics import trajectory_metrics
 from shared.advantages import completion_metrics, reward_function_metrics
 from shared.codec import encode
@@ -61,12 +70,47 @@ def load_eval_rows(settings: LearnerSettings) -> list[Row]:
     if settings.eval_data == HELD_OUT:
         raw = read_held_out(data, settings.eval_samples)
     elif settings.eval_data is not None:
-        split = settings.eval_split or unsliced(data.train_split)
-        source = data.model_copy(update={"source": settings.eval_data, "train_split": split})
-        raw = read_source(source)
+        raw = read_eval_data(settings)
     else:
         raw = read_eval_source(data)
     return prepare_rows(raw[: settings.eval_samples], data)
+
+
+def read_eval_data(settings: LearnerSettings) -> list[dict[str, Any]]:
+    """The rows of ``eval_data``: its ``eval_split``, else the training split's name unsliced. Where it reads
+    what ``data.source`` reads (:func:`may_share_rows`), its rows are keyed and compared with the training rows
+    as :func:`read_eval_source` compares them: DataError when one is both."""
+    data = settings.data
+    split = settings.eval_split or unsliced(data.train_split)
+    source = data.model_copy(update={"source": settings.eval_data, "train_split": split})
+    if not may_share_rows(settings.eval_data, data.source):
+        return read_source(source)
+    evaluated = read_keyed(source, split, "train_split")
+    training = read_keyed(data, data.train_split, "train_split")
+    shared = overlap([key for key, _ in training], [key for key, _ in evaluated])
+    if shared:
+        chosen = f"learner.eval_split = {split!r}" if settings.eval_split else f"its split {split!r} (no eval_split)"
+        raise DataError(
+            f"learner.eval_data = {settings.eval_data!r} reads data.source, and {chosen} selects {shared} rows "
+            f"that data.train_split = {data.train_split!r} also selects: held-out metrics would be on training "
+            "prompts. Make them disjoint (e.g. data.train_split = 'train[:90%]' and learner.eval_split = "
+            "'train[90%:]'), hold rows out with data.eval_fraction instead of eval_data, or set eval_data to "
+            "a different file"
+        )
+    return [row for _, row in evaluated]
+
+
+def may_share_rows(eval_data: str | list[str], source: str | list[str]) -> bool:
+    """Whether ``eval_data`` may read rows ``source`` reads: both name one file, directory, dataset or built-in
+    task (paths compared resolved), or one names a file or folder inside a directory the other names. Only
+    then are rows compared by key (a dataset's keys are its split names, equal across datasets)."""
+    return any(a == b or a in b.parents or b in a.parents for a in _resolved(eval_data) for b in _resolved(source))
+
+
+def _resolved(source: str | list[str]) -> list[Path]:
+    """Each path, dataset name or built-in task of ``source`` as an absolute path (a name resolves alike
+    wherever it is written)."""
+    return [Path(item).expanduser().resolve() for item in (source if isinstance(source, list) else [source])]
 
 
 def eval_sampling(training: SamplingSpec, temperature: float) -> SamplingSpec:

@@ -118,15 +118,50 @@ def _load_sections(source: Path | None) -> tuple[dict[str, Any], list[str]]:
 
 
 def _load_service_tables(source: Path | None, names: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
-    """The service tables ``names``, each resolved as its service resolves it, and every problem of each."""
+    """The service tables ``names``, each resolved as its service resolves it, and every problem of each. The
+    scorer comes last: it takes the learner's :data:`LEARNER_FIGURES` (:func:`_load_scorer`)."""
     loaded: dict[str, Any] = {}
     problems: list[str] = []
-    for name in names:
+    for name in sorted(names, key=lambda name: name == "scorer"):
         try:
-            loaded[name] = SECTIONS[name].load(source)
+            if name == "scorer":
+                loaded[name], conflicts = _load_scorer(source, loaded.get("learner"))
+                problems.extend(conflicts)
+            else:
+                loaded[name] = SECTIONS[name].load(source)
         except ValidationError as exc:
             problems.extend(describe(name, exc))
     return loaded, problems
+
+
+# The learner's settings the scorer needs too: max_steps (the rewards' trainer_state.max_steps) and
+# groups_per_step (the groups one batched reward call covers). Configurations and from-trl/from-verl output set
+# them in [learner], and the scorer runs as a process of its own reading the same file: it takes them here.
+LEARNER_FIGURES = ("max_steps", "groups_per_step")
+
+
+def _load_scorer(source: Path | None, learner: LearnerSettings | None) -> tuple[ScorerSettings, list[str]]:
+    """The scorer's settings with each of :data:`LEARNER_FIGURES` that the learner sets (in ``[learner]``,
+    ``[common]`` or ``LEARNER_*``) and the scorer does not; and one problem per figure both set, to different
+    values. ``learner`` None (not in this file, or invalid): the scorer's own settings."""
+    scorer = ScorerSettings.load(source)
+    if learner is None:
+        return scorer, []
+    taken: dict[str, int] = {}
+    problems: list[str] = []
+    for name in LEARNER_FIGURES:
+        if name not in learner.model_fields_set:
+            continue
+        own, learners = getattr(scorer, name), getattr(learner, name)
+        if own is None:
+            taken[name] = learners
+        elif own != learners:
+            problems.append(
+                f"scorer.{name} ({own}, from [scorer], [common] or SCORER_{name.upper()}) differs from "
+                f"learner.{name} ({learners}): the scorer's {name} is the learner's, as reward functions see it; "
+                f"set {name} once, in [learner] (the scorer takes it from there) or in [common], and remove the other"
+            )
+    return (ScorerSettings.load(source, **taken) if taken else scorer), problems
 
 
 def describe(section: str, exc: ValidationError) -> list[str]:

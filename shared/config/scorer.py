@@ -161,8 +161,9 @@ class ScorerSettings(ServiceSettings, AlgorithmRecipe):
         None,
         ge=1,
         description="The learner's groups_per_step, as batched rewards see it: one call covers up to this many "
-        "groups (TRL's generation batch). Set groups_per_step once in [common] for learner and scorer alike; "
-        "None: max_groups_in_flight. Must not exceed max_groups_in_flight when a reward is batched.",
+        "groups (TRL's generation batch). None: the learner's, where the file's [learner] table (or [common]) sets "
+        "it, else max_groups_in_flight; set it here only for a scorer whose file has no [learner] table (a value "
+        "that differs from the learner's is refused). Must not exceed max_groups_in_flight when a reward is batched.",
     )
     reward_batch_wait_s: float = Field(
         1.0,
@@ -173,8 +174,10 @@ class ScorerSettings(ServiceSettings, AlgorithmRecipe):
     max_steps: int | None = Field(
         None,
         ge=1,
-        description="The learner's max_steps, as reward functions see it (trainer_state.max_steps). Set "
-        "max_steps once in [common] for learner and scorer alike; None: trainer_state.max_steps is None.",
+        description="The learner's max_steps, as reward functions see it (trainer_state.max_steps). None: the "
+        "learner's, where the file's [learner] table (or [common]) sets it, else trainer_state.max_steps is None; "
+        "set it here only for a scorer whose file has no [learner] table (a value that differs from the learner's "
+        "is refused).",
     )
     claim_idle_ms: int = Field(30_000, ge=100, description="Rollouts pending this long on a dead scorer move.")
     max_deliveries: int = Field(3, ge=1, description="Deliveries of a rollout before it is dead-lettered.")
@@ -231,8 +234,8 @@ class ScorerSettings(ServiceSettings, AlgorithmRecipe):
             raise ValueError(
                 f"groups_per_step ({self.groups_per_step}) exceeds max_groups_in_flight ({self.max_groups_in_flight}):"
                 f" batched reward {batched[0]!r} could never be called over a whole step's groups, since the scorer"
-                " holds no more than max_groups_in_flight at once; raise max_groups_in_flight to at least "
-                "groups_per_step"
+                " holds no more than max_groups_in_flight at once; raise scorer.max_groups_in_flight to at least "
+                "groups_per_step (the scorer's, else the learner's)"
             )
         return self
 

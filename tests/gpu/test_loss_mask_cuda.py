@@ -10,7 +10,7 @@ import torch
 from services.learner.logprobs.policy import completion_logprobs_and_entropy
 from services.learner.trainer import Trainer
 from tests.unit.test_learner_core import assert_grads_close
-from tests.unit.test_loss_mask import _batch, _groups, _model, _paths, _sequence_logprobs, float64_norms, tiny
+from tests.unit.test_loss_mask import _batch, _groups, _model, _paths, float64_norms, masked_reference, tiny
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,22 +20,11 @@ pytestmark = [
 __all__ = ["float64_norms", "tiny"]  # fixtures used by name
 
 
-def _reference(model, groups, batch) -> torch.Tensor:
-    reference = torch.zeros(batch.completion_ids.shape, dtype=torch.float64)
-    row = 0
-    for group in groups:
-        for c in group.rollout.completions:
-            prompt = group.rollout.prompt_token_ids if c.prompt_token_ids is None else c.prompt_token_ids
-            reference[row, : len(c.token_ids)] = torch.from_numpy(_sequence_logprobs(model, prompt, c.token_ids))
-            row += 1
-    return reference * batch.loss_mask.double()
-
-
 def test_every_logprob_path_on_cuda_matches_the_float64_reference_and_is_0_off_the_mask(tiny):
     cpu_model, _ = _model(tiny)
     groups = _groups(cpu_model, seed=1)
     batch = _batch(groups)
-    reference = _reference(cpu_model, groups, batch)
+    reference = masked_reference(cpu_model, groups, batch)
     model = cpu_model.float().to("cuda")
     on_gpu = batch.to("cuda")
     results = _paths(model, on_gpu)

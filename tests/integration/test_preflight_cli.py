@@ -1,7 +1,8 @@
 """The start-up check through the real commands (issue #35, items 3-4): ``asyncgrpo run`` refuses a misspelled
 reward and a reward's missing column before it asks for Redis or starts any process, prints each problem once
 with no traceback, exits 2 and leaves no run directory; ``config explain`` shows the data first and the check's
-result; the scorer started on its own refuses the misspelled reward at its start (exit 2, one line)."""
+result; the scorer started on its own refuses the misspelled reward at its start (exit 2, one line). The user's
+modules are imported by a child of the launcher, never by the launcher itself."""
 
 from __future__ import annotations
 
@@ -22,7 +23,18 @@ from tests.support.processes import ROOT, start_service
 pytestmark = pytest.mark.integration
 
 REWARDS = """
+import os
+from pathlib import Path
+
+# Which process imported this module: its parent is the launcher when a child of the launcher did.
+Path("imported-by").open("a").write(f"{os.getpid()} {os.getppid()}\\n")
+
+
 def accuracy_reward(completions, solution, **kwargs):
+    return [0.0 for _ in completions]
+
+
+def strict(prompts, completions, answer):
     return [0.0 for _ in completions]
 """
 
@@ -98,6 +110,22 @@ def test_run_refuses_a_rewards_missing_column_naming_the_fix(tmp_path, would_be_
     assert result.stderr.count("needs the column") == 1
     assert "launcher: scorer.rewards[0]: reward 'acc' needs the column 'solution'" in result.stderr
     assert "their columns: answer. Fix: rename a column to 'solution' with data.rename_columns" in result.stderr
+    print(f"\nrefused in {seconds:.2f} s")
+
+
+def test_run_refuses_a_reward_without_kwargs_in_a_child_of_the_launcher(tmp_path, would_be_redis):
+    config = experiment(tmp_path, "strict")
+    redis_url = f"redis://127.0.0.1:{would_be_redis.getsockname()[1]}/0"
+    result, seconds = launcher(tmp_path, "run", "--config", str(config), redis_url=redis_url)
+    assert_refused_before_anything(result, tmp_path, would_be_redis)
+    assert result.stderr.count("takes no keyword argument") == 1
+    assert (
+        "launcher: scorer.rewards[0]: reward 'acc': its function strict takes no keyword arguments 'completion_ids', "
+        "'max_completion_length', which the scorer passes it" in result.stderr
+    )
+    assert result.stderr.rstrip().endswith("def strict(prompts, completions, answer, **kwargs)")
+    [(_, parent)] = [line.split() for line in (tmp_path / "imported-by").read_text().splitlines()]
+    assert int(parent) != os.getpid()  # not the launcher (pytest's child): a child of the launcher imported it
     print(f"\nrefused in {seconds:.2f} s")
 
 

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from services.launcher.explain import explain, trl_batch, verl_batch
 from services.launcher.from_trl import from_trl
 from services.launcher.from_verl import from_verl
+from services.launcher.translation import to_toml
 from shared.config.base import ConfigFileError
 from shared.config.generator import GeneratorSettings
 from shared.config.learner import LearnerSettings
@@ -529,3 +530,84 @@ def test_from_verl_maps_objectives_kl_and_estimators():
         "actor_rollout_ref.actor.policy_loss.loss_mode",
         "algorithm.adv_estimator",
     ]
+
+
+# --- the learner's max_steps and groups_per_step reach the scorer -----------------------------------------------
+
+_FIGURE_VARS = ("SCORER_MAX_STEPS", "SCORER_GROUPS_PER_STEP", "LEARNER_MAX_STEPS", "LEARNER_GROUPS_PER_STEP")
+
+
+@pytest.fixture
+def no_figure_env(monkeypatch):
+    for var in (*_FIGURE_VARS, "ASYNCGRPO_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_scorer_takes_max_steps_and_groups_per_step_from_the_learner_table(tmp_path, no_figure_env):
+    config = tmp_path / "run.toml"
+    tables = '[scorer]\nrewards = [{name = "mark", batched = true}]\n[learner]\nmodel = "/m"\n'
+    config.write_text(tables + "max_steps = 30\ngroups_per_step = 3\n")
+    assert ScorerSettings.load(config).max_steps is None  # the [scorer] table alone: what loading the file adds
+    scorer = load_service(config, "scorer")  # the scorer's own process, this file and no other
+    assert (scorer.max_steps, scorer.groups_per_step, scorer.batch_groups) == (30, 3, 3)
+    config.write_text(config.read_text() + '[generator]\nmodel = "/m"\n')  # every table: the whole-file path
+    pipeline = PipelineConfig.load(config)
+    assert (pipeline.scorer.max_steps, pipeline.scorer.groups_per_step) == (30, 3)
+    assert load_service(config, "scorer") == pipeline.scorer
+    config.write_text(tables)  # the learner's defaults are not set values: nothing to take
+    assert (load_service(config, "scorer").max_steps, load_service(config, "scorer").batch_groups) == (None, 8)
+    config.write_text("[scorer]\nmax_steps = 9\n")  # no [learner] table (a scorer deployed apart): its own
+    assert load_service(config, "scorer").max_steps == 9
+
+
+def test_translated_configs_give_the_scorer_the_learners_max_steps(tmp_path, no_figure_env, monkeypatch):
+    monkeypatch.setenv("LEARNER_MODEL", "/m")
+    trl = from_trl({"max_steps": 50, "per_device_train_batch_size": 8, "num_generations": 4}, trl_defaults())
+    verl = from_verl({"trainer": {"total_training_steps": 20}, "data": {"train_batch_size": 8}})
+    for result, kind, expected in ((trl, "TRL", (50, 2)), (verl, "verl", (20, 8))):
+        config = tmp_path / f"{kind}.toml"
+        config.write_text(to_toml(result, tmp_path / "source.yaml", kind, ""))
+        assert "max_steps" in result.tables["learner"] and "max_steps" not in result.tables.get("scorer", {})
+        scorer = load_service(config, "scorer")
+        assert (scorer.max_steps, scorer.groups_per_step) == expected
+
+
+@pytest.mark.parametrize(
+    ("tables", "named"),
+    [
+        ("[scorer]\nmax_steps = 5\n[learner]\nmodel = '/m'\nmax_steps = 7\n", "scorer.max_steps (5"),
+        ("[common]\ngroups_per_step = 2\n[learner]\nmodel = '/m'\ngroups_per_step = 4\n", "scorer.groups_per_step (2"),
+    ],
+)
+def test_scorer_and_learner_figures_that_differ_are_refused(tmp_path, no_figure_env, tables, named):
+    config = tmp_path / "run.toml"
+    config.write_text(tables)
+    with pytest.raises(PipelineError, match=re.escape(named)) as caught:
+        load_service(config, "scorer")
+    (problem,) = caught.value.problems
+    assert "differs from learner." in problem and "set" in problem and "in [learner]" in problem
+    config.write_text(tables + '[generator]\nmodel = "/m"\n' + "[scorer]\n" * ("[scorer]" not in tables))
+    with pytest.raises(PipelineError, match=re.escape(named)):
+        PipelineConfig.load(config)
+
+
+def test_the_same_figure_on_both_sides_is_accepted(tmp_path, no_figure_env, monkeypatch):
+    config = tmp_path / "run.toml"
+    config.write_text("[scorer]\nmax_steps = 7\n[learner]\nmodel = '/m'\nmax_steps = 7\n")
+    assert load_service(config, "scorer").max_steps == 7
+    monkeypatch.setenv("SCORER_MAX_STEPS", "8")  # the scorer's own environment counts as its own value
+    with pytest.raises(PipelineError, match=re.escape("scorer.max_steps (8")):
+        load_service(config, "scorer")
+
+
+def test_a_batched_reward_over_the_learners_groups_per_step_needs_the_room(tmp_path, no_figure_env):
+    config = tmp_path / "run.toml"
+    config.write_text(
+        '[scorer]\nrewards = [{name = "mark", batched = true}]\n[learner]\nmodel = "/m"\ngroups_per_step = 16\n'
+    )
+    with pytest.raises(
+        PipelineError, match=r"groups_per_step \(16\) exceeds max_groups_in_flight \(8\).*else the learner's\)"
+    ):
+        load_service(config, "scorer")
+    config.write_text(config.read_text().replace("batched = true}]", "batched = true}]\nmax_groups_in_flight = 16"))
+    assert load_service(config, "scorer").batch_groups == 16

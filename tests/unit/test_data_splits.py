@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from services.learner.data.feeder import PromptFeeder, load_rows
 from services.learner.data.sources import DataError, held_out_count, overlap, read_eval_source, read_source
-from services.learner.evaluation import eval_source, load_eval_rows
+from services.learner.evaluation import eval_source, load_eval_rows, may_share_rows
 from shared.config.data import DataSettings, SplitPart, parse_split, unsliced
 from shared.config.learner import LearnerSettings
 from shared.records import SamplingSpec
@@ -313,3 +313,80 @@ def test_eval_data_reads_the_training_split_names_without_their_slices(tmp_path)
     assert [row.prompt for row in load_eval_rows(settings)] == [f"q{i}" for i in range(8)]  # 'train', whole
     settings = settings.model_copy(update={"eval_split": "test[-1:]"})
     assert [row.prompt for row in load_eval_rows(settings)] == ["q9"]
+
+
+# eval_data that reads the training source ----------------------------------------------------------------------
+
+
+def test_eval_data_that_is_the_training_file_is_refused(tmp_path, monkeypatch):
+    source = _jsonl(tmp_path / "train.jsonl", ROWS)
+    monkeypatch.chdir(tmp_path)  # the same file written another way: relative here, absolute in data.source
+    settings = _settings(data={"source": str(source)}, eval_data="train.jsonl")
+    message = re.escape(
+        "learner.eval_data = 'train.jsonl' reads data.source, and its split 'train' (no eval_split) selects 10 "
+        "rows that data.train_split = 'train' also selects"
+    )
+    with pytest.raises(DataError, match=message) as caught:
+        load_eval_rows(settings)
+    for fix in ("learner.eval_split = 'train[90%:]'", "data.eval_fraction", "a different file"):
+        assert fix in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("train_split", "eval_split", "shared"),
+    [
+        ("train", "train[90%:]", 1),
+        ("train[:60%]", "train[50%:]", 1),
+        ("train", "test", 10),  # a single file is its one split, whatever the name
+    ],
+)
+def test_an_eval_split_of_the_training_file_that_holds_training_rows_is_refused(
+    tmp_path, train_split, eval_split, shared
+):
+    source = str(_jsonl(tmp_path / "d.jsonl", ROWS))
+    settings = _settings(data={"source": source, "train_split": train_split}, eval_data=source, eval_split=eval_split)
+    message = re.escape(f"learner.eval_split = {eval_split!r} selects {shared} rows that data.train_split")
+    with pytest.raises(DataError, match=message):
+        load_eval_rows(settings)
+
+
+def test_a_disjoint_slice_of_the_training_file_is_accepted(tmp_path):
+    source = str(_jsonl(tmp_path / "d.jsonl", ROWS))
+    data = {"source": source, "train_split": "train[:90%]"}
+    settings = _settings(data=data, eval_data=source, eval_split="train[90%:]")
+    assert [row.prompt for row in load_eval_rows(settings)] == ["q9"]
+    assert _prompts(read_source(settings.data)) == [f"q{i}" for i in range(9)]
+
+
+def test_eval_data_inside_the_training_source_is_compared_row_by_row(tmp_path):
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    train, test = _jsonl(parts / "train.jsonl", ROWS[:8]), _jsonl(parts / "test.jsonl", ROWS[8:])
+    directory = _settings(data={"source": str(parts)}, eval_data=str(test))  # the directory trains on train.jsonl
+    assert [row.prompt for row in load_eval_rows(directory)] == ["q8", "q9"]
+    with pytest.raises(DataError, match=r"selects 8 rows that data.train_split = 'train' also selects"):
+        load_eval_rows(directory.model_copy(update={"eval_data": str(train)}))
+    listed = _settings(data={"source": [str(train), str(test)]}, eval_data=str(test))
+    with pytest.raises(DataError, match=r"selects 2 rows that data.train_split"):
+        load_eval_rows(listed)
+
+
+def test_eval_data_that_is_the_training_task_or_saved_dataset_is_refused(tmp_path, monkeypatch):
+    task = {"source": "builtin:sums", "builtin_size": 20}
+    with pytest.raises(DataError, match=r"selects 20 rows that data.train_split"):
+        load_eval_rows(_settings(data=task, eval_data="builtin:sums"))
+    sliced = _settings(data={**task, "train_split": "train[:15]"}, eval_data="builtin:sums", eval_split="train[15:]")
+    assert len(load_eval_rows(sliced)) == 5
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    monkeypatch.chdir(tmp_path)
+    saved = _settings(data={"source": str(tmp_path / "saved")}, eval_data="./saved")  # one key, however written
+    with pytest.raises(DataError, match=r"selects 10 rows that data.train_split"):
+        load_eval_rows(saved)
+
+
+def test_only_sources_that_may_share_rows_are_compared(tmp_path):
+    assert may_share_rows("openai/gsm8k", "openai/gsm8k") and not may_share_rows("openai/gsm8k", "other/gsm8k")
+    assert may_share_rows("builtin:sums", "builtin:sums") and not may_share_rows("builtin:sums", "builtin:products")
+    assert may_share_rows(str(tmp_path / "parts" / "a.jsonl"), str(tmp_path / "parts"))
+    assert may_share_rows([str(tmp_path / "a.jsonl")], [str(tmp_path / "b.jsonl"), str(tmp_path / "a.jsonl")])
+    assert not may_share_rows(str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"))

@@ -48,10 +48,13 @@ def test_eval_data_is_read_like_the_training_data_and_cut_to_eval_samples(tmp_pa
     settings = _settings(data={"source": "builtin:sums", "answer_column": "solution"}, eval_data=str(path))
     with pytest.raises(DataError, match="no column solution"):
         load_eval_rows(settings.model_copy(update={"eval_data": str(_jsonl(tmp_path, [{"prompt": "q"}]))}))
-    settings = _settings(data={"source": str(path), "answer_column": "solution"}, eval_data=str(path), eval_samples=7)
-    held_out = load_eval_rows(settings)
+    held_out = load_eval_rows(settings.model_copy(update={"eval_samples": 7}))
     assert [row.prompt for row in held_out] == [f"q{i}" for i in range(7)]  # in file order, not shuffled
     assert held_out[3].columns == {"answer": "3"}
+    # The training file itself is no held-out data (tests/unit/test_data_splits.py has the cases).
+    training = _settings(data={"source": str(path), "answer_column": "solution"}, eval_data=str(path))
+    with pytest.raises(DataError, match=r"selects 30 rows that data\.train_split = 'train' also selects"):
+        load_eval_rows(training)
 
 
 def _jsonl(tmp_path, rows):

@@ -157,10 +157,8 @@ def _paths(model, batch, entropy="grad"):
     return out
 
 
-def test_every_logprob_path_equals_the_per_sequence_reference_at_loss_mask_positions_and_0_elsewhere(tiny):
-    model, _ = _model(tiny)
-    groups = _groups(model, seed=1)
-    batch = _batch(groups)
+def masked_reference(model, groups, batch) -> torch.Tensor:
+    """[B, T] each row's per-sequence reference logprobs at its loss-mask positions, 0 elsewhere (float64)."""
     reference = torch.zeros(batch.completion_ids.shape, dtype=torch.float64)
     row = 0
     for group in groups:
@@ -168,7 +166,14 @@ def test_every_logprob_path_equals_the_per_sequence_reference_at_loss_mask_posit
             prompt = group.rollout.prompt_token_ids if c.prompt_token_ids is None else c.prompt_token_ids
             reference[row, : len(c.token_ids)] = torch.from_numpy(_sequence_logprobs(model, prompt, c.token_ids))
             row += 1
-    reference *= batch.loss_mask.double()
+    return reference * batch.loss_mask.double()
+
+
+def test_every_logprob_path_equals_the_per_sequence_reference_at_loss_mask_positions_and_0_elsewhere(tiny):
+    model, _ = _model(tiny)
+    groups = _groups(model, seed=1)
+    batch = _batch(groups)
+    reference = masked_reference(model, groups, batch)
     results = _paths(model, batch)
     padded_lp, padded_h, padded_grads = results["padded/chunk0"]
     # Left padding moves float32 rounding inside SDPA's softmax (tests/unit/test_learner_core.py): ~1e-7.

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+import services.launcher.preflight as preflight_module
 from services.launcher.explain import explain
-from services.launcher.preflight import Problem, first_row_columns, preflight
-from services.scorer.rewards.columns import missing_columns_message
+from services.launcher.preflight import FIRST_ROWS, Problem, first_row_columns, isolated_preflight, preflight
+from services.learner.data.sources import read_source
+from services.scorer.rewards.columns import missing_columns_message, unaccepted_keywords_message
 from services.scorer.rewards.imports import closest_names_hint, public_callables, reward_problems
 from services.scorer.startup import build_rewards
 from shared.config.data import DataSettings
@@ -29,6 +31,9 @@ def accuracy_reward(completions, solution, **kwargs):
     return [0.0 for _ in completions]
 
 def brevity(completions, **kwargs):
+    return [1.0 for _ in completions]
+
+def strict(prompts, completions, completion_ids, answer, max_completion_length):
     return [1.0 for _ in completions]
 
 class CounterEnv:
@@ -75,7 +80,8 @@ def test_a_name_close_to_nothing_lists_what_the_module_defines(module, tmp_path)
     config = write_config(tmp_path, f'{{ name = "r", function = "{module}:xyz" }}')
     [problem] = preflight(config)
     assert (
-        problem.message == f"{module!r} has no callable 'xyz'; {module!r} defines CounterEnv, accuracy_reward, brevity"
+        problem.message
+        == f"{module!r} has no callable 'xyz'; {module!r} defines CounterEnv, accuracy_reward, brevity, strict"
     )
 
 
@@ -191,3 +197,84 @@ def test_explain_shows_the_data_first_and_the_start_check(module, tmp_path):
     assert "  - scorer.rewards[0]: reward 'acc' needs the column 'solution'" in text
     assert "Start-up check: passed" in explain(pipeline, [])
     assert "Start-up check" not in explain(pipeline)
+
+
+def test_a_reward_without_kwargs_that_cannot_take_a_column_is_named_with_the_scorers_message(module, tmp_path):
+    rows = [{"prompt": "1 + 1?", "answer": "2"}, {"prompt": "2 + 2?", "answer": "4", "id": 7}]
+    config = write_config(tmp_path, f'{{ name = "acc", function = "{module}:strict" }}')
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    [problem] = preflight(config)
+    function = sys.modules[module].strict
+    assert problem == Problem("scorer.rewards[0]", unaccepted_keywords_message("acc", function, ["id"]))
+    assert problem.message.endswith(
+        "def strict(prompts, completions, completion_ids, answer, max_completion_length, **kwargs)"
+    )
+
+
+def test_a_reward_without_kwargs_is_told_env_reward_when_an_environment_runs(module, tmp_path):
+    environment = f'[environment]\npython = "{module}:CounterEnv"\nmax_tool_response_tokens = 16\n'
+    config = write_config(tmp_path, f'{{ name = "acc", function = "{module}:strict" }}', environment=environment)
+    [problem] = preflight(config)
+    assert problem.message == unaccepted_keywords_message("acc", sys.modules[module].strict, ["env_reward"])
+
+
+def test_a_reward_without_kwargs_that_takes_every_keyword_passes(module, tmp_path):
+    assert preflight(write_config(tmp_path, f'{{ name = "acc", function = "{module}:strict" }}')) == []
+
+
+def test_only_the_first_rows_are_converted(tmp_path, monkeypatch):
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(1000)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    import datasets
+
+    converted = []
+    to_list = datasets.Dataset.to_list
+    monkeypatch.setattr(datasets.Dataset, "to_list", lambda self: converted.append(len(self)) or to_list(self))
+    data = DataSettings(source=str(tmp_path / "d.jsonl"), train_split="train[10:]", eval_fraction=0.5)
+    assert first_row_columns(data) == ["answer"]
+    assert converted == [FIRST_ROWS]
+    assert [row["prompt"] for row in read_source(data, limit=3)] == ["q10", "q11", "q12"]
+
+
+def test_the_first_rows_are_the_first_training_rows_whatever_the_split(tmp_path):
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(12)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    source = str(tmp_path / "d.jsonl")
+    for split, fraction in [("train", None), ("train[2:4]+train[-3:]", None), ("train[50%:]", 0.5), ("train", 0.9)]:
+        data = DataSettings(source=source, train_split=split, eval_fraction=fraction)
+        assert read_source(data, limit=4) == read_source(data)[:4], split
+
+
+def test_an_unexpected_error_while_reading_names_its_type_and_message(module, tmp_path, monkeypatch):
+    def broken(data, limit=None):
+        raise KeyError("file0")
+
+    monkeypatch.setattr(preflight_module, "read_source", broken)
+    [problem] = preflight(write_config(tmp_path, f'{{ name = "acc", function = "{module}:accuracy_reward" }}'))
+    assert problem == Problem("data.source", f"reading {str(tmp_path / 'train.jsonl')!r} failed: KeyError: 'file0'")
+
+
+def test_the_isolated_check_imports_the_users_modules_in_a_child_only(module, tmp_path):
+    (tmp_path / f"{module}.py").write_text("import sys\nsys.path.append('/from/the/rewards')\n" + REWARDS)
+    config = write_config(tmp_path, f'{{ name = "acc", function = "{module}:acuracy_reward" }}')
+    path_before = list(sys.path)
+    [problem] = isolated_preflight(config)
+    assert problem.setting == "scorer.rewards[0]" and problem.message.endswith("did you mean 'accuracy_reward'?")
+    assert module not in sys.modules and sys.path == path_before
+
+
+def test_a_module_that_ends_the_child_is_one_problem(module, tmp_path):
+    (tmp_path / f"{module}.py").write_text("import os\nos._exit(3)\n")
+    config = write_config(tmp_path, f'{{ name = "acc", function = "{module}:fn" }}')
+    [problem] = isolated_preflight(config)
+    assert problem.setting == "--config"
+    assert problem.message.startswith(f"the start-up check of {config} ended without an answer (")
+    assert problem.message.endswith("import each one with python -c to see which")
+
+
+def test_the_isolated_check_of_built_in_rewards_starts_no_child(tmp_path, monkeypatch):
+    monkeypatch.setattr(preflight_module, "ProcessPoolExecutor", None)  # calling it would raise
+    config = write_config(tmp_path, '{ name = "correctness" }')
+    assert isolated_preflight(config) == []
+    [problem] = isolated_preflight(write_config(tmp_path, '{ name = "corectness" }'))
+    assert "did you mean 'correctness'?" in problem.message

@@ -16,9 +16,10 @@ from pydantic import ValidationError
 
 import services.scorer.rewards.functions as functions_module
 from services.scorer.rewards.batching import RewardBatcher, merge_batches, split_result
-from services.scorer.rewards.columns import missing_columns_message
+from services.scorer.rewards.columns import missing_columns_message, unaccepted_keywords_message
 from services.scorer.rewards.functions import (
     RewardBatch,
+    RewardBugError,
     RewardFailure,
     RewardInputError,
     TrainerState,
@@ -145,25 +146,59 @@ def strict(prompts, completions, completion_ids):
     return [1.0] * len(completions)
 
 
+def strict_with_answer(prompts, completions, completion_ids, answer):
+    strict_with_answer.calls += 1
+    return [1.0] * len(completions)
+
+
+strict_with_answer.calls = 0
+
+
 @pytest.mark.parametrize("in_thread", [True, False])
-async def test_a_column_the_function_takes_no_keyword_for_is_a_bad_input(in_thread):
-    failure = await run_function(trl_style("strict", strict, in_thread=in_thread), _batch(["a"], answer="5"))
-    assert failure.bad_input and not failure.bug
-    assert failure.detail == (
-        "reward 'strict' takes no keyword for the column 'answer' that the dataset's rows carry (TRL passes every "
-        "column as a keyword argument). Fix: give the function **kwargs, as TRL's reward functions have "
-        "(def f(prompts, completions, **kwargs)), or a parameter 'answer'"
-    )
-
-
-async def test_a_keyword_the_scorer_always_passes_is_a_bug_that_says_to_add_kwargs():
-    failure = await run_function(trl_style("strict", strict, in_thread=True), _batch(["a"], max_completion_length=8))
+async def test_a_column_the_function_takes_no_keyword_for_is_a_bug_in_its_signature(in_thread):
+    function = trl_style("strict", strict, in_thread=in_thread)
+    failure = await run_function(function, _batch(["a"], answer="5", id=3))
     assert failure.bug and not failure.bad_input
+    assert failure.detail == unaccepted_keywords_message("strict", strict, ["answer", "id"])
+    assert failure.detail.endswith("def strict(prompts, completions, completion_ids, **kwargs)")
+    assert function.stats.bugs == 1 and function.stats.bad_inputs == 0
+
+
+async def test_a_keyword_the_scorer_always_passes_is_found_before_the_call():
+    strict_with_answer.calls = 0
+    function = trl_style("acc", strict_with_answer, in_thread=True)
+    failure = await run_function(function, _batch(["a"], answer="5", max_completion_length=8))
+    assert failure.bug and not failure.bad_input and strict_with_answer.calls == 0
     assert failure.detail == (
-        "reward 'strict' takes no keyword 'max_completion_length', which the scorer passes to every reward "
-        "function. Fix: give the function **kwargs, as TRL's reward functions have (def f(prompts, completions, "
-        "**kwargs))"
+        "reward 'acc': its function strict_with_answer takes no keyword argument 'max_completion_length', which the "
+        "scorer passes it (as TRL does: prompts, completions, completion_ids, max_completion_length, every column "
+        "of the dataset's rows, and env_reward with an environment), so every call would fail. Fix: add **kwargs "
+        "to its parameters, as TRL's reward functions have: def strict_with_answer(prompts, completions, "
+        "completion_ids, answer, **kwargs)"
     )
+
+
+async def test_the_scoring_loop_stops_on_a_required_rewards_signature_bug_not_a_bad_record():
+    loop = ScoringLoop(
+        None, None, [trl_style("acc", strict, in_thread=False)], [1.0], AdvantageSpec(),
+        drop_zero_std=False, max_in_flight=1,
+    )  # fmt: skip
+    with pytest.raises(RewardBugError, match=r"takes no keyword argument.*max_completion_length.*add \*\*kwargs"):
+        await loop.score_rewards(make_rollout(make_task(group_size=2)))
+
+
+def hides_its_signature(prompts, completions):
+    return [1.0] * len(completions)
+
+
+hides_its_signature.__signature__ = inspect.Signature([inspect.Parameter("kw", inspect.Parameter.VAR_KEYWORD)])
+
+
+async def test_an_unexpected_keyword_the_call_itself_reports_is_the_same_bug():
+    failure = await run_function(trl_style("hidden", hides_its_signature, in_thread=True), _batch(["a"]))
+    assert failure.bug and not failure.bad_input
+    assert failure.detail == unaccepted_keywords_message("hidden", hides_its_signature, ["completion_ids"])
+    assert failure.detail.endswith("def hides_its_signature(prompts, completions, **kwargs)")
 
 
 def hidden_solution(prompts, completions, solution, **kwargs):
@@ -194,7 +229,9 @@ async def test_a_typeerror_inside_the_function_stays_a_bug():
     assert failure.detail.startswith("TypeError: _takes_one() got an unexpected keyword argument 'answer' (at ")
     with pytest.raises(TypeError) as raised:
         _takes_one(answer=1)
-    assert call_problem("bad", raised.value, {"answer": [1]}) is None  # raised in this file: the user's code
+    assert (
+        call_problem("bad", raised.value, {"answer": [1]}, calls_badly) is None
+    )  # raised in this file: the user's code
 
 
 # 3. trainer_state.

@@ -44,10 +44,12 @@ RowKey = tuple[str, int]  # (the file, split or task a row was read from, the ro
 Keyed = list[tuple[RowKey, dict[str, Any]]]
 
 
-def read_source(data: DataSettings) -> list[dict[str, Any]]:
-    """The training rows: ``data.train_split`` of ``data.source``, less the ``eval_fraction`` held out."""
-    training, _ = _hold_out(_select(data, data.train_split, "train_split"), data.eval_fraction)
-    return [row for _, row in training]
+def read_source(data: DataSettings, limit: int | None = None) -> list[dict[str, Any]]:
+    """The training rows: ``data.train_split`` of ``data.source``, less the ``eval_fraction`` held out; only the
+    first ``limit`` of them when given (the rest are never converted to dicts: the start-up check's few rows)."""
+    selected, size = _select(data, data.train_split, "train_split", limit)
+    held = 0 if data.eval_fraction is None else held_out_count(size, data.eval_fraction)
+    return [row for _, row in selected[: size - held]]
 
 
 def read_eval_source(data: DataSettings) -> list[dict[str, Any]]:
@@ -55,8 +57,8 @@ def read_eval_source(data: DataSettings) -> list[dict[str, Any]]:
     when neither is set, or when one of them is also a training row."""
     if data.eval_split is None and data.eval_fraction is None:
         raise DataError("no evaluation split: set data.eval_split or data.eval_fraction")
-    training, held = _hold_out(_select(data, data.train_split, "train_split"), data.eval_fraction)
-    evaluated = held if data.eval_split is None else _select(data, data.eval_split, "eval_split")
+    training, held = _hold_out(_select(data, data.train_split, "train_split")[0], data.eval_fraction)
+    evaluated = held if data.eval_split is None else _select(data, data.eval_split, "eval_split")[0]
     shared = overlap([key for key, _ in training], [key for key, _ in evaluated])
     if shared:
         chosen = f"eval_split = {data.eval_split!r}" if data.eval_split else f"eval_fraction = {data.eval_fraction}"
@@ -83,6 +85,12 @@ def overlap(training: list[RowKey], evaluated: list[RowKey]) -> int:
     return sum(key in trained for key in evaluated)
 
 
+def read_keyed(data: DataSettings, spec: str, field: str) -> Keyed:
+    """The rows split string ``spec`` selects of ``data.source``, each with its :data:`RowKey`, to compare two
+    selections with :func:`overlap` (``field``: the setting an error names, as ``data.<field>``)."""
+    return _select(data, spec, field)[0]
+
+
 def _hold_out(rows: Keyed, fraction: float | None) -> tuple[Keyed, Keyed]:
     """``rows`` split into the training rows and the last ``fraction`` held out (none without one)."""
     if fraction is None:
@@ -91,10 +99,12 @@ def _hold_out(rows: Keyed, fraction: float | None) -> tuple[Keyed, Keyed]:
     return rows[:cut], rows[cut:]
 
 
-def _select(data: DataSettings, spec: str, field: str) -> Keyed:
-    """The rows ``spec`` (a split string: names, slices, ``+``) selects, each with its :data:`RowKey`."""
-    read: dict[str, Keyed] = {}
+def _select(data: DataSettings, spec: str, field: str, limit: int | None = None) -> tuple[Keyed, int]:
+    """The rows ``spec`` (a split string: names, slices, ``+``) selects, each with its :data:`RowKey` (only the
+    first ``limit`` when given), and how many it selects in all."""
+    read: dict[str, _Rows] = {}
     selected: Keyed = []
+    size = 0
     for part in parse_split(spec):
         if part.name not in read:
             read[part.name] = _split_rows(data, part.name, field)
@@ -103,14 +113,39 @@ def _select(data: DataSettings, spec: str, field: str) -> Keyed:
             start, stop = part.bounds(len(rows))
         except ValueError as exc:
             raise DataError(f"data.{field}: {exc}") from None
-        selected.extend(rows[start:stop])
-    if not selected:
+        size += max(stop - start, 0)
+        wanted = stop if limit is None else min(stop, start + max(limit - len(selected), 0))
+        selected.extend(rows[start:wanted])
+    if not size:
         sizes = ", ".join(f"{name}: {len(rows)}" for name, rows in read.items())
         raise DataError(f"data.{field} {spec!r} selects no row of {data.source} (rows per split: {sizes})")
-    return selected
+    return selected, size
 
 
-def _split_rows(data: DataSettings, split: str, field: str) -> Keyed:
+class _Rows:
+    """The rows of one split, keyed as :data:`Keyed`, in parts (a ``datasets.Dataset`` or a list of dicts, each
+    with the origin of its keys) converted to dicts only when sliced: a few rows of a large split cost little."""
+
+    def __init__(self, parts: list[tuple[str, Any]]) -> None:
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return sum(len(rows) for _, rows in self.parts)
+
+    def __getitem__(self, bounds: slice) -> Keyed:
+        start, stop, _ = bounds.indices(len(self))
+        keyed: Keyed = []
+        offset = 0
+        for origin, rows in self.parts:
+            first, last = max(start - offset, 0), min(stop - offset, len(rows))
+            if first < last:
+                piece = rows[first:last] if isinstance(rows, list) else rows.select(range(first, last)).to_list()
+                keyed.extend(((origin, first + i), row) for i, row in enumerate(piece))
+            offset += len(rows)
+        return keyed
+
+
+def _split_rows(data: DataSettings, split: str, field: str) -> _Rows:
     """Every row of split ``split`` of ``data.source``, keyed by where it was read from: two split names that
     read the same file (any name of a single file, say) give its rows the same keys."""
     sources = data.source if isinstance(data.source, list) else [data.source]
@@ -120,17 +155,13 @@ def _split_rows(data: DataSettings, split: str, field: str) -> Keyed:
                 f"data.{field} {split!r}: a built-in task has one split, 'train'; slice it ('train[90%:]'), set "
                 "data.eval_fraction, or evaluate on new problems with learner.eval_data = 'held_out'"
             )
-        return _keyed(sources[0], _builtin(sources[0].removeprefix("builtin:"), data))
+        return _Rows([(sources[0], _builtin(sources[0].removeprefix("builtin:"), data))])
     paths = [Path(source).expanduser() for source in sources]
     if len(paths) == 1 and _is_saved_dataset(paths[0]):
         return _read_saved(paths[0], split, field)
     if len(sources) == 1 and not paths[0].exists() and not _looks_like_a_path(sources[0]):
-        return _keyed(split, _read_named(sources[0], data, split))
+        return _Rows([(split, _read_named(sources[0], data, split))])
     return _read_files(paths, _files_of(paths, split))
-
-
-def _keyed(origin: str, rows: list[dict[str, Any]]) -> Keyed:
-    return [((origin, index), row) for index, row in enumerate(rows)]
 
 
 def _builtin(name: str, data: DataSettings) -> list[dict[str, Any]]:
@@ -174,17 +205,17 @@ def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and any(all((path / name).is_file() for name in names) for names in SAVED_DATASET_MARKERS)
 
 
-def _read_saved(path: Path, split: str, field: str) -> Keyed:
+def _read_saved(path: Path, split: str, field: str) -> _Rows:
     """A directory written by ``Dataset.save_to_disk`` (one split, whatever its name) or
     ``DatasetDict.save_to_disk`` (the split named ``split``)."""
     from datasets import DatasetDict, load_from_disk
 
     dataset = load_from_disk(str(path))
     if not isinstance(dataset, DatasetDict):
-        return _keyed(str(path), dataset.to_list())
+        return _Rows([(str(path.resolve()), dataset)])  # resolved: one key however the path is written
     if split not in dataset:
         raise DataError(f"{path} holds the splits {', '.join(dataset)}, not {split!r}; set data.{field}")
-    return _keyed(split, dataset[split].to_list())
+    return _Rows([(split, dataset[split])])
 
 
 def _files_of(paths: list[Path], split: str) -> list[Path]:
@@ -201,7 +232,7 @@ def _files_of(paths: list[Path], split: str) -> list[Path]:
     return files
 
 
-def _read_files(paths: list[Path], files: list[Path]) -> Keyed:
+def _read_files(paths: list[Path], files: list[Path]) -> _Rows:
     """``files``, one after the other (each read as a split of its own, so that a row's key is its file's)."""
     if not files:
         raise DataError(f"{', '.join(map(str, paths))} holds no {'/'.join(FILE_KINDS)} files")
@@ -214,10 +245,10 @@ def _read_files(paths: list[Path], files: list[Path]) -> Keyed:
     from datasets import load_dataset
 
     per_file = load_dataset(kinds.pop(), data_files={f"file{i}": str(f) for i, f in enumerate(files)})
-    return [row for i, f in enumerate(files) for row in _keyed(str(f.resolve()), per_file[f"file{i}"].to_list())]
+    return _Rows([(str(f.resolve()), per_file[f"file{i}"]) for i, f in enumerate(files)])
 
 
-def _read_named(name: str, data: DataSettings, split: str) -> list[dict[str, Any]]:
+def _read_named(name: str, data: DataSettings, split: str) -> Any:
     """Split ``split`` of a ``datasets`` name (whole: its slice is taken here, as for every source): from the
     Hub when it is reachable, else from the local cache."""
     import datasets
@@ -233,4 +264,4 @@ def _read_named(name: str, data: DataSettings, split: str) -> list[dict[str, Any
             "HF_DATASETS_OFFLINE=1 (and the same HF_HOME); or save it (to_parquet, to_json or save_to_disk) and "
             "set data.source to that path"
         ) from exc
-    return dataset.to_list()
+    return dataset  # a datasets.Dataset

@@ -21,9 +21,10 @@ stops the scorer on a required reward's bug (as TRL's trainer stops) instead of 
 request cannot carry) is the record's fault, not the function's: it never counts against the breaker, and
 the scoring loop dead-letters the group as a bad record. A group whose row lacks a column the function needs
 (a parameter without a default, :mod:`services.scorer.rewards.columns`) is such a bad input: it is checked
-before the call, and a ``TypeError`` the call itself raises for a keyword that is a column problem (a missing
-one, or a dataset column the function takes no keyword for) is reported the same way (one the scorer passes to
-every function, such as ``max_completion_length``, is a bug whose message says to add ``**kwargs``).
+before the call, and a ``TypeError`` the call itself raises for a missing parameter is reported the same way.
+A function without ``**kwargs`` that takes no keyword for something the scorer passes it (a column of the row,
+not only those it uses, or ``max_completion_length``) is a bug in its signature, not a bad record: checked
+before the call (or found in the call's ``TypeError``), its message says to add ``**kwargs``.
 
 A failure names where the user's code raised it: the deepest frame in the function's own file (else the first
 frame outside this project and the standard library), never the worker thread's or the event loop's. Functions
@@ -50,7 +51,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from services.scorer.rewards.columns import SCORER_ARGUMENTS, missing_columns, missing_columns_message
+from services.scorer.rewards.columns import (
+    missing_columns,
+    missing_columns_message,
+    unaccepted_keywords,
+    unaccepted_keywords_message,
+)
 from services.scorer.rewards.threads import RewardThreads, RewardTimeoutError
 from shared.resilience import CircuitBreaker, CircuitOpenError
 
@@ -245,15 +251,13 @@ def trl_style(
     Coroutine functions are awaited; plain ones run in one of ``threads`` worker threads of their own when
     ``in_thread`` (plugins, whose cost is unknown) or inline (the fast built-ins). A call that gives no answer
     within ``timeout_s`` (None: no limit; an inline call has none) raises :class:`RewardTimeoutError`, an
-    outage. A group whose row lacks a column the function needs raises :class:`RewardInputError` unasked.
+    outage. A group whose row lacks a column the function needs raises :class:`RewardInputError` unasked; a
+    keyword the function cannot take (it has no ``**kwargs``) raises :class:`RewardError`, a bug, unasked.
     """
     runner = RewardThreads(name, threads) if in_thread else None
     takes_state = takes_trainer_state(function)
 
     async def call(batch: RewardBatch) -> Any:
-        missing = missing_columns(function, batch.columns)
-        if missing:
-            raise RewardInputError(missing_columns_message(name, missing, batch.columns))
         kwargs: dict[str, Any] = dict(
             prompts=batch.prompts,
             completions=batch.completions,
@@ -262,6 +266,12 @@ def trl_style(
         )
         if takes_state:
             kwargs["trainer_state"] = batch.trainer_state
+        unaccepted = unaccepted_keywords(function, kwargs)
+        if unaccepted:
+            raise RewardError(unaccepted_keywords_message(name, function, unaccepted))
+        missing = missing_columns(function, batch.columns)
+        if missing:
+            raise RewardInputError(missing_columns_message(name, missing, batch.columns))
         try:
             if inspect.iscoroutinefunction(function):
                 return await _awaited(function(**kwargs), timeout_s)
@@ -269,7 +279,7 @@ def trl_style(
                 return await runner.run(function, kwargs, timeout_s, batch.group_id)
             return function(**kwargs)
         except TypeError as exc:
-            problem = call_problem(name, exc, batch.columns)
+            problem = call_problem(name, exc, batch.columns, function)
             if problem is None:
                 raise
             raise problem from exc
@@ -309,28 +319,21 @@ def source_file(function: Callable[..., Any]) -> str | None:
     return None
 
 
-def call_problem(reward: str, exc: TypeError, columns: Mapping[str, Any]) -> RewardError | None:
-    """What a ``TypeError`` raised by the call itself (binding the keywords, not inside the function) stands for:
-    a :class:`RewardInputError` (a bad record) for a parameter no column fills or a dataset column the function
-    takes no keyword for; a :class:`RewardError` (a bug) for a keyword the scorer passes to every function;
-    None when it is neither (then it is the function's own error)."""
+def call_problem(
+    reward: str, exc: TypeError, columns: Mapping[str, Any], function: Callable[..., Any]
+) -> RewardError | None:
+    """What a ``TypeError`` raised by the call of ``function`` itself (binding the keywords, not inside the
+    function) stands for: a :class:`RewardError` (a bug in its signature) for a keyword it cannot take; a
+    :class:`RewardInputError` (a bad record) for a parameter no column fills; None when it is neither (then it
+    is the function's own error). Both are checked before the call; this finds them where the function's
+    signature hides its parameters (a wrapper's ``*args, **kwargs``)."""
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames or not os.path.realpath(frames[-1].filename).startswith(_SCORER_CODE):
         return None  # raised inside the user's code
     text = str(exc)
     unexpected = _UNEXPECTED_KEYWORD.search(text)
-    keyword = unexpected.group(1) if unexpected else ""
-    fix = "give the function **kwargs, as TRL's reward functions have (def f(prompts, completions, **kwargs))"
-    if keyword in SCORER_ARGUMENTS:
-        return RewardError(
-            f"reward {reward!r} takes no keyword {keyword!r}, which the scorer passes to every reward function. "
-            f"Fix: {fix}"
-        )
-    if keyword in columns:
-        return RewardInputError(
-            f"reward {reward!r} takes no keyword for the column {keyword!r} that the dataset's rows carry (TRL "
-            f"passes every column as a keyword argument). Fix: {fix}, or a parameter {keyword!r}"
-        )
+    if unexpected:
+        return RewardError(unaccepted_keywords_message(reward, function, [unexpected.group(1)]))
     missing_arguments = _MISSING_ARGUMENTS.search(text)
     if missing_arguments:
         missing = [n for n in re.findall(r"'(\w+)'", missing_arguments.group(1)) if n not in columns]
