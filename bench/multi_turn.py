@@ -27,7 +27,7 @@ random model whose output layer is tilted to close a turn every ~15 tokens (as t
 the default is SmolLM2-135M-Instruct (``prepare_smollm2``, what the demo uses) with the demo's tool template.
 
     python bench/multi_turn.py [--prompts 8] [--rounds 3] [--group 8] [--turns 4] [--max-tokens 256]
-                               [--max-model-len 1024] [--step-s 0.05] [--quick]
+                               [--max-model-len 1024] [--step-s 0.05] [--block-size N] [--quick]
 """
 
 from __future__ import annotations
@@ -229,9 +229,18 @@ def start_engine(args: argparse.Namespace, model: Path):
     cpus = core_ranges(sorted(os.sched_getaffinity(0)))
     sequences = args.prompts * args.group
     generator = GeneratorSettings(
-        model=str(model), dtype="float32", max_model_len=args.max_model_len, max_num_seqs=sequences, omp_cpus=cpus
+        model=str(model),
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        max_num_seqs=sequences,
+        omp_cpus=cpus,
+        block_size=args.block_size,
     )
-    print(f"vLLM threads pinned to cores {cpus} (VLLM_CPU_OMP_THREADS_BIND); max_num_seqs {sequences}")
+    blocks = "vLLM's default" if args.block_size is None else args.block_size
+    print(
+        f"vLLM threads pinned to cores {cpus} (VLLM_CPU_OMP_THREADS_BIND); max_num_seqs {sequences}; "
+        f"block size {blocks}"
+    )
     return Engine.start(generator, str(model), policy_version=0)
 
 
@@ -335,6 +344,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens after the prompt (256; --quick 96)")
     parser.add_argument("--max-model-len", type=int, default=None, help="engine context (1024; --quick 512)")
     parser.add_argument("--step-s", type=float, default=0.05, help="seconds each environment step takes")
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="the engine's KV-cache block size (default: vLLM's; 128 on CPUs)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny random model, fewer prompts (CI smoke)")
     add_record_flag(parser)
     args = parser.parse_args(argv)

@@ -151,6 +151,7 @@ class Engine:
             logprobs_mode="processed_logprobs",
             enforce_eager=settings.enforce_eager,
             max_num_seqs=settings.max_num_seqs,
+            block_size=settings.block_size,
             tensor_parallel_size=settings.tensor_parallel_size,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             worker_extension_cls=WORKER_EXTENSION,

@@ -36,6 +36,15 @@ class GeneratorSettings(ServiceSettings):
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per replica (vLLM tensor parallelism).")
     enforce_eager: bool = Field(True, description="Skip torch.compile/CUDA graphs (faster start, slower decode).")
     max_num_seqs: int = Field(64, ge=1, description="Sequences the engine batches at once.")
+    block_size: int | None = Field(
+        None,
+        ge=1,
+        description="Tokens per KV-cache block (vLLM's block_size; None: vLLM's default, 128 on CPUs, 16 on most "
+        "GPUs). A multi-turn trajectory's next turn recomputes the tokens after its last full block, so smaller "
+        "blocks recompute less per turn (the CPU backend wants a multiple of 32). 2 AVX-512 BF16 cores, "
+        "bench/multi_turn.py --prompts 12 --rounds 2: 32 gave single-turn 347.5 and multi-turn 322.6 sampled "
+        "tokens/s, 128 gave 244.2 and 209.2 (docs/guides/multi-turn.md).",
+    )
     max_prompts_in_flight: int = Field(
         16, ge=1, description="Prompts read from the stream and sampling at once (each is G sequences)."
     )
