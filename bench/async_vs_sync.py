@@ -9,8 +9,12 @@ core 1 (so they can overlap at all on this 2-core machine):
 
 Seconds per step are taken from the learner's metrics (steps 2..N, so start-up is excluded). From the sync
 run's phase times, T_gen = time the learner waited for a batch and T_train = its training + weight-push
-time, the ideal speedup is (T_gen + T_train) / max(T_gen, T_train). The last line is measured / ideal
-(goal >= 0.9).
+time, the ideal speedup is (T_gen + T_train) / max(T_gen, T_train). The same phases measured side by side in
+the async run (the learner's train + push beside a sampling generator; the generator's sampling span of a
+batch from ``batches.jsonl`` beside a training learner) give a second ideal, sync s/step / max(both): the
+gap between the two ideals is what the phases lose to each other (cores sharing caches and memory bandwidth,
+threads outside their core), the gap from the second to the measured speedup is what the overlap itself
+costs. The last line is measured / ideal from phases alone (goal >= 0.95).
 
     python bench/async_vs_sync.py [--model smollm2|tiny] [--steps 12] [--quick]
 """
@@ -77,6 +81,16 @@ def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int, context:
     return path
 
 
+def sampling_span(batch: dict) -> float:
+    """Seconds the generator spent sampling one batch: its first group's start to its last group's end."""
+    return max(batch["sampling_finished_at"]) - min(batch["sampling_started_at"])
+
+
+def phase_ideal(t_gen: float, t_train: float) -> float:
+    """The speedup of perfect overlap over running the phases in turn: (T_gen + T_train) / max(T_gen, T_train)."""
+    return (t_gen + t_train) / max(t_gen, t_train)
+
+
 def run_mode(model: Path, mode: str, steps: int, groups: int, context: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix=f"bench-{mode}-") as scratch:
         tmp = Path(scratch)
@@ -85,12 +99,15 @@ def run_mode(model: Path, mode: str, steps: int, groups: int, context: int) -> d
         if result.returncode != 0:
             logs = "".join(f"\n--- {log.name}\n{log.read_text()[-2000:]}" for log in (tmp / "logs").glob("*.log"))
             raise RuntimeError(f"{mode} run failed:\n{(result.stdout + result.stderr)[-3000:]}{logs}")
-        records = [json.loads(line) for line in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]
+        lines = (tmp / "logs" / "metrics.jsonl").read_text().splitlines()
+        records = [r for r in map(json.loads, lines) if "seconds/step" in r]  # training records only
+        batches = [json.loads(line) for line in (tmp / "logs" / "batches.jsonl").read_text().splitlines()]
     later = records[1:]
     return {
         "seconds_per_step": (records[-1]["time"] - records[0]["time"]) / (len(records) - 1),
         "wait": statistics.mean(r["seconds/wait"] for r in later),
         "train": statistics.mean(r["seconds/train_wall"] + r["seconds/sync"] for r in later),
+        "sampling": statistics.mean(sampling_span(b) for b in batches[1:]),
         "staleness": statistics.mean(r["staleness/mean"] for r in records),
     }
 
@@ -108,28 +125,42 @@ def main(args) -> None:
         context = 1024
     sync = run_mode(model, "sync", args.steps, args.groups, context)
     asyn = run_mode(model, "async", args.steps, args.groups, context)
+    # Alone: the sync run's phases, each running while the other side idles.
     t_gen, t_train = sync["wait"], sync["train"]
-    ideal = (t_gen + t_train) / max(t_gen, t_train)
+    ideal = phase_ideal(t_gen, t_train)
+    # Side by side: the async run's phases, each beside the other; the generator's part of the wait is its
+    # sampling span (the rest, scoring and the streams, is taken as in the sync run).
+    t_gen_beside = t_gen + asyn["sampling"] - sync["sampling"]
+    t_train_beside = asyn["train"]
+    ideal_beside = sync["seconds_per_step"] / max(t_gen_beside, t_train_beside)
     speedup = sync["seconds_per_step"] / asyn["seconds_per_step"]
     print(
         f"async vs sync: {args.model} model, {args.groups} groups x G=8 per step, {args.steps} steps, "
         "generator on core 0, learner on core 1"
     )
-    print(f"{'mode':<6} {'s/step':>7} {'wait s':>7} {'train+push s':>13} {'staleness':>10}")
+    print(f"{'mode':<6} {'s/step':>7} {'wait s':>7} {'sampling s':>11} {'train+push s':>13} {'staleness':>10}")
     for name, row in (("sync", sync), ("async", asyn)):
         print(
-            f"{name:<6} {row['seconds_per_step']:>7.2f} {row['wait']:>7.2f} {row['train']:>13.2f} "
-            f"{row['staleness']:>10.2f}"
+            f"{name:<6} {row['seconds_per_step']:>7.2f} {row['wait']:>7.2f} {row['sampling']:>11.2f} "
+            f"{row['train']:>13.2f} {row['staleness']:>10.2f}"
         )
+    print(f"phases alone (sync run): T_gen {t_gen:.2f} s, T_train {t_train:.2f} s -> ideal speedup {ideal:.2f}")
     print(
-        f"phase times (sync): T_gen {t_gen:.2f} s, T_train {t_train:.2f} s; ideal speedup {ideal:.2f}, "
-        f"measured {speedup:.2f}"
+        f"phases side by side (async run): T_gen {t_gen_beside:.2f} s (sampling {sync['sampling']:.2f} -> "
+        f"{asyn['sampling']:.2f}), T_train {t_train_beside:.2f} s ({t_train_beside / t_train:.2f}x alone) -> ideal "
+        f"speedup {ideal_beside:.2f}"
     )
-    print(f"ratio measured/ideal: {speedup / ideal:.2f}  (goal >= 0.90)")
+    print(
+        f"measured speedup {speedup:.2f}: {speedup / ideal_beside:.2f} of the side-by-side ideal (what overlap "
+        "itself costs); the rest is what each phase loses beside the other"
+    )
+    print(f"ratio measured/ideal: {speedup / ideal:.2f}  (goal >= 0.95, ideal from phases alone)")
     if args.record:
         figures = {"sync_s_per_step": sync["seconds_per_step"], "async_s_per_step": asyn["seconds_per_step"]}
         figures |= {"t_gen_s": t_gen, "t_train_s": t_train, "ideal_speedup": ideal, "speedup": speedup}
-        record("async_vs_sync", figures, args, ratio=speedup / ideal, goal=">= 0.90")
+        figures |= {"t_gen_beside_s": t_gen_beside, "t_train_beside_s": t_train_beside}
+        figures |= {"ideal_speedup_beside": ideal_beside}
+        record("async_vs_sync", figures, args, ratio=speedup / ideal, goal=">= 0.95")
 
 
 if __name__ == "__main__":

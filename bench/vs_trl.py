@@ -1,125 +1,273 @@
-"""Against TRL: the demo's run (SmolLM2-135M-Instruct, arithmetic, G = 8, 2 prompts per step, 64-token
-completions, the demo's rewards, DAPO loss) for N steps with TRL's GRPOTrainer and with this pipeline, on
-the same 2-core CPU machine, one after the other.
+"""Against TRL: the demo's run (SmolLM2-135M-Instruct, one-step word problems, G = 8, 2 prompts per step,
+64-token completions, the demo's rewards, DAPO loss, lr 2e-5) for N steps with TRL 1.16's GRPOTrainer, TRL
+1.16's asynchronous trainer, and this pipeline, on the same 2-core CPU machine, one after the other, for each
+seed.
 
-TRL runs in its own environment (``make bench-env`` creates ``.venv-bench`` with ``trl``), as one process
-with both cores (HF ``generate`` then training, in turn). This pipeline runs as ``make demo`` does
-(vLLM-CPU generator on core 0, learner on core 1). Time is the training loop's: from the first step's start
-to the last step's end (TRL: ``trainer.train()``; ours: the learner's step timestamps), engine and model
-loading excluded for both; our start-up (vLLM engine) is printed too. The last line is TRL's time / ours
-(goal >= 3) and the final rewards (goal: ours not lower).
+TRL runs in its own environment (``make bench-env`` creates ``.venv-bench`` with ``trl``): the GRPOTrainer as
+one process with both cores (HF ``generate`` then training, in turn), the asynchronous trainer as its own
+script (``bench/trl_async_side.py``: a vLLM-CPU server and the trainer; when it cannot run on CPU, the bench
+prints TRL's own error and goes on). This pipeline runs as ``make demo`` does (vLLM-CPU generator on core 0,
+learner on core 1), evaluation off (TRL's side evaluates nothing either).
 
-    python bench/vs_trl.py [--steps 20]
+The window is the same for every system: from the first generation request to the end of the last optimizer
+step; model and engine loading are outside it (TRL: ``trainer.train()``, whose first act is step 1's
+generation; ours: the generator's first sampling start, from ``batches.jsonl``, to the last step's training end,
+from ``metrics.jsonl``, so the last weight push and the final checkpoint are outside it too). Our wall time with
+start-up is printed beside it. The last line is TRL's GRPOTrainer time / ours (goal >= 3), the async trainer's
+time / ours (goal >= 1.5) and the final rewards (mean of the last 3 steps; goal: ours not lower), each the mean
+over the seeds. ``--png`` draws every reward curve in one figure.
+
+``--quick`` (in ``make test``): our side only, on a tiny random model, 2 steps with evaluation on, so the
+parsing of ``metrics.jsonl`` and ``batches.jsonl`` (training records beside evaluation records) is checked.
+
+    python bench/vs_trl.py [--steps 20] [--seeds 0 1] [--png vs_trl.png] [--no-async] [--record] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tomli_w  # noqa: E402
 
-from bench.record import add_record_flag, record  # noqa: E402
-from services.launcher.prepare_model import prepare_smollm2  # noqa: E402
+from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
 from tests.support.launcher import run_pipeline  # noqa: E402
 
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
+LAST = 3  # the final reward is the mean of the last LAST steps
 
 
-def run_ours(model: Path, steps: int) -> dict:
+# Reading a run's files -----------------------------------------------------------------------------------------
+
+
+def training_records(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The training steps' records of a ``metrics.jsonl`` (evaluation records, ``eval/*`` only, left out).
+
+    A training record is one with ``seconds/step``; none at all means the file's format changed under the
+    bench, which is an error, not an empty run."""
+    steps = [r for r in records if "seconds/step" in r]
+    if not steps:
+        kinds = sorted({key for r in records for key in r})[:20]
+        raise ValueError(f"no training record (one with 'seconds/step') among {len(records)}; keys seen: {kinds}")
+    return steps
+
+
+def evaluation_records(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluation records of a ``metrics.jsonl``: those with ``eval/*`` figures and no training figures."""
+    return [r for r in records if "seconds/step" not in r and any(k.startswith("eval/") for k in r)]
+
+
+def training_window(steps: Sequence[dict[str, Any]], batches: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """(start, end) in seconds since the epoch: the first sampling start of any trained group, and the end of the
+    last step's training (its record's time less what followed training: weight push, checkpoint, evaluation)."""
+    starts = [t for batch in batches for t in batch["sampling_started_at"]]
+    if not starts:
+        raise ValueError("batches.jsonl names no sampling start: no group was trained")
+    last = steps[-1]
+    after_training = last["seconds/step"] - last["seconds/wait"] - last["seconds/train_wall"]
+    return min(starts), last["time"] - after_training
+
+
+def final_reward(rewards: Sequence[float]) -> float:
+    """The mean reward of the last ``LAST`` steps."""
+    tail = list(rewards)[-LAST:]
+    return sum(tail) / len(tail)
+
+
+def read_run(log_dir: Path) -> dict[str, Any]:
+    """Our run's figures over the common window: seconds, completion tokens, rewards per step, evaluations."""
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    batches = [json.loads(line) for line in (log_dir / "batches.jsonl").read_text().splitlines()]
+    steps = training_records(records)
+    start, end = training_window(steps, batches)
+    return {
+        "seconds": end - start,
+        "completion_tokens": sum(r["completion_tokens"] for r in steps),
+        "rewards": [r["reward"] for r in steps],
+        "evaluations": len(evaluation_records(records)),
+    }
+
+
+# The three systems -----------------------------------------------------------------------------------------------
+
+
+def _our_config(tmp: Path, model: Path, steps: int, seed: int, quick: bool) -> Path:
+    document = tomllib.loads((ROOT / "configs" / "demo-cpu.toml").read_text())
+    for table in ("generator", "learner"):
+        document[table]["model"] = str(model)
+    document["learner"].update(
+        max_steps=steps,
+        seed=seed,
+        checkpoint_dir=str(tmp / "ckpt"),
+        log_dir=str(tmp / "logs"),
+        checkpoint_every=10_000,
+        progress="off",
+        port=0,
+    )
+    document["data"]["shuffle_seed"] = seed
+    if quick:  # the tiny model: its position limit, a short evaluation that still writes eval records
+        document["generator"]["max_model_len"] = 512
+        document["learner"].update(eval_samples=8, eval_every=1, max_prompt_length=440)
+    else:
+        for key in ("eval_data", "eval_samples"):
+            document["learner"].pop(key, None)
+    document["launcher"]["log_dir"] = str(tmp / "logs")
+    config = tmp / "config.toml"
+    config.write_text(tomli_w.dumps(document))
+    return config
+
+
+def run_ours(model: Path, steps: int, seed: int, quick: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-ours-") as scratch:
         tmp = Path(scratch)
-        document = tomllib.loads((ROOT / "configs" / "demo-cpu.toml").read_text())
-        for table in ("generator", "learner"):
-            document[table]["model"] = str(model)
-        document["learner"].update(
-            max_steps=steps,
-            checkpoint_dir=str(tmp / "ckpt"),
-            log_dir=str(tmp / "logs"),
-            checkpoint_every=10_000,
-            progress="off",
-            port=0,
-        )
-        document["launcher"]["log_dir"] = str(tmp / "logs")
-        config = tmp / "config.toml"
-        config.write_text(tomli_w.dumps(document))
+        config = _our_config(tmp, model, steps, seed, quick)
         started = time.perf_counter()
         result = run_pipeline(config, timeout_s=7200)
         wall = time.perf_counter() - started
         if result.returncode != 0:
             raise RuntimeError((result.stdout + result.stderr)[-4000:])
-        records = [json.loads(line) for line in (tmp / "logs" / "metrics.jsonl").read_text().splitlines()]
-    first_start = records[0]["time"] - records[0]["seconds/step"] + records[0]["seconds/wait"]
-    return {"seconds": records[-1]["time"] - first_start, "wall": wall, "rewards": [r["reward"] for r in records]}
+        return read_run(tmp / "logs") | {"wall": wall}
 
 
-def run_trl(model: Path, steps: int) -> dict:
+def run_trl_side(script: str, model: Path, steps: int, seed: int) -> dict[str, Any]:
+    """One TRL script's JSON line; ``{"error": ..., "why": ...}`` when it reports it cannot run."""
     if not BENCH_PYTHON.exists():
         raise SystemExit("no benchmark environment: run `make bench-env` (it installs TRL in .venv-bench)")
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as scratch:
+        command = [str(BENCH_PYTHON), script, "--model", str(model), "--steps", str(steps), "--seed", str(seed)]
         result = subprocess.run(
-            [
-                str(BENCH_PYTHON),
-                "bench/trl_side.py",
-                "--model",
-                str(model),
-                "--steps",
-                str(steps),
-                "--output-dir",
-                scratch,
-            ],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=7200,
+            [*command, "--output-dir", scratch], cwd=ROOT, capture_output=True, text=True, timeout=7200
         )
-    if result.returncode != 0:
-        raise RuntimeError((result.stdout + result.stderr)[-4000:])
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    lines = result.stdout.strip().splitlines()
+    row = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    if row is None or (result.returncode != 0 and "error" not in row):
+        raise RuntimeError(f"{script} failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-4000:]}")
+    return row
+
+
+# Report --------------------------------------------------------------------------------------------------------
+
+
+def summary(rows: Sequence[dict[str, Any]], steps: int) -> dict[str, float]:
+    """Mean over seeds of seconds, s/step, completion tokens/s (when reported) and the final reward."""
+    seconds = statistics.mean(r["seconds"] for r in rows)
+    tokens = [r["completion_tokens"] / r["seconds"] for r in rows if r.get("completion_tokens")]
+    return {
+        "seconds": seconds,
+        "s_per_step": seconds / steps,
+        "tokens_per_s": statistics.mean(tokens) if tokens else float("nan"),
+        "first_reward": statistics.mean(sum(r["rewards"][:LAST]) / len(r["rewards"][:LAST]) for r in rows),
+        "final_reward": statistics.mean(final_reward(r["rewards"]) for r in rows),
+    }
+
+
+def draw(png: Path, runs: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, rows in runs.items():
+        for seed, row in zip(seeds, rows, strict=True):
+            axis.plot(range(1, len(row["rewards"]) + 1), row["rewards"], label=f"{name}, seed {seed}")
+    axis.set_xlabel("step")
+    axis.set_ylabel("mean reward of the step's batch")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(png)
+    print(f"reward curves: {png}")
 
 
 def main(args) -> None:
+    if args.quick:
+        quick(args)
+        return
+    from services.launcher.prepare_model import prepare_smollm2
+
     model = prepare_smollm2()
-    trl = run_trl(model, args.steps)
-    ours = run_ours(model, args.steps)
-
-    def tail(rewards: list[float]) -> float:
-        return sum(rewards[-3:]) / len(rewards[-3:])
+    runs: dict[str, list[dict[str, Any]]] = {"TRL GRPOTrainer": [], "TRL async": [], "ours": []}
+    async_error = None
+    for seed in args.seeds:
+        runs["TRL GRPOTrainer"].append(run_trl_side("bench/trl_side.py", model, args.steps, seed))
+        if args.async_trainer and async_error is None:
+            row = run_trl_side("bench/trl_async_side.py", model, args.steps, seed)
+            if "error" in row:
+                async_error = row
+            else:
+                runs["TRL async"].append(row)
+        runs["ours"].append(run_ours(model, args.steps, seed))
+    runs = {name: rows for name, rows in runs.items() if rows}
+    figures = {name: summary(rows, args.steps) for name, rows in runs.items()}
 
     print(
-        f"against TRL: SmolLM2-135M-Instruct, {args.steps} steps of 2 prompts x G=8, 64-token completions, "
-        "the demo's rewards, 2 CPU cores"
+        f"against TRL 1.16: SmolLM2-135M-Instruct, {args.steps} steps of 2 prompts x G=8, 64-token completions, "
+        f"the demo's rewards, 2 CPU cores, seeds {' '.join(map(str, args.seeds))} (means over seeds); "
+        "window: first generation request to the last optimizer step's end"
     )
-    print(f"{'system':<6} {'seconds':>8} {'s/step':>7} {'reward first 3':>15} {'reward last 3':>14}")
-    for name, row in (("TRL", trl), ("ours", ours)):
-        first = sum(row["rewards"][:3]) / len(row["rewards"][:3])
+    print(f"{'system':<16} {'seconds':>8} {'s/step':>7} {'tokens/s':>9} {'reward first 3':>15} {'reward last 3':>14}")
+    for name, row in figures.items():
         print(
-            f"{name:<6} {row['seconds']:>8.1f} {row['seconds'] / args.steps:>7.2f} {first:>15.3f} "
-            f"{tail(row['rewards']):>14.3f}"
+            f"{name:<16} {row['seconds']:>8.1f} {row['s_per_step']:>7.2f} {row['tokens_per_s']:>9.1f} "
+            f"{row['first_reward']:>15.3f} {row['final_reward']:>14.3f}"
         )
-    print(f"(ours, start-up included: {ours['wall']:.1f} s)")
-    print(
-        f"speedup TRL/ours: {trl['seconds'] / ours['seconds']:.2f}x (goal >= 3); final reward ours "
-        f"{tail(ours['rewards']):.3f} vs TRL {tail(trl['rewards']):.3f} (goal: not lower)"
-    )
+    walls = ", ".join(f"{r['wall']:.1f}" for r in runs["ours"])
+    print(f"(ours with start-up, engine and model loading included: {walls} s)")
+    if async_error is not None:
+        print(f"TRL's asynchronous trainer did not run: {async_error['why']}\n  TRL's error: {async_error['error']}")
+    if args.png:
+        draw(Path(args.png), runs, args.seeds)
+    ours, trl = figures["ours"], figures["TRL GRPOTrainer"]
+    speedup = trl["seconds"] / ours["seconds"]
+    line = f"speedup TRL/ours: {speedup:.2f}x GRPOTrainer (goal >= 3)"
+    if "TRL async" in figures:
+        line += f", {figures['TRL async']['seconds'] / ours['seconds']:.2f}x async trainer (goal >= 1.5)"
+    else:
+        line += ", async trainer: did not run (above)" if args.async_trainer else ", async trainer: not run"
+    finals = ", ".join(f"{name} {row['final_reward']:.3f}" for name, row in figures.items() if name != "ours")
+    print(f"{line}; final reward ours {ours['final_reward']:.3f} vs {finals} (goal: not lower)")
     if args.record:
-        figures = {"trl_seconds": trl["seconds"], "ours_seconds": ours["seconds"], "ours_wall_seconds": ours["wall"]}
-        figures |= {"trl_final_reward": tail(trl["rewards"]), "ours_final_reward": tail(ours["rewards"])}
-        speedup = trl["seconds"] / ours["seconds"]
-        record("vs_trl", figures, args, ratio=speedup, goal=">= 3 (TRL seconds / ours), final reward not lower")
+        recorded = {f"{name.lower().replace(' ', '_')}_{k}": v for name, row in figures.items() for k, v in row.items()}
+        recorded["ours_wall_seconds"] = statistics.mean(r["wall"] for r in runs["ours"])
+        record("vs_trl", recorded, args, ratio=speedup, goal=">= 3 (TRL seconds / ours), final reward not lower")
+
+
+def quick(args) -> None:
+    """Our side alone on a tiny model, evaluation on: the run's files parse as the full bench reads them."""
+    from tests.support.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", seed=1, hidden=256, layers=4, logit_scale=1.0)
+    row = run_ours(model, args.steps, args.seeds[0], quick=True)
+    if row["evaluations"] < 1 or len(row["rewards"]) != args.steps:
+        raise SystemExit(f"expected {args.steps} training records and evaluation records, read {row}")
+    print(
+        f"vs_trl quick (ours only): {len(row['rewards'])} training records, {row['evaluations']} evaluation records, "
+        f"window {row['seconds']:.1f} s, {row['completion_tokens']} completion tokens, wall {row['wall']:.1f} s"
+    )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--png", help="draw every system's reward curve (each seed) into this PNG")
+    parser.add_argument("--no-async", dest="async_trainer", action="store_false", help="skip TRL's async trainer")
+    parser.add_argument("--quick", action="store_true", help="our side only, tiny model, 2 steps, evaluation on")
     add_record_flag(parser)
-    main(parser.parse_args())
+    arguments = parser.parse_args()
+    refuse_quick(arguments)
+    if arguments.quick:
+        arguments.steps = 2
+    main(arguments)

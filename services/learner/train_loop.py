@@ -269,9 +269,7 @@ class LearnerLoop:
             self.sink.write_completions(self.trainer.step + 1, rows)
         metrics = {**batch_metrics(groups, self.policy_version), **self.collector.dynamic_sampling}
         metrics["num_tokens"] = float(self.counters.tokens_seen(metrics.pop("input_tokens")))
-        self.sink.write_batch(
-            self.trainer.step + 1, [g.group_id for g in groups], [g.rollout.policy_version for g in groups]
-        )
+        self.sink.write_batch(self.trainer.step + 1, groups)
         return metrics
 
     def _trained(self, collected: list[tuple[Delivery, ScoredGroup]]) -> None:

@@ -15,12 +15,13 @@ BENCHES = {
     "weight_push.py": "ratio ours/raw:",
     "async_vs_sync.py": "ratio measured/ideal:",
     "multi_turn.py": "ratio multi/single (tokens/s):",
+    "vs_trl.py": "vs_trl quick (ours only):",
 }
 
 
 @pytest.mark.parametrize("script", sorted(BENCHES))
 def test_bench_quick_prints_its_ratio(script):
-    if script in ("weight_push.py", "async_vs_sync.py", "multi_turn.py"):
+    if script in ("weight_push.py", "async_vs_sync.py", "multi_turn.py", "vs_trl.py"):
         pytest.importorskip("vllm")
     result = subprocess.run(
         [sys.executable, f"bench/{script}", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=1200

@@ -80,9 +80,9 @@ async def test_admission_bounds_in_flight_and_stale_groups_are_dropped(tiny, tmp
         taken: list[str] = []
         write_batch = loop.sink.write_batch
 
-        def record_batch(step, group_ids, versions):
-            taken.extend(group_ids)
-            write_batch(step, group_ids, versions)
+        def record_batch(step, groups):
+            taken.extend(g.group_id for g in groups)
+            write_batch(step, groups)
 
         loop.sink.write_batch = record_batch
 

@@ -83,7 +83,17 @@ async def test_a_groups_trajectories_are_one_rollout_committed_with_the_prompts_
 async def test_an_environment_fault_abandons_the_prompt_until_it_is_dead_lettered_and_writes_no_rollout(
     redis_client, keys
 ):
-    loop = _loop(redis_client, keys, [tool_call("wait", seconds=3)], "StuckEnv", max_deliveries=2, timeout_s=0.2)
+    # The breaker stays closed here: once open, the loop stops reading prompts for breaker_reset_s, and whether the
+    # third delivery was claimed before that was a race (this test is about delivery counts, not the breaker).
+    loop = _loop(
+        redis_client,
+        keys,
+        [tool_call("wait", seconds=3)],
+        "StuckEnv",
+        max_deliveries=2,
+        timeout_s=0.2,
+        breaker_failures=1000,
+    )
 
     async def dead() -> bool:
         return await redis_client.xlen(keys.dead_letter) > 0
@@ -109,3 +119,31 @@ def _metrics(redis_client, keys, loop: RolloutLoop) -> dict[str, float]:
     )
     collector = telemetry.collector()
     return {**collector._counters(), **collector._gauges()}
+
+
+async def test_an_open_environment_breaker_stops_the_loop_reading_prompts(redis_client, keys):
+    """The first delivery's timeout opens a breaker of one failure: the loop then takes no prompt, so the
+    released one stays pending with one delivery instead of being sampled against a dead environment."""
+    loop = _loop(
+        redis_client,
+        keys,
+        [tool_call("wait", seconds=1)],
+        "StuckEnv",
+        max_deliveries=5,
+        timeout_s=0.2,
+        breaker_failures=1,
+        breaker_reset_s=60,
+    )
+
+    abandoned_at: list[float] = []
+
+    async def abandoned_then_idle_for_a_while() -> bool:
+        if loop.stats.abandoned and not abandoned_at:
+            abandoned_at.append(time.monotonic())
+        return bool(abandoned_at) and time.monotonic() - abandoned_at[0] > 1.5
+
+    await _run_until(redis_client, keys, loop, abandoned_then_idle_for_a_while)
+    assert loop.stats.abandoned == 1 and not loop.accepting()
+    [pending] = await redis_client.xpending_range(keys.prompts, Keys.GENERATORS, "-", "+", 10)
+    assert pending["times_delivered"] == 1
+    assert await redis_client.xlen(keys.dead_letter) == 0 and await redis_client.xlen(keys.rollouts) == 0

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from services.learner.metrics.completions_log import Row, jsonl_records
 from services.learner.metrics.trackers import TENSORBOARD_DIR, TrackingRun, open_trackers
+from shared.records import ScoredGroup
 from shared.telemetry import MetricsGauges
 
 log = logging.getLogger(__name__)
@@ -124,9 +125,17 @@ class MetricsSink:
         log.info("evaluation at step %d: %s (%d prompts in %.1f s)", step, rewards, clean.get("eval/prompts", 0),
                  clean.get("eval/seconds", 0))  # fmt: skip
 
-    def write_batch(self, step: int, group_ids: list[str], policy_versions: list[int]) -> None:
-        """Which groups (and sampled under which versions) made the batch of ``step``: an audit trail."""
-        record = {"step": step, "group_ids": group_ids, "policy_versions": policy_versions}
+    def write_batch(self, step: int, groups: list[ScoredGroup]) -> None:
+        """Which groups made the batch of ``step``, sampled under which versions and when (the generator's wall
+        clock: when it started and finished each group's samples, as benches time a run from its first
+        generation request): an audit trail."""
+        record = {
+            "step": step,
+            "group_ids": [g.group_id for g in groups],
+            "policy_versions": [g.rollout.policy_version for g in groups],
+            "sampling_started_at": [g.rollout.timings.started_at for g in groups],
+            "sampling_finished_at": [g.rollout.timings.finished_at for g in groups],
+        }
         self._batches.write(json.dumps(record) + "\n")
         self._batches.flush()
 
