@@ -10,11 +10,12 @@ core 1 (so they can overlap at all on this 2-core machine):
 Seconds per step are taken from the learner's metrics (steps 2..N, so start-up is excluded). From the sync
 run's phase times, T_gen = time the learner waited for a batch and T_train = its training + weight-push
 time, the ideal speedup is (T_gen + T_train) / max(T_gen, T_train). The same phases measured side by side in
-the async run (the learner's train + push beside a sampling generator; the generator's sampling span of a
-batch from ``batches.jsonl`` beside a training learner) give a second ideal, sync s/step / max(both): the
-gap between the two ideals is what the phases lose to each other (cores sharing caches and memory bandwidth,
-threads outside their core), the gap from the second to the measured speedup is what the overlap itself
-costs. The last line is measured / ideal from phases alone (goal >= 0.95).
+the async run (the learner's train + push beside a sampling generator; the generator's busy sampling time per
+batch, the union of the groups' sampling intervals in ``batches.jsonl``, beside a training learner) give a
+second ideal, sync s/step / max(both): the gap between the two ideals is what the phases lose to each other
+(cores sharing caches and memory bandwidth, threads outside their core), the gap from the second to the
+measured speedup is what the overlap itself costs. The last line is measured / ideal from phases alone
+(goal >= 0.95).
 
     python bench/async_vs_sync.py [--model smollm2|tiny] [--steps 12] [--quick]
 """
@@ -26,6 +27,7 @@ import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,9 +83,23 @@ def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int, context:
     return path
 
 
-def sampling_span(batch: dict) -> float:
-    """Seconds the generator spent sampling one batch: its first group's start to its last group's end."""
-    return max(batch["sampling_finished_at"]) - min(batch["sampling_started_at"])
+def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``(start, end)`` intervals: a generator sampling several groups at once
+    is busy once, and idle between them not at all."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy
+
+
+def sampling_per_batch(batches: Sequence[dict]) -> float:
+    """The generator's busy seconds per trained batch (the first batch, sampled while the learner started, left
+    out): the union of the batches' groups' sampling intervals over the number of batches."""
+    later = batches[1:]
+    spans = [iv for b in later for iv in zip(b["sampling_started_at"], b["sampling_finished_at"], strict=True)]
+    return busy_seconds(spans) / len(later)
 
 
 def phase_ideal(t_gen: float, t_train: float) -> float:
@@ -107,7 +123,7 @@ def run_mode(model: Path, mode: str, steps: int, groups: int, context: int) -> d
         "seconds_per_step": (records[-1]["time"] - records[0]["time"]) / (len(records) - 1),
         "wait": statistics.mean(r["seconds/wait"] for r in later),
         "train": statistics.mean(r["seconds/train_wall"] + r["seconds/sync"] for r in later),
-        "sampling": statistics.mean(sampling_span(b) for b in batches[1:]),
+        "sampling": sampling_per_batch(batches),
         "staleness": statistics.mean(r["staleness/mean"] for r in records),
     }
 
@@ -129,7 +145,7 @@ def main(args) -> None:
     t_gen, t_train = sync["wait"], sync["train"]
     ideal = phase_ideal(t_gen, t_train)
     # Side by side: the async run's phases, each beside the other; the generator's part of the wait is its
-    # sampling span (the rest, scoring and the streams, is taken as in the sync run).
+    # busy sampling time per batch (the rest, scoring and the streams, is taken as in the sync run).
     t_gen_beside = t_gen + asyn["sampling"] - sync["sampling"]
     t_train_beside = asyn["train"]
     ideal_beside = sync["seconds_per_step"] / max(t_gen_beside, t_train_beside)
