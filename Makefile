@@ -98,6 +98,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/learner.py
 	$(BIN)/python bench/weight_push.py
 	$(BIN)/python bench/async_vs_sync.py
+	$(BIN)/python bench/generator.py
+	$(BIN)/python bench/multi_turn.py
 
 # The benchmark environment: TRL beside the CPU torch, kept apart from the project's environment.
 bench-env: .venv-bench/.installed

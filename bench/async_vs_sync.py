@@ -46,6 +46,7 @@ def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int, context:
             "generators": 1,
             "generator_cpus": ["0"],
             "learner_cpus": "1",
+            "scorer_cpus": "0",
             "log_dir": str(tmp / "logs"),
             "first_generator_port": free_port(),
         },

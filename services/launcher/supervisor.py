@@ -155,9 +155,11 @@ class Supervisor:
             self._start("reward-plugin", plugin, {})
         for i, port in enumerate(self.ports.scorers):
             scorer_env = {"SCORER_SCORER_ID": f"scorer-{i}", "SCORER_HOST": LOOPBACK, "SCORER_PORT": str(port)}
-            self._start(f"scorer-{i}", [python, "-m", "services.scorer"], scorer_env)
+            self._start(f"scorer-{i}", _pinned([python, "-m", "services.scorer"], s.scorer_cpus), scorer_env)
         for i, port in enumerate(self.ports.generators):
-            self._start(f"generator-{i}", [python, "-m", "services.generator"], self._generator_env(i, port))
+            cpus = s.generator_cpus[i] if i < len(s.generator_cpus) else ""
+            command = _pinned([python, "-m", "services.generator"], cpus)
+            self._start(f"generator-{i}", command, self._generator_env(i, port))
         learner_env = {
             "LEARNER_WEIGHT_SYNC_HOST": LOOPBACK,
             "LEARNER_WEIGHT_SYNC_BIND": LOOPBACK,

@@ -16,10 +16,15 @@ class LauncherSettings(BaseModel):
 
     generators: int = Field(1, ge=1, description="Generator replicas to start.")
     generator_cpus: list[str] = Field(
-        default_factory=list, description="CPU cores per generator replica on CPU (e.g. ['0', '1'])."
+        default_factory=list,
+        description="CPU cores per generator replica on CPU (e.g. ['0', '1']): its processes are pinned to them "
+        "with taskset and its engine's threads bound to them (VLLM_CPU_OMP_THREADS_BIND).",
     )
     learner_cpus: str = Field("", description="CPU cores the learner is pinned to with taskset (e.g. '1').")
     scorers: int = Field(1, ge=1, description="Scorer replicas to start.")
+    scorer_cpus: str = Field(
+        "", description="CPU cores the scorers are pinned to with taskset (e.g. '0': off the learner's cores)."
+    )
     example_plugin: bool = Field(False, description="Also start the example HTTP reward plugin on port 9000.")
     log_dir: str = Field("", description="Where the services' logs go; empty: logs/ in the run directory.")
     first_generator_port: int = Field(
