@@ -226,7 +226,8 @@ def main(args) -> None:
     walls = ", ".join(f"{r['wall']:.1f}" for r in runs["ours"])
     print(f"(ours with start-up, engine and model loading included: {walls} s)")
     if async_error is not None:
-        print(f"TRL's asynchronous trainer did not run: {async_error['why']}\n  TRL's error: {async_error['error']}")
+        error = "\n    ".join(async_error["error"].strip().splitlines()[-8:])
+        print(f"TRL's asynchronous trainer did not run: {async_error['why']}; TRL's error, last lines:\n    {error}")
     if args.png:
         draw(Path(args.png), runs, args.seeds)
     ours, trl = figures["ours"], figures["TRL GRPOTrainer"]
