@@ -4,7 +4,8 @@
 generator pause, receive, load into the engine, prefix-cache reset and resume. The learner reaches
 generators on its host through shared memory by default (``--transport auto``: it packs each bucket into a
 /dev/shm segment the engine loads from, no process group, no socket); ``--transport gloo`` turns that off
-(``weight_shm_dir = ''``), as for generators on other hosts: a fresh gloo group and the bucketed broadcast.
+(``weight_shm_dir = ''``), as for generators on other hosts: the bucketed broadcast over a gloo group the
+first push forms and the later ones reuse.
 "raw": the same bytes (the buckets as the pusher packs them, cast to the engines' dtype) broadcast with
 ``torch.distributed`` (gloo) to plain receiver processes that only receive, into buffers allocated
 beforehand, over a group formed beforehand - what the network path could do at best. Both in the same run,

@@ -169,6 +169,12 @@ class PushPlan:
         return [gid for gid, t in self.transports.items() if t == "shm"]
 
 
+def group_members(plan: PushPlan) -> tuple[tuple[tuple[str, int], ...], int]:
+    """What a kept process group must match to serve ``plan``: every member's first rank, and the group's
+    size (a generator that joins or leaves, or one with more engine workers, changes it)."""
+    return tuple(sorted(plan.ranks.items())), plan.world_size
+
+
 def plan_push(
     learner: LearnerDevice, generators: Sequence[GeneratorRegistration], shares_memory: Collection[str] = ()
 ) -> PushPlan:

@@ -3,8 +3,9 @@
 The learner (rank 0) sends the weights over the transport its announcement names for this generator
 (:mod:`weight_sync.plan` chooses it); each transport's receiving half lives beside its sending half:
 
-* ``gloo`` / ``nccl`` (:mod:`weight_sync.collective`): a process group of its own for that push, buckets
-  broadcast from rank 0; the next bucket is received while this one loads.
+* ``gloo`` / ``nccl`` (:mod:`weight_sync.collective`): a process group of its own (gloo's kept from push to
+  push while the learner offers it again; NCCL's made for each push), buckets broadcast from rank 0; the next
+  bucket is received while this one loads.
 * ``ipc`` (:mod:`weight_sync.transport_ipc`): no group and no buckets; the learner's tensors are opened
   where they lie on this GPU and copied into the parameters.
 * ``shm`` (:mod:`weight_sync.transport_shm`): no group either; each bucket is loaded straight from the
@@ -30,7 +31,15 @@ from typing import Any
 import torch
 
 from shared.records import PUSH_ABORT_KEY, TensorSpec
-from weight_sync.collective import form_group, join_store, receive_bucket, release_in_background
+from weight_sync.collective import (
+    KeptGroup,
+    form_group,
+    join_store,
+    member_group,
+    posting_schedule,
+    receive_bucket,
+    release_in_background,
+)
 from weight_sync.direct_load import (
     DirectLoader,
     DirectLoadUnavailable,
@@ -129,6 +138,8 @@ class WeightReceiverExtension(_EnginePolicy):
     vllm_config: Any
 
     _weight_group: Any = None
+    _gloo: KeptGroup | None = None  # the gloo group, kept after a push it received whole (see weight_channel_close)
+    _received = False  # this push's buckets all arrived: its group's sockets hold nothing unread
     _weight_store: Any = None
     _weight_receiver_id: str = ""
     _direct_plan: Any = None  # (layout key, plan, targets) of the last push, or (layout key, reason)
@@ -168,19 +179,25 @@ class WeightReceiverExtension(_EnginePolicy):
         transport = transport or ("nccl" if self.device.type == "cuda" else "gloo")
         if transport != "ipc" and self._ipc is not None:  # the learner's memory kept open for IPC is let go
             self._ipc.forget()
+        if transport != "gloo" and self._gloo is not None:
+            self._gloo.retire()
+            self._gloo = None
         self._weight_store = join_store(host, port, prefix, timedelta(seconds=join_timeout_s))
         self._weight_transport, self._weight_receiver_id = transport, receiver_id
         self._weight_timeout_s = timeout_s
         worker_rank = int(getattr(self, "rank", 0))
         if transport == "shm" and worker_rank != 0:
             raise RuntimeError("shared-memory pushes reach CPU engines, which run one worker")
+        rank, timeout = first_rank + worker_rank, timedelta(seconds=timeout_s)
         if transport in ("ipc", "shm"):
-            self._weight_store.set_timeout(timedelta(seconds=timeout_s))
+            self._weight_store.set_timeout(timeout)
+        elif transport == "gloo":
+            members = (f"{host}:{port}", rank, world_size)
+            kept, self._gloo = self._gloo, None  # member_group reuses it or tears it down
+            self._gloo = member_group(self._weight_store, prefix, kept, members, rank, world_size, timeout)
+            self._weight_group = self._gloo.group
         else:
-            timeout = timedelta(seconds=timeout_s)
-            self._weight_group = form_group(
-                self._weight_store, first_rank + worker_rank, world_size, self.device, timeout
-            )
+            self._weight_group = form_group(self._weight_store, rank, world_size, self.device, timeout)
 
     def _direct_loader(self, model: torch.nn.Module, specs: Sequence[TensorSpec]) -> DirectLoader | None:
         """A direct loader for this layout, or None (the reason logged once per layout)."""
@@ -248,6 +265,7 @@ class WeightReceiverExtension(_EnginePolicy):
         finally:  # also after a failed push: the learner makes new segments after one
             if self._shm is not None:
                 self._shm.forget_unused()
+        self._received = True
         return {
             "bytes": float(sum(sizes)),
             "seconds": time.perf_counter() - start,
@@ -275,22 +293,21 @@ class WeightReceiverExtension(_EnginePolicy):
         )
 
     def _receive_buckets(self, by_bucket, sizes, load, buffers=None, private: bool = False) -> tuple[float, float]:
-        """Receive bucket after bucket (into ``buffers`` when given), handing each bucket's ``(name, tensor)``
-        pairs to ``load`` (from a private copy of the bucket when ``private``)."""
+        """Receive bucket after bucket (into ``buffers`` when given: every bucket is started at once, see
+        :func:`posting_schedule`), handing each bucket's ``(name, tensor)`` pairs to ``load`` (from a private
+        copy of the bucket when ``private``)."""
         waiting = loading = 0.0
+        first, after = posting_schedule(len(sizes), len(sizes) if buffers is not None else 1)
 
         def post(index: int) -> Any:
-            if index >= len(sizes):
-                return None
             return self._post_receive(index, sizes[index], None if buffers is None else buffers[index])
 
-        pending = post(0)
+        pending = {index: post(index) for index in first}
         for index, specs in enumerate(by_bucket):
-            assert pending is not None
             mark = time.perf_counter()
-            buffer = pending.result()
+            buffer = pending.pop(index).result()
             waiting += time.perf_counter() - mark
-            pending = post(index + 1)
+            pending.update((later, post(later)) for later in after[index])
             mark = time.perf_counter()
             load(unpack_bucket(buffer.clone() if private else buffer, specs))
             if self._weight_transport == "shm":
@@ -326,11 +343,20 @@ class WeightReceiverExtension(_EnginePolicy):
                     raise
 
     def weight_channel_close(self) -> None:
-        """Leave the push's process group (it is made anew for every push); the group is torn down in the
-        background, after the update is done."""
-        if self._weight_group is not None:
+        """Leave the push's process group: a gloo group that received the whole push is kept for the next one
+        (the learner offers it again while its members stay); any other group is torn down in the background,
+        after the update is done (one cut short may have left bytes unread in its sockets)."""
+        if self._weight_store is None:  # no push open: closed already
+            return
+        if self._gloo is not None and not self._received:
+            self._weight_group = None
+            self._gloo.retire()
+            self._gloo = None
+        if self._weight_group is not None and self._gloo is None:  # NCCL's: one per push
             retired, self._weight_group = [self._weight_group], None
             release_in_background(retired, "weight-group-release")
+        self._weight_group = None
+        self._received = False
         self._weight_store = None
         self._weight_transport = ""
 

@@ -13,11 +13,13 @@ Protocol (the generator side is :mod:`weight_sync.receiver`; the bytes are :mod:
    versions differ; a first rank for each group member (the learner is rank 0; a replica with tensor
    parallelism takes one rank per engine worker); the generators' engine dtype; a fresh store namespace.
 3. It POSTs the ``WeightVersionAnnouncement`` (layout, ranks, transports, namespace) to every generator's
-   ``/weights/update`` and, at the same time, forms the process group (gloo or NCCL, when any member needs
-   one) and sends the buckets: broadcast to the group, or through shared-memory segments to CPU generators
-   on this host. Generators on the learner's own GPU get no buckets: one ``CudaIpcWeights`` record in the
-   store hands them the learner's tensors where they lie, and they copy them into their parameters
-   (:mod:`weight_sync.transport_ipc`); the push waits until they are done.
+   ``/weights/update`` and, at the same time, joins the process group (when any member needs one: NCCL's is
+   formed for the push, gloo's is the last push's while its members stay the same and every one still holds
+   it, see :mod:`weight_sync.collective`) and sends the buckets: broadcast to the group, or through
+   shared-memory segments to CPU generators on this host. Generators on the learner's own GPU get no
+   buckets: one ``CudaIpcWeights`` record in the store hands them the learner's tensors where they lie, and
+   they copy them into their parameters (:mod:`weight_sync.transport_ipc`); the push waits until they are
+   done.
    Each generator pauses, receives, loads, resets its prefix cache and resumes, then answers the POST.
 4. When every POST answered 200 the push succeeded; a generator that failed or was refused is reported (the
    caller retries with the replicas that are live then - replicas that joined or left are handled that way).
@@ -54,7 +56,7 @@ from shared.records import (
     WeightVersionAnnouncement,
 )
 from shared.shm import sweep_stale, usable_dir
-from weight_sync.collective import listening_store
+from weight_sync.collective import GroupKeeper, listening_store
 from weight_sync.placement import slot_views
 from weight_sync.plan import LearnerDevice, PushPlan, PushRefused, plan_push
 from weight_sync.protocol import (
@@ -152,6 +154,7 @@ class WeightPusher:
         self._send_buffers: tuple[tuple, list[torch.Tensor], ShmSegments | None] | None = None
         self._sender: SendThread | None = None
         self._homes: dict[str, torch.Tensor] = {}  # slot_views of the last push, when its sending succeeded
+        self._groups = GroupKeeper()  # the gloo group, kept while a push's members are the last one's
         # Generators on this GPU read the weights where they lie (CUDA IPC); the handles are kept push to push.
         self._ipc_exports = IpcExports(self.device, self.learner.uuid or "") if self.device.type == "cuda" else None
         _log_start(self.device, self.learner, self.shm_dir)
@@ -201,6 +204,7 @@ class WeightPusher:
             self._send_buffers[2].close()
         self._send_buffers = None
         self._homes = {}  # parameters placed in those buffers keep their memory alive until they move
+        self._groups.discard()
 
     def weight_homes(self) -> dict[str, torch.Tensor]:
         """After a push whose sending succeeded on the CPU: where each pushed tensor that travelled uncast
@@ -256,14 +260,15 @@ class WeightPusher:
         segments: ShmSegments | None = None,
         transposed: Collection[str] = (),
     ) -> int:
-        """Hand the tensors to the IPC receivers, form the push's group (when a generator needs one) and send
-        every bucket to it and to the shared-memory receivers (``buffers`` are then ``segments``' tensors);
-        returns the bytes sent. On gloo, bucket k+1 is packed (into ``buffers[k+1]`` when given) while k is
-        sent. The tensors named in ``transposed`` are packed transposed (as the layout says)."""
+        """Hand the tensors to the IPC receivers, join the push's group (when a generator needs one; on gloo the
+        last push's while its members hold it) and send every bucket to it and to the shared-memory receivers
+        (``buffers`` are then ``segments``' tensors); returns the bytes sent. On gloo, bucket k+1 is packed (into
+        ``buffers[k+1]`` when given) while k is sent. ``transposed`` tensors are packed transposed."""
         store = torch.distributed.PrefixStore(namespace, self.store)
         self._homes = {}
         try:
-            push = BucketPush(store, plan, named, buckets, buffers, segments, frozenset(transposed))
+            flipped = frozenset(transposed)
+            push = BucketPush(store, namespace, plan, named, buckets, buffers, segments, flipped, self._groups)
             sent = send(push, self.device, self.timeout, self._ipc_exports)
             if buffers is not None:  # every receiver is done with them until the next push
                 self._homes = slot_views(named, buckets, plan.dtype, buffers, transposed)
@@ -327,8 +332,12 @@ class WeightPusher:
             lambda: self.send_buckets(announced.namespace, plan, named, buckets, buffers, segments, transposed)
         )
         self._sender = sender
-        replies = await self._announce(announced, generators, http)
-        sent = await self._sent(sender, announced)
+        try:
+            replies = await self._announce(announced, generators, http)
+            sent = await self._sent(sender, announced)
+        except WeightPushError:  # a generator may have left bytes unread in the group's sockets
+            self._groups.discard()
+            raise
         seconds = time.perf_counter() - started
         report = PushReport(policy_version, tuple(plan.transports), sent, seconds, _slowest_phases(replies))
         _log_push(report, plan)

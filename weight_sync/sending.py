@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from weight_sync.collective import form_group, release_in_background, start_broadcast
-from weight_sync.plan import PushPlan
+from weight_sync.collective import GroupKeeper, KeptGroup, form_group, learner_group, start_broadcast
+from weight_sync.plan import PushPlan, group_members
 from weight_sync.protocol import pack_bucket
 from weight_sync.transport_ipc import IpcExports, publish_ipc, wait_ipc
 from weight_sync.transport_shm import ShmPublisher, ShmSegments
@@ -23,15 +23,18 @@ from weight_sync.transport_shm import ShmPublisher, ShmSegments
 
 @dataclass(frozen=True)
 class BucketPush:
-    """One push's sending: the store namespace, the plan, the tensors, their buckets and where they pack."""
+    """One push's sending: the store namespace (and its name), the plan, the tensors, their buckets, where they
+    pack, and the learner's kept gloo group (None: a group for this push alone, as on NCCL)."""
 
     store: Any
+    namespace: str
     plan: PushPlan
     named: Sequence[tuple[str, torch.Tensor]]
     buckets: Sequence[Sequence[int]]
     buffers: Sequence[torch.Tensor] | None
     segments: ShmSegments | None
     transposed: frozenset[str]
+    groups: GroupKeeper | None = None
 
 
 def send(push: BucketPush, device: torch.device, timeout: timedelta, ipc_exports: IpcExports | None) -> int:
@@ -49,13 +52,41 @@ def send(push: BucketPush, device: torch.device, timeout: timedelta, ipc_exports
 
 
 def _send_buckets(push: BucketPush, device: torch.device, timeout: timedelta) -> int:
+    plan = push.plan
+    if plan.shm and push.segments is None:
+        raise ValueError("a push with shared-memory receivers packs into shared-memory segments")
+    group, generation = _join_group(push, device, timeout) if plan.ranks else (None, None)
+    try:
+        sent = _pack_and_send(push, device, timeout, group.group if group is not None else None)
+    except BaseException:
+        if group is not None:  # a push cut short may leave bytes in the group's sockets
+            group.retire()
+        raise
+    if group is not None and generation is not None and push.groups is not None:
+        push.groups.keep(group, generation)
+    elif group is not None:  # torn down in the background: the push is over
+        group.retire()
+    return sent
+
+
+def _join_group(push: BucketPush, device: torch.device, timeout: timedelta) -> tuple[KeptGroup, int | None]:
+    """The push's process group, and the keeper's generation when it is the learner's kept gloo group (reused
+    when every member still holds it, see :func:`learner_group`); NCCL's is made for this push alone."""
+    if device.type == "cuda" or push.groups is None:
+        group = form_group(push.store, 0, push.plan.world_size, device, timeout)
+        return KeptGroup(group, push.namespace, None), None
+    members = group_members(push.plan)
+    kept, generation = push.groups.take(members)
+    return learner_group(push.store, push.namespace, kept, members, push.plan.world_size, timeout), generation
+
+
+def _pack_and_send(push: BucketPush, device: torch.device, timeout: timedelta, group: Any) -> int:
+    """Pack every bucket, broadcast it to ``group`` (when given) and publish it to the shared-memory receivers.
+    Bucket k+1 is packed while gloo sends k, and sent once k is: one bucket at a time, as a raw broadcast
+    sends them, so each arrives whole as early as it can and the receivers load it while the next one comes
+    (two buckets sent at once share the link, and both arrive late)."""
     plan, named = push.plan, push.named
-    group = form_group(push.store, 0, plan.world_size, device, timeout) if plan.ranks else None
-    shm = None
-    if plan.shm:
-        if push.segments is None:
-            raise ValueError("a push with shared-memory receivers packs into shared-memory segments")
-        shm = ShmPublisher(push.store, plan.shm, push.segments, timeout)
+    shm = ShmPublisher(push.store, plan.shm, push.segments, timeout) if push.segments is not None and plan.shm else None
     in_flight = None
     sent = 0
     for index, indices in enumerate(push.buckets):
@@ -64,20 +95,15 @@ def _send_buckets(push: BucketPush, device: torch.device, timeout: timedelta) ->
         buffer = pack_bucket([named[i][1] for i in indices], plan.dtype, out, flags).to(device)
         if shm is not None:
             shm.publish(index)
-        if group is not None:  # bucket k+1 is packed while gloo sends k
-            work = start_broadcast(group, buffer)
+        if group is not None:
             if in_flight is not None:
                 in_flight.wait()
-            in_flight = work
+            in_flight = start_broadcast(group, buffer)
         sent += buffer.numel()
     if in_flight is not None:
         in_flight.wait()
     if shm is not None:
         shm.finish()
-    if group is not None:  # torn down in the background: the push is over
-        retired = [group]
-        del group
-        release_in_background(retired, "weight-group-release")
     return sent
 
 
