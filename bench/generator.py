@@ -21,7 +21,7 @@ template by the generator's own tokenization; the Rollouts' prompt ids are check
 ``LLM.generate``. Sampling: the demo learner's (``services.learner.startup.sampling_spec``: temperature 1.0,
 top_p 1.0, its ``max_completion_length`` unless ``--max-tokens``), G = its ``group_size``. Engine: the demo's
 ``[generator]`` table (float32, ``max_model_len`` 1024, 2 GiB KV cache, ``max_num_seqs`` 64,
-``max_prompts_in_flight`` 32), vLLM's default block size (128 on CPUs) unless ``--block-size``.
+``max_prompts_in_flight`` 32), the generator's default block size (32 on CPUs) unless ``--block-size``.
 
 This process and every process it starts (vLLM's engine core, the generator and its engine core) are pinned to
 ``--cpus`` (default: every core this process may use), and vLLM's threads are bound to them
@@ -208,8 +208,9 @@ def demo_workload(args: argparse.Namespace, settings: GeneratorSettings) -> Work
 def start_llm(settings: GeneratorSettings):
     """vLLM's ``LLM`` with the engine arguments and environment ``Engine.start`` gives ``AsyncLLM``."""
     from vllm import LLM
+    from vllm.platforms import current_platform
 
-    from services.generator.engine import WORKER_EXTENSION
+    from services.generator.engine import WORKER_EXTENSION, engine_block_size
     from weight_sync.receiver import WEIGHTS_IN_PLACE_ENV
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
@@ -223,7 +224,7 @@ def start_llm(settings: GeneratorSettings):
         logprobs_mode="processed_logprobs",
         enforce_eager=settings.enforce_eager,
         max_num_seqs=settings.max_num_seqs,
-        block_size=settings.block_size,
+        block_size=engine_block_size(settings.block_size, current_platform.is_cpu()),  # as Engine.start asks
         tensor_parallel_size=settings.tensor_parallel_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         worker_extension_cls=WORKER_EXTENSION,
@@ -388,7 +389,7 @@ def table(results: list[Figures]) -> str:
 def describe(settings: GeneratorSettings, work: Workload) -> str:
     task = work.batches[0][0]
     spec = task.sampling
-    blocks = "vLLM's default (128 on CPUs)" if settings.block_size is None else str(settings.block_size)
+    blocks = "the generator's default (32 on CPUs)" if settings.block_size is None else str(settings.block_size)
     lengths = [len(ids) for ids in work.prompt_ids.values()]
     return (
         f"model {Path(settings.model).name}, {settings.dtype}; {len(work.batches)} timed batch(es) of "
@@ -442,7 +443,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--in-flight", type=int, default=None, help="the generator's max_prompts_in_flight (the demo's: 32)"
     )
     parser.add_argument(
-        "--block-size", type=int, default=None, help="KV-cache block size of both sides (default: vLLM's, 128 on CPUs)"
+        "--block-size",
+        type=int,
+        default=None,
+        help="KV-cache block size of both sides (default: the generator's, 32 on CPUs)",
     )
     parser.add_argument(
         "--cpus", default=None, help="cores of both sides, e.g. '0-1' (default: all this process may use)"

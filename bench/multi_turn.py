@@ -236,7 +236,7 @@ def start_engine(args: argparse.Namespace, model: Path):
         omp_cpus=cpus,
         block_size=args.block_size,
     )
-    blocks = "vLLM's default" if args.block_size is None else args.block_size
+    blocks = "the generator's default" if args.block_size is None else args.block_size
     print(
         f"vLLM threads pinned to cores {cpus} (VLLM_CPU_OMP_THREADS_BIND); max_num_seqs {sequences}; "
         f"block size {blocks}"
@@ -345,7 +345,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=None, help="engine context (1024; --quick 512)")
     parser.add_argument("--step-s", type=float, default=0.05, help="seconds each environment step takes")
     parser.add_argument(
-        "--block-size", type=int, default=None, help="the engine's KV-cache block size (default: vLLM's; 128 on CPUs)"
+        "--block-size",
+        type=int,
+        default=None,
+        help="the engine's KV-cache block size (default: the generator's, 32 on CPUs)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny random model, fewer prompts (CI smoke)")
     add_record_flag(parser)

@@ -39,11 +39,11 @@ class GeneratorSettings(ServiceSettings):
     block_size: int | None = Field(
         None,
         ge=1,
-        description="Tokens per KV-cache block (vLLM's block_size; None: vLLM's default, 128 on CPUs, 16 on most "
-        "GPUs). A multi-turn trajectory's next turn recomputes the tokens after its last full block, so smaller "
-        "blocks recompute less per turn (the CPU backend wants a multiple of 32). 2 AVX-512 BF16 cores, "
-        "bench/multi_turn.py --prompts 12 --rounds 2: 32 gave single-turn 347.5 and multi-turn 322.6 sampled "
-        "tokens/s, 128 gave 244.2 and 209.2 (docs/guides/multi-turn.md).",
+        description="Tokens per KV-cache block (vLLM's block_size; None: 32 on CPUs, vLLM's default on GPUs, 16 on "
+        "most). On CPUs vLLM's own default, 128, sampled half as fast: 2 AVX-512 BF16 cores, bench/generator.py "
+        "--repeats 2 (the demo's prompts, G 8, 64 tokens), 32 gave 581 sampled tokens/s and 128 gave 270 "
+        "(docs/benchmarks.md). A multi-turn trajectory's next turn also recomputes the tokens after its last full "
+        "block, so smaller blocks recompute less per turn (the CPU backend wants a multiple of 32).",
     )
     max_prompts_in_flight: int = Field(
         16, ge=1, description="Prompts read from the stream and sampling at once (each is G sequences)."

@@ -153,3 +153,11 @@ async def test_an_unreachable_store_is_refused_before_anything_is_called():
     with pytest.raises(WeightUpdateError, match="not reachable") as caught:
         await engine.update_weights(_announcement(1), "g1")
     assert caught.value.applied_nothing is True and llm.calls == []
+
+
+def test_the_kv_cache_block_is_32_on_cpus_unless_configured():
+    from services.generator.engine import engine_block_size
+
+    assert engine_block_size(None, on_cpu=True) == 32
+    assert engine_block_size(None, on_cpu=False) is None  # vLLM's own default on GPUs
+    assert engine_block_size(128, on_cpu=True) == 128 and engine_block_size(64, on_cpu=False) == 64
