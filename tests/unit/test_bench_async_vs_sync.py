@@ -3,32 +3,18 @@ and the ideal speedup of perfect overlap."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from tests.support.processes import ROOT
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_async_vs_sync", ROOT / "bench" / "async_vs_sync.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+from bench import async_vs_sync as bench
 
 
 def test_busy_time_counts_overlapping_intervals_once_and_gaps_not_at_all():
-    bench = _bench()
     assert bench.busy_seconds([]) == 0.0
     assert bench.busy_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.75)]) == 4.0
     assert bench.busy_seconds([(5.0, 6.0), (0.0, 1.0)]) == 2.0
 
 
 def test_sampling_per_batch_leaves_the_first_batch_out():
-    bench = _bench()
     batches = [
         {"sampling_started_at": [0.0], "sampling_finished_at": [100.0]},
         {"sampling_started_at": [200.0, 201.0], "sampling_finished_at": [203.0, 204.0]},
@@ -38,6 +24,5 @@ def test_sampling_per_batch_leaves_the_first_batch_out():
 
 
 def test_the_ideal_speedup_of_perfect_overlap():
-    bench = _bench()
     assert bench.phase_ideal(4.0, 6.0) == pytest.approx(10.0 / 6.0)
     assert bench.phase_ideal(3.0, 3.0) == 2.0

@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
 from transformers import LlamaConfig
 
+from bench import learner as bench
 from services.learner.hardware import resolve_precision
-from tests.support.processes import ROOT
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_learner", ROOT / "bench" / "learner.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 10_000])
 def test_chunked_head_matches_full_logits(chunk: int) -> None:
-    bench = _bench()
     config = LlamaConfig(
         vocab_size=300,
         hidden_size=32,

@@ -3,21 +3,9 @@ first generation request to the end of the last optimizer step."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 
-from tests.support.processes import ROOT
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "bench" / "vs_trl.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+from bench import vs_trl as bench
 
 
 def _step(step: int, time: float, **seconds: float) -> dict:
@@ -26,7 +14,6 @@ def _step(step: int, time: float, **seconds: float) -> dict:
 
 
 def test_evaluation_records_are_not_read_as_training_steps():
-    bench = _bench()
     records = [
         {"step": 0, "time": 1.0, "eval/reward": 0.2, "eval/seconds": 4.0},
         _step(1, 20.0),
@@ -38,13 +25,11 @@ def test_evaluation_records_are_not_read_as_training_steps():
 
 
 def test_a_file_without_training_records_is_an_error_naming_the_keys_seen():
-    bench = _bench()
     with pytest.raises(ValueError, match=r"no training record.*'eval/reward'"):
         bench.training_records([{"step": 0, "time": 1.0, "eval/reward": 0.2}])
 
 
 def test_the_window_runs_from_the_first_sampling_start_to_the_last_steps_training_end():
-    bench = _bench()
     steps = [_step(1, 20.0), _step(2, 40.0, **{"seconds/step": 12.0, "seconds/wait": 1.0, "seconds/train_wall": 6.0})]
     batches = [
         {"step": 1, "sampling_started_at": [7.5, 6.0], "sampling_finished_at": [9.0, 9.5]},
@@ -56,6 +41,5 @@ def test_the_window_runs_from_the_first_sampling_start_to_the_last_steps_trainin
 
 
 def test_the_final_reward_is_the_mean_of_the_last_three_steps():
-    bench = _bench()
     assert bench.final_reward([0.0, 0.3, 0.6, 0.9]) == pytest.approx(0.6)
     assert bench.final_reward([0.5]) == 0.5
