@@ -208,9 +208,8 @@ def demo_workload(args: argparse.Namespace, settings: GeneratorSettings) -> Work
 def start_llm(settings: GeneratorSettings):
     """vLLM's ``LLM`` with the engine arguments and environment ``Engine.start`` gives ``AsyncLLM``."""
     from vllm import LLM
-    from vllm.platforms import current_platform
 
-    from services.generator.engine import WORKER_EXTENSION, engine_block_size
+    from services.generator.engine import WORKER_EXTENSION, engine_block_size, vllm_on_cpu
     from weight_sync.receiver import WEIGHTS_IN_PLACE_ENV
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
@@ -224,7 +223,7 @@ def start_llm(settings: GeneratorSettings):
         logprobs_mode="processed_logprobs",
         enforce_eager=settings.enforce_eager,
         max_num_seqs=settings.max_num_seqs,
-        block_size=engine_block_size(settings.block_size, current_platform.is_cpu()),  # as Engine.start asks
+        block_size=engine_block_size(settings.block_size, vllm_on_cpu()),  # as Engine.start asks
         tensor_parallel_size=settings.tensor_parallel_size,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         worker_extension_cls=WORKER_EXTENSION,

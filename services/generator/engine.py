@@ -34,6 +34,13 @@ WORKER_EXTENSION = "weight_sync.receiver.WeightReceiverExtension"
 CPU_BLOCK_SIZE = 32  # vLLM-CPU's default of 128 sampled half as fast (shared/config/generator.py: block_size)
 
 
+def vllm_on_cpu() -> bool:
+    """Whether vLLM runs on CPUs here (its CPU build)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def engine_block_size(configured: int | None, on_cpu: bool) -> int | None:
     """The KV-cache block size to ask vLLM for: the configured one, else 32 on CPUs and vLLM's default (None)
     on GPUs."""
@@ -142,7 +149,6 @@ class Engine:
     def start(cls, settings: GeneratorSettings, model_path: str, policy_version: int) -> Engine:
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from weight_sync.receiver import WEIGHTS_IN_PLACE_ENV
@@ -161,7 +167,7 @@ class Engine:
             logprobs_mode="processed_logprobs",
             enforce_eager=settings.enforce_eager,
             max_num_seqs=settings.max_num_seqs,
-            block_size=engine_block_size(settings.block_size, current_platform.is_cpu()),
+            block_size=engine_block_size(settings.block_size, vllm_on_cpu()),
             tensor_parallel_size=settings.tensor_parallel_size,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             worker_extension_cls=WORKER_EXTENSION,
