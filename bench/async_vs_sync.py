@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 import tomli_w  # noqa: E402
 
 from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
+from bench.vs_trl import training_records  # noqa: E402
 from tests.support.launcher import run_pipeline  # noqa: E402
 from tests.support.redis_server import free_port  # noqa: E402
 
@@ -117,7 +118,7 @@ def run_mode(model: Path, mode: str, steps: int, groups: int, context: int) -> d
             logs = "".join(f"\n--- {log.name}\n{log.read_text()[-2000:]}" for log in (tmp / "logs").glob("*.log"))
             raise RuntimeError(f"{mode} run failed:\n{(result.stdout + result.stderr)[-3000:]}{logs}")
         lines = (tmp / "logs" / "metrics.jsonl").read_text().splitlines()
-        records = [r for r in map(json.loads, lines) if "seconds/step" in r]  # training records only
+        records = training_records([json.loads(line) for line in lines])
         batches = [json.loads(line) for line in (tmp / "logs" / "batches.jsonl").read_text().splitlines()]
     later = records[1:]
     return {

@@ -157,8 +157,7 @@ class Supervisor:
             scorer_env = {"SCORER_SCORER_ID": f"scorer-{i}", "SCORER_HOST": LOOPBACK, "SCORER_PORT": str(port)}
             self._start(f"scorer-{i}", _pinned([python, "-m", "services.scorer"], s.scorer_cpus), scorer_env)
         for i, port in enumerate(self.ports.generators):
-            cpus = s.generator_cpus[i] if i < len(s.generator_cpus) else ""
-            command = _pinned([python, "-m", "services.generator"], cpus)
+            command = _pinned([python, "-m", "services.generator"], self._generator_cpus(i))
             self._start(f"generator-{i}", command, self._generator_env(i, port))
         learner_env = {
             "LEARNER_WEIGHT_SYNC_HOST": LOOPBACK,
@@ -178,10 +177,14 @@ class Supervisor:
             "GENERATOR_PORT": str(port),
             "GENERATOR_PUBLIC_URL": f"http://{LOOPBACK}:{port}",
         }
-        cpus = self.settings.generator_cpus
-        if i < len(cpus) and cpus[i]:
-            extra["GENERATOR_OMP_CPUS"] = cpus[i]
+        if cpus := self._generator_cpus(i):
+            extra["GENERATOR_OMP_CPUS"] = cpus
         return extra
+
+    def _generator_cpus(self, i: int) -> str:
+        """Replica ``i``'s cores from ``generator_cpus`` ("": not pinned)."""
+        cpus = self.settings.generator_cpus
+        return cpus[i] if i < len(cpus) else ""
 
     def watch(self, learner: Child) -> int:
         """Wait for the learner; a service that dies early stops the run (the end of its log is printed).
