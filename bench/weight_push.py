@@ -5,7 +5,10 @@ generator pause, receive, load into the engine, prefix-cache reset and resume. T
 generators on its host through shared memory by default (``--transport auto``: it packs each bucket into a
 /dev/shm segment the engine loads from, no process group, no socket); ``--transport gloo`` turns that off
 (``weight_shm_dir = ''``), as for generators on other hosts: the bucketed broadcast over a gloo group the
-first push forms and the later ones reuse.
+first push forms and the later ones reuse, into buffers each engine keeps; an engine fed that way computes with
+vLLM's plain linear on the received weights and makes its oneDNN handles after the push returned, in the
+background (the next push waits for them first: its ``rebuild_wait`` phase). Between pushes the bench waits
+``--step-seconds``, as a training step does.
 "raw": the same bytes (the buckets as the pusher packs them, cast to the engines' dtype) broadcast with
 ``torch.distributed`` (gloo) to plain receiver processes that only receive, into buffers allocated
 beforehand, over a group formed beforehand - what the network path could do at best. Both in the same run,
@@ -19,7 +22,7 @@ weights (oneDNN), so those travel transposed, as in the learner's loop (``--no-t
 last line is ours/raw in speed (raw seconds over ours) per generator count (goal >= 0.7).
 
     python bench/weight_push.py [--layers 30] [--repeats 5] [--transport auto|gloo] [--in-place] [--no-place]
-                                [--no-transpose] [--quick]
+                                [--no-transpose] [--step-seconds 1.0] [--quick]
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ async def _registered(client, keys: Keys, count: int, timeout_s: float = 60.0):
 
 async def our_push(
     model, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str, in_place: bool, shm_dir: str,
-    place: bool, linear: frozenset[str],
+    place: bool, linear: frozenset[str], step_s: float,
 ) -> float:  # fmt: skip
     """Best seconds of ``repeats`` pushes of ``model``, done as the learner's loop does them: after each push the
     parameters move into the pusher's kept buffers (``place``), and an update changes them in place."""
@@ -171,6 +174,7 @@ async def our_push(
                 with torch.no_grad():  # the next optimizer step
                     for param in model.parameters():
                         param.mul_(0.999)
+                await asyncio.sleep(step_s)  # the rest of a training step, while the engines sample again
                 best = min(best, report.seconds)
                 phases = ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in report.phases.items())
                 print(f"push {version} to {receivers}: {report.seconds:.3f} s ({phases})", flush=True)
@@ -212,6 +216,7 @@ def main(args) -> None:
                         shm_dir,
                         not args.no_place,
                         frozenset() if args.no_transpose else linear_weight_names(model),
+                        args.step_seconds,
                     )
                 )
                 rows.append((receivers, raw, ours))
@@ -250,6 +255,13 @@ if __name__ == "__main__":
     parser.add_argument("--generators", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--learner-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=1.0,
+        help="pause between pushes, as a training step makes (a CPU engine fed over gloo makes its kernel handles "
+        "then; a push that had to wait for the last one's shows it as rebuild_wait)",
+    )
     parser.add_argument("--quick", action="store_true", help="2 layers, 1 repeat, 1 generator (smoke test)")
     parser.add_argument(
         "--no-transpose",

@@ -24,6 +24,7 @@ vLLM is imported only inside the functions that need it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -226,7 +227,15 @@ class DirectLoader:
 
     ``scratch``: transposed pieces of a stacked parameter (``TensorSpec.transposed``) are joined there when
     its layer prepacks them right after (its last parameter is in), else in new memory; a parameter still
-    viewing the scratch afterwards gets a copy too."""
+    viewing the scratch afterwards gets a copy too.
+
+    ``defer``: a CPU layer's handle is not made during the push: the layer computes with vLLM's plain
+    ``linear`` on its received weights (:func:`interim_linear`) and is listed in ``deferred``, whose handles
+    :func:`rebuild_handles` makes after the push (the receiver runs it in the background while the engine
+    samples again). Its weights must stay untouched until then: the receiver's kept buffers, which the next
+    push overwrites only after waiting for the rebuild, and for a stacked layer its own join memory in
+    ``joins`` (kept by the receiver from push to push, one :class:`StackScratch` per parameter: fresh memory
+    would be faulted in every time), not the shared scratch."""
 
     def __init__(
         self,
@@ -236,9 +245,16 @@ class DirectLoader:
         alias: bool = False,
         borrowed: bool = False,
         scratch: StackScratch | None = None,
+        defer: bool = False,
+        joins: dict[str, StackScratch] | None = None,
     ):
         if alias and borrowed:
             raise ValueError("parameters cannot alias buffers the sender writes into (shared memory)")
+        if defer and (alias or borrowed):
+            raise ValueError("deferred handles need weights that stay put until they are made: not aliased or borrowed")
+        self.defer = defer
+        self.joins = joins if joins is not None else {}  # per parameter, when deferring
+        self.deferred: list[torch.nn.Module] = []  # layers computing with interim_linear until rebuild_handles
         self.plan = plan
         self.alias = alias
         self.borrowed = borrowed
@@ -285,10 +301,16 @@ class DirectLoader:
         if target_name in self.pending:
             pieces = [t for _, t in sorted(self.pending.pop(target_name), key=lambda item: item[0])]
             # The scratch is rewritten by the next join: only for a layer that prepacks (copies) it right now.
-            prepacks_now = bool(self.handle_modules[target_name]) and all(
-                self.module_left[id(m)] == 1 for m in self.handle_modules[target_name]
+            prepacks_now = (
+                not self.defer
+                and bool(self.handle_modules[target_name])
+                and all(self.module_left[id(m)] == 1 for m in self.handle_modules[target_name])
             )
-            stacked = stack_rows(pieces, self.scratch if prepacks_now else None)
+            if prepacks_now:
+                join = self.scratch
+            else:
+                join = self.joins.setdefault(target_name, StackScratch()) if self.defer else None
+            stacked = stack_rows(pieces, join)
             if self.alias and aliases(stacked, pieces, target, param.dtype):
                 view = stacked.view(target.shape)
                 if param.data_ptr() != view.data_ptr() or param.shape != view.shape or param.stride() != view.stride():
@@ -309,6 +331,9 @@ class DirectLoader:
             if self.module_left[key] == 0:
                 if self.module_aliased[key]:
                     module.cpu_linear = torch.nn.functional.linear
+                elif self.defer:
+                    module.cpu_linear = interim_linear(module)
+                    self.deferred.append(module)
                 else:  # vLLM-CPU computes with a handle holding its own packed copy of the weight: make it anew
                     _contiguous_unless_prepacked(module)
                     module.quant_method.process_weights_after_loading(module)
@@ -363,6 +388,28 @@ class DirectLoader:
         missing = [name for name, left in self.left.items() if left]
         if missing:
             raise RuntimeError(f"direct load incomplete: {missing[0]} and {len(missing) - 1} more got no data")
+
+
+def interim_linear(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    """vLLM's plain ``linear`` on the weight and bias ``module`` holds now, whatever the caller passes: a handle
+    made later (:func:`rebuild_handles`) may drop or replace the parameters while another thread still computes
+    with this, so it keeps tensors of its own (sharing their memory)."""
+    weight = module.weight.detach()
+    bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
+    return functools.partial(_fixed_linear, weight, bias)
+
+
+def _fixed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, *_: Any) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def rebuild_handles(modules: Sequence[torch.nn.Module]) -> None:
+    """Make the kernel handles a deferring :class:`DirectLoader` left out, layer after layer; each layer swaps
+    its interim linear for its handle in one assignment (``cpu_linear``), so a forward pass running meanwhile
+    computes with one or the other, both the same weights."""
+    for module in modules:
+        _contiguous_unless_prepacked(module)
+        module.quant_method.process_weights_after_loading(module)
 
 
 def layerwise_reload(

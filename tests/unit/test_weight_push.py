@@ -17,6 +17,7 @@ from weight_sync.direct_load import (
     describe_targets,
     is_transposed,
     plan_direct_load,
+    rebuild_handles,
     source_names,
     stack_rows,
 )
@@ -868,3 +869,97 @@ def test_a_generator_answer_no_generator_gives_fails_the_push_for_it_not_the_lea
     refused = httpx.Response(401, text="missing or wrong bearer token")
     assert _phases_of(refused) is refused and _describe(refused).startswith("HTTP 401")
     assert _slowest_phases([_phases_of(good), {phase: 1.0 for phase in _PHASES}])["load_seconds"] == 2.0
+
+
+# Deferred kernel handles (a CPU engine fed over gloo) ------------------------------------------------------------
+
+
+def _deferred_push(model, named, buffers, joins):
+    """One push of transposed linear weights through a deferring loader into ``buffers`` (kept by the caller,
+    as the receiver keeps them); returns the loader."""
+    specs, buckets = plan_buckets(named, bucket_bytes=1 << 20, dtype="float32", transposed=LINEAR)
+    layout = [s.model_dump() for s in specs]
+    packed = [
+        pack_bucket([named[i][1] for i in indices], "float32", transposed=[named[i][0] in LINEAR for i in indices])
+        for indices in buckets
+    ]
+    if not buffers:
+        buffers.extend(torch.empty_like(b) for b in packed)
+    for buffer, sent in zip(buffers, packed, strict=True):
+        buffer.copy_(sent)  # what the receive does
+    targets = describe_targets(model, tensor_parallel_size=1)
+    plan = plan_direct_load({s["name"]: tuple(s["shape"]) for s in layout}, targets)
+    loader = DirectLoader(model, plan, targets, defer=True, joins=joins)
+    for index, buffer in enumerate(buffers):
+        loader.add_all(unpack_bucket(buffer, [s for s in read_layout(layout) if s.bucket == index]))
+    loader.finish()
+    return loader
+
+
+def test_deferred_handles_compute_the_pushed_weights_before_and_after_they_are_made():
+    model = _CpuEngineModel()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    qkv.quant_method = _recording_method()
+    x = torch.randn(3, 4)
+    buffers, joins, join_memory = [], {}, set()
+    for step in range(2):  # the second push reuses the buffers and the join memory
+        named = _changed(_linear_named(), by=float(step))
+        loader = _deferred_push(model, named, buffers, joins)
+        assert {id(m) for m in loader.deferred} == {id(qkv), id(model.model.embed_tokens), id(model.lm_head)}
+        assert qkv.quant_method.layouts == [True] * step  # no handle made during the push
+        for key, value in model.outputs(x).items():  # the interim linears already compute the new weights
+            torch.testing.assert_close(value, _expected(named, x)[key], msg=f"{key}, push {step}")
+        join_memory.add(joins["model.layers.0.self_attn.qkv_proj.weight"].buffer.data_ptr())
+        rebuild_handles(loader.deferred)
+        assert qkv.quant_method.layouts == [True] * (step + 1)  # packed from [in, out] contiguous, as before
+        assert qkv.weight.numel() == 0  # the handle holds the weight, as vLLM's remove_weight leaves it
+        for key, value in model.outputs(x).items():
+            torch.testing.assert_close(value, _expected(named, x)[key], msg=f"{key}, push {step}, handles made")
+    assert len(join_memory) == 1  # the second push joined in the first one's memory
+
+
+def test_an_interim_linear_keeps_its_own_tensors_while_the_handle_replaces_the_parameters():
+    model = _CpuEngineModel()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    named = _linear_named()
+    loader = _deferred_push(model, named, [], {})
+    interim = qkv.cpu_linear
+    weight = qkv.weight
+    rebuild_handles(loader.deferred)  # drops the parameter's data (remove_weight)
+    x = torch.randn(3, 4)
+    expected = _expected(named, x)["qkv"]
+    # A forward pass that read the interim linear and the parameter before the swap still computes right.
+    torch.testing.assert_close(interim(x, weight, None), expected)
+    torch.testing.assert_close(interim(x, torch.empty(0), None), expected)
+
+
+def test_deferring_refuses_weights_that_do_not_stay_put():
+    model = _CpuEngineModel()
+    targets = describe_targets(model, tensor_parallel_size=1)
+    for kind in ("alias", "borrowed"):
+        with pytest.raises(ValueError, match="deferred handles need weights that stay put"):
+            DirectLoader(model, {}, targets, defer=True, **{kind: True})
+
+
+def test_a_failed_background_rebuild_is_raised_by_the_next_wait():
+    from weight_sync.receiver import _DeferredHandles
+
+    class Broken(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(2, 2), requires_grad=False)
+            self.quant_method = type("M", (), {"process_weights_after_loading": lambda self, layer: 1 / 0})()
+
+    kept = _DeferredHandles.for_push(None, deferring=True)
+    assert _DeferredHandles.for_push(kept, deferring=True) is kept  # the join memory stays from push to push
+    assert _DeferredHandles.for_push(kept, deferring=False) is None
+    assert _DeferredHandles.wait_for(None) == 0.0 and _DeferredHandles.wait_for(kept) == 0.0
+    kept.start([Broken()])
+    with pytest.raises(RuntimeError, match="making the last push's kernel handles failed: ZeroDivisionError"):
+        _DeferredHandles.wait_for(kept)
+    assert _DeferredHandles.wait_for(kept) == 0.0  # raised once; the next push rebinds every layer
+    model = _CpuEngineModel()
+    loader = _deferred_push(model, _linear_named(), [], kept.joins)
+    kept.start(loader.deferred)
+    assert _DeferredHandles.wait_for(kept) >= 0.0
+    assert model.model.layers[0].self_attn.qkv_proj.weight.numel() == 0  # its handle was made
