@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from shared.arrays import Float32Array, Float32Matrix, Int32Array
 from shared.columns import column_problem
 from shared.staleness import trajectory_version
-from shared.trajectory import ChatMessage, Completion, uses_v2
+from shared.trajectory import ChatMessage, Completion, SinceV2, uses_v2
 
 # The newest schema this build reads and writes. A record is written as the lowest version that carries it
 # (``WireModel.wire_version``): v2 only where a v2 field (``shared.trajectory``) is set.
@@ -275,8 +275,9 @@ class ShmProbe(BaseModel):
 
 
 # Generator -> learner (and operators), in the registry hash; refreshed with every heartbeat.
-class GeneratorRegistration(WireModel):
+class GeneratorRegistration(WireModel, SinceV2):
     kind: ClassVar[str] = "generator_registration"
+    V2_FIELDS: ClassVar[tuple[str, ...]] = ("stacked_linear",)
 
     generator_id: str = Field(min_length=1)
     url: str
@@ -296,6 +297,10 @@ class GeneratorRegistration(WireModel):
     # handles), which read a weight stored transposed (``[in, out]`` contiguous) about twice as fast: a
     # learner whose every receiver says so sends linear weights that way (``TensorSpec.transposed``).
     transposed_linear: bool = False
+    # The engine's stacked linear layers: each fused module's name and the modules whose weights it stacks, in
+    # order (vLLM's ``packed_modules_mapping``: ``qkv_proj`` -> ``q_proj, k_proj, v_proj``). A learner whose
+    # every receiver names the same sends those transposed pieces joined (``TensorSpec.joined``).
+    stacked_linear: dict[str, tuple[str, ...]] = Field(default_factory=dict)
     heartbeat_at: float = Field(default_factory=_now)
     started_at: float = Field(default_factory=_now)
 
@@ -313,22 +318,28 @@ class LearnerRuntime(WireModel):
     rank_device_uuids: tuple[str | None, ...] = ()
 
 
-class TensorSpec(BaseModel):
+class TensorSpec(SinceV2):
     """One parameter in a weight push: its name in the model, dtype, shape, and the bucket it travels in.
     ``transposed``: the bucket holds a 2-D tensor's transpose (``[shape[1], shape[0]]``, contiguous)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    V2_FIELDS: ClassVar[tuple[str, ...]] = ("joined",)
 
     name: str
     dtype: DType
     shape: tuple[Annotated[int, Field(ge=0)], ...]
     bucket: int = Field(ge=0)
     transposed: bool = False
+    # A transposed piece of a stacked engine layer (``k_proj`` after ``q_proj``): its columns continue the
+    # ``[shape[1], ...]`` block the spec before it started, so the layer's pieces arrive joined, one view.
+    joined: bool = False
 
     @model_validator(mode="after")
     def _transposed_is_2d(self) -> TensorSpec:
         if self.transposed and len(self.shape) != 2:
             raise ValueError(f"{self.name}: only a 2-D tensor travels transposed, not one of shape {self.shape}")
+        if self.joined and not self.transposed:
+            raise ValueError(f"{self.name}: only a transposed tensor is joined to the one before it")
         return self
 
     @property

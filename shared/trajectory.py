@@ -29,11 +29,11 @@ MASKED_VERSION = -1  # token_versions where loss_mask is 0: context the policy d
 
 
 def _is_default(value: Any) -> bool:
-    """Every v2 field defaults to None or an empty tuple."""
-    return value is None or (isinstance(value, tuple) and not value)
+    """Every v2 field defaults to None, False, or an empty tuple or dict."""
+    return value is None or value is False or (isinstance(value, tuple | dict) and not value)
 
 
-class _SinceV2(BaseModel):
+class SinceV2(BaseModel):
     """A model with fields added in schema v2 (``V2_FIELDS``): left out of every dump while at their default,
     so a record that uses none of them serializes exactly as schema v1 did."""
 
@@ -87,7 +87,7 @@ class ToolCall(BaseModel):
     function: ToolFunction
 
 
-class ChatMessage(_SinceV2):
+class ChatMessage(SinceV2):
     """One chat turn: role and text content; since v2, the tool calls of an assistant turn and the call a
     tool message answers."""
 
@@ -148,7 +148,7 @@ class TrajectoryInfo(BaseModel):
 FinishReason = Literal["stop", "length"]
 
 
-class Completion(_SinceV2):
+class Completion(SinceV2):
     """One sampled completion: token ids as sampled (never re-tokenized), their behaviour logprobs.
 
     A multi-turn trajectory (v2) also holds the tokens the environment and the template put between turns:

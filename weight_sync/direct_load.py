@@ -126,6 +126,9 @@ def stack_rows(pieces: Sequence[torch.Tensor], scratch: StackScratch | None = No
     first = pieces[0]
     if len(pieces) == 1:
         return first
+    joined = joined_view(pieces)
+    if joined is not None:
+        return joined
     if all(is_transposed(p) for p in pieces):
         columns = [p.t() for p in pieces]
         if scratch is None:
@@ -141,6 +144,21 @@ def stack_rows(pieces: Sequence[torch.Tensor], scratch: StackScratch | None = No
         return torch.cat(list(pieces))
     rows = sum(p.shape[0] for p in pieces)
     return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def joined_view(pieces: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The pieces as one ``[sum of rows, in]`` view with strides ``(1, sum of rows)`` when they are consecutive
+    column runs of one contiguous ``[in, sum of rows]`` block (transposed pieces the learner joined,
+    ``TensorSpec.joined``), filling it; else None."""
+    first = pieces[0]
+    width = sum(p.shape[0] for p in pieces)
+    if any(p.dim() != 2 or p.stride() != (1, width) or p.dtype != first.dtype for p in pieces):
+        return None
+    for a, b in itertools.pairwise(pieces):
+        same_storage = b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+        if not same_storage or b.shape[1] != a.shape[1] or b.data_ptr() != a.data_ptr() + a.shape[0] * a.element_size():
+            return None
+    return first.as_strided((width, first.shape[1]), (1, width), first.storage_offset())
 
 
 def is_transposed(tensor: torch.Tensor) -> bool:

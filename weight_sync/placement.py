@@ -20,16 +20,19 @@ def slot_views(
     dtype: DType | None,
     buffers: Sequence[torch.Tensor],
     transposed: Collection[str] = (),
+    joined: Collection[str] = (),
 ) -> dict[str, torch.Tensor]:
     """Where :func:`pack_bucket` puts each of ``named`` in ``buffers`` (one per bucket), as a tensor of its
-    dtype and shape (with the strides of a transposed slot for the names in ``transposed``); only the
-    tensors that travel in their own dtype (a cast copy is not the tensor)."""
+    dtype and shape (with the strides of a transposed slot for the names in ``transposed``, of a run of a
+    block's columns for those in ``joined`` and the ones they join); only the tensors that travel in their own
+    dtype (a cast copy is not the tensor)."""
     target = DTYPES[dtype] if dtype is not None else None
     views: dict[str, torch.Tensor] = {}
     for indices, buffer in zip(buckets, buffers, strict=True):
         tensors = [named[i][1] for i in indices]
         flags = [named[i][0] in transposed for i in indices]
-        slots = bucket_views(buffer, pack_entries(tensors, target, flags), whole=False)
+        joins = [named[i][0] in joined for i in indices]
+        slots = bucket_views(buffer, pack_entries(tensors, target, flags, joins), whole=False)
         for index, slot in zip(indices, slots, strict=True):
             name, tensor = named[index]
             if slot.dtype == tensor.dtype:

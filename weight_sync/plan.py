@@ -151,14 +151,16 @@ def push_dtype(generators: Sequence[GeneratorRegistration]) -> DType | None:
 @dataclass(frozen=True)
 class PushPlan:
     """Who gets this push how: ``transports`` per generator id, the process-group members (gloo/NCCL) in
-    rank order with their first rank, the group's size, the buckets' dtype, and whether linear weights travel
-    transposed (every generator of the push repacks them: ``GeneratorRegistration.transposed_linear``)."""
+    rank order with their first rank, the group's size, the buckets' dtype, whether linear weights travel
+    transposed (every generator of the push repacks them: ``GeneratorRegistration.transposed_linear``), and
+    the stacked layers whose transposed pieces travel joined (every generator names the same ones)."""
 
     transports: dict[str, Transport]
     ranks: dict[str, int]
     world_size: int
     dtype: DType | None
     transposed_linear: bool = False
+    stacked_linear: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def ipc(self) -> list[str]:
@@ -191,4 +193,7 @@ def plan_push(
         ranks[g.generator_id] = next_rank
         next_rank += g.engine_world_size
     transposed = bool(generators) and all(g.transposed_linear for g in generators)
-    return PushPlan(transports, ranks, next_rank, push_dtype(generators), transposed)
+    stacked = generators[0].stacked_linear if transposed else {}
+    if any(g.stacked_linear != stacked for g in generators):
+        stacked = {}  # engines that stack differently get every piece on its own
+    return PushPlan(transports, ranks, next_rank, push_dtype(generators), transposed, dict(stacked))

@@ -6,8 +6,10 @@ these functions (:mod:`weight_sync.sender`) and the generators' workers read the
   ``transposed``), in bucket order; it travels in the ``WeightVersionAnnouncement``.
 * **Buckets**: a flat ``uint8`` buffer per bucket, holding tensors of one dtype back to back (so every view
   is aligned), at most ``bucket_bytes`` each (a larger tensor gets a bucket of its own). A transposed
-  tensor is stored as its ``[shape[1], shape[0]]`` contiguous transpose. :func:`bucket_views` is the one
-  place that turns a layout into offsets; :func:`bucket_byte_sizes` the one place that sizes a bucket.
+  tensor is stored as its ``[shape[1], shape[0]]`` contiguous transpose; transposed pieces of one stacked
+  engine layer (``joined``) share one ``[shape[1], sum of their shape[0]]`` block, each a run of columns, so
+  the receiver sees the stacked weight as one view. :func:`bucket_views` is the one place that turns a
+  layout into offsets; :func:`bucket_byte_sizes` the one place that sizes a bucket.
 * **Announcement**: :func:`announcement` (learner) and :func:`wire_layout` / :func:`read_layout` (the
   generator hands the layout to its engine workers as plain dicts).
 * **Runtime**: what each side says about itself so a push plan can match them (:func:`cuda_uuid`,
@@ -16,6 +18,7 @@ these functions (:mod:`weight_sync.sender`) and the generators' workers read the
 
 from __future__ import annotations
 
+import itertools
 import math
 import uuid
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -41,7 +44,7 @@ def dtype_name(name: str, dtype: torch.dtype) -> DType:
 
 def layout_key(specs: Sequence[TensorSpec]) -> tuple:
     """What kept bucket buffers depend on: every spec's name, dtype, shape, bucket and orientation."""
-    return tuple((s.name, s.dtype, tuple(s.shape), s.bucket, s.transposed) for s in specs)
+    return tuple((s.name, s.dtype, tuple(s.shape), s.bucket, s.transposed, s.joined) for s in specs)
 
 
 def bucket_byte_sizes(specs: Sequence[TensorSpec], num_buckets: int) -> list[int]:
@@ -65,6 +68,7 @@ def plan_buckets(
     bucket_bytes: int,
     dtype: DType | None = None,
     transposed: Collection[str] = (),
+    stacked: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[list[TensorSpec], list[list[int]]]:
     """Layout of a push: specs in order, and per bucket the indices of its tensors (one dtype each).
 
@@ -72,16 +76,19 @@ def plan_buckets(
     Within a dtype, tensors keep their order, so pieces of one stacked engine parameter (``q, k, v``) lie
     back to back in a bucket and the receiver can load them without a copy. ``transposed``: names of 2-D
     tensors that travel transposed (linear weights for engines that repack them, see
-    ``GeneratorRegistration.transposed_linear``); a name that is not pushed is ignored.
+    ``GeneratorRegistration.transposed_linear``); a name that is not pushed is ignored. ``stacked``: the
+    engines' stacked linear layers (``GeneratorRegistration.stacked_linear``): transposed pieces of one,
+    next to each other in ``named``, travel joined (:func:`joined_names`), always in one bucket.
     """
     by_dtype: dict[DType, list[int]] = {}
     for index, (name, tensor) in enumerate(named):
         own = dtype_name(name, tensor.dtype)  # checked also when it travels cast
         by_dtype.setdefault(dtype or own, []).append(index)
+    joined = joined_names(named, transposed, stacked or {})
     buckets = [
         bucket
         for travels_as, indices in by_dtype.items()
-        for bucket in _cut_into_buckets(named, indices, DTYPES[travels_as], bucket_bytes)
+        for bucket in _cut_into_buckets(named, indices, DTYPES[travels_as], bucket_bytes, joined)
     ]
     specs = [
         TensorSpec(
@@ -90,6 +97,7 @@ def plan_buckets(
             shape=tuple(named[index][1].shape),
             bucket=bucket,
             transposed=named[index][0] in transposed,
+            joined=named[index][0] in joined,
         )
         for bucket, indices in enumerate(buckets)
         for index in indices
@@ -97,17 +105,47 @@ def plan_buckets(
     return specs, buckets
 
 
+def joined_names(
+    named: Sequence[tuple[str, torch.Tensor]], transposed: Collection[str], stacked: Mapping[str, Sequence[str]]
+) -> frozenset[str]:
+    """Names of the transposed tensors that continue the block of the tensor right before them in ``named``:
+    piece k > 0 of a stacked layer (``a.k_proj.weight`` right after ``a.q_proj.weight``, for ``qkv_proj`` ->
+    ``q_proj, k_proj, v_proj``) with the same dtype and input size as that one."""
+    pieces = {piece: (group, k) for group in stacked.values() for k, piece in enumerate(group)}
+    joined = set()
+    for (before, earlier), (name, tensor) in itertools.pairwise(named):
+        module, _, leaf = name.rpartition(".")
+        parent, _, last = module.rpartition(".")
+        group, k = pieces.get(last, ((), 0))
+        prefix = f"{parent}." if parent else ""
+        if (
+            k > 0
+            and before == f"{prefix}{group[k - 1]}.{leaf}"
+            and name in transposed
+            and before in transposed
+            and tensor.dim() == earlier.dim() == 2
+            and tensor.shape[1] == earlier.shape[1]
+            and tensor.dtype == earlier.dtype
+        ):
+            joined.add(name)
+    return frozenset(joined)
+
+
 def _cut_into_buckets(
-    named: Sequence[tuple[str, torch.Tensor]], indices: list[int], travels_as: torch.dtype, bucket_bytes: int
+    named: Sequence[tuple[str, torch.Tensor]],
+    indices: list[int],
+    travels_as: torch.dtype,
+    bucket_bytes: int,
+    joined: Collection[str] = (),
 ) -> list[list[int]]:
     """``indices`` (tensors of one dtype) in order, cut into buckets of at most ``bucket_bytes`` each (a larger
-    tensor gets a bucket of its own)."""
+    tensor gets a bucket of its own; a joined tensor stays in the bucket of the one before it)."""
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
     for index in indices:
         nbytes = named[index][1].numel() * travels_as.itemsize
-        if current and size + nbytes > bucket_bytes:
+        if current and size + nbytes > bucket_bytes and named[index][0] not in joined:
             buckets.append(current)
             current, size = [], 0
         current.append(index)
@@ -120,23 +158,29 @@ def _cut_into_buckets(
 # Buckets ----------------------------------------------------------------------------------------------------
 
 
-def bucket_views(
-    buffer: torch.Tensor, entries: Sequence[tuple[torch.dtype, tuple[int, ...], bool]], whole: bool = True
-) -> Iterator[torch.Tensor]:
-    """Each ``(dtype, shape, transposed)`` entry's place in the flat uint8 ``buffer``: back to back, seen in its
-    dtype and shape; a transposed one is the transpose of its ``[shape[1], shape[0]]`` contiguous bytes (a
-    view with strides ``(1, shape[0])``: copying a tensor into it stores the transpose). ValueError when the
-    entries overrun the buffer, or (``whole``) do not fill it exactly."""
+Entry = tuple[torch.dtype, tuple[int, ...], bool, bool]  # dtype, shape, transposed, joined to the one before
+
+
+def bucket_views(buffer: torch.Tensor, entries: Sequence[Entry], whole: bool = True) -> Iterator[torch.Tensor]:
+    """Each ``(dtype, shape, transposed, joined)`` entry's place in the flat uint8 ``buffer``: back to back,
+    seen in its dtype and shape; a transposed one is the transpose of its ``[shape[1], shape[0]]`` contiguous
+    bytes (a view with strides ``(1, shape[0])``: copying a tensor into it stores the transpose). A transposed
+    entry and the joined ones after it share one ``[shape[1], width]`` block, each a run of its columns (strides
+    ``(1, width)``). ValueError when the entries overrun the buffer, or (``whole``) do not fill it exactly, or a
+    joined entry does not continue a transposed block of its dtype and input size."""
     offset = 0
-    for dtype, shape, flip in entries:
-        nbytes = math.prod(shape) * dtype.itemsize
+    for run in _blocks(entries):
+        dtype, shape, flip, _ = run[0]
+        nbytes = sum(math.prod(s) for _, s, _, _ in run) * dtype.itemsize
         if offset + nbytes > buffer.numel():
             raise ValueError(f"bucket holds {buffer.numel()} bytes; its layout describes more")
         flat = buffer[offset : offset + nbytes].view(dtype)
         if flip:
-            if len(shape) != 2:
-                raise ValueError(f"only a 2-D tensor travels transposed, not one of shape {tuple(shape)}")
-            yield flat.view(shape[1], shape[0]).t()
+            block = flat.view(shape[1], sum(s[0] for _, s, _, _ in run))
+            column = 0
+            for _, piece, _, _ in run:
+                yield block[:, column : column + piece[0]].t()
+                column += piece[0]
         else:
             yield flat.view(shape)
         offset += nbytes
@@ -144,13 +188,37 @@ def bucket_views(
         raise ValueError(f"bucket holds {buffer.numel()} bytes but its layout describes {offset}")
 
 
+def _blocks(entries: Sequence[Entry]) -> Iterator[list[Entry]]:
+    """The entries in runs sharing a block: a transposed entry with the joined ones after it, else one each."""
+    run: list[Entry] = []
+    for entry in entries:
+        dtype, shape, flip, joined = entry
+        if flip and len(shape) != 2:
+            raise ValueError(f"only a 2-D tensor travels transposed, not one of shape {tuple(shape)}")
+        if joined:
+            head = run[0] if run else None
+            if head is None or not head[2] or not flip or head[0] != dtype or head[1][1] != shape[1]:
+                raise ValueError(f"a joined entry {tuple(shape)} does not continue a transposed block of its size")
+            run.append(entry)
+            continue
+        if run:
+            yield run
+        run = [entry]
+    if run:
+        yield run
+
+
 def pack_entries(
-    tensors: Sequence[torch.Tensor], target: torch.dtype | None, transposed: Sequence[bool] | None
-) -> list[tuple[torch.dtype, tuple[int, ...], bool]]:
+    tensors: Sequence[torch.Tensor],
+    target: torch.dtype | None,
+    transposed: Sequence[bool] | None,
+    joined: Sequence[bool] | None = None,
+) -> list[Entry]:
     flags = transposed if transposed is not None else [False] * len(tensors)
-    if len(flags) != len(tensors):
-        raise ValueError(f"{len(flags)} transposed flags for {len(tensors)} tensors")
-    return [(target or t.dtype, tuple(t.shape), flip) for t, flip in zip(tensors, flags, strict=True)]
+    joins = joined if joined is not None else [False] * len(tensors)
+    if len(flags) != len(tensors) or len(joins) != len(tensors):
+        raise ValueError(f"{len(flags)} transposed and {len(joins)} joined flags for {len(tensors)} tensors")
+    return [(target or t.dtype, tuple(t.shape), f, j) for t, f, j in zip(tensors, flags, joins, strict=True)]
 
 
 def pack_bucket(
@@ -158,14 +226,16 @@ def pack_bucket(
     dtype: DType | None = None,
     out: torch.Tensor | None = None,
     transposed: Sequence[bool] | None = None,
+    joined: Sequence[bool] | None = None,
 ) -> torch.Tensor:
     """Tensors as one flat uint8 buffer, back to back, each cast to ``dtype`` while copied (None: as they
-    are; they must then share one dtype), and stored transposed where ``transposed`` says so (2-D tensors).
-    Into ``out`` when given (its size must match), else a new buffer on the tensors' device."""
-    entries = pack_entries(tensors, DTYPES[dtype] if dtype is not None else None, transposed)
-    if len({travels for travels, _, _ in entries}) != 1:
+    are; they must then share one dtype), and stored transposed where ``transposed`` says so (2-D tensors),
+    joined to the block before where ``joined`` says so. Into ``out`` when given (its size must match), else a
+    new buffer on the tensors' device."""
+    entries = pack_entries(tensors, DTYPES[dtype] if dtype is not None else None, transposed, joined)
+    if len({entry[0] for entry in entries}) != 1:
         raise ValueError(f"a bucket carries one dtype; got {sorted(str(d) for d in {e[0] for e in entries})}")
-    nbytes = sum(math.prod(shape) * travels.itemsize for travels, shape, _ in entries)
+    nbytes = sum(math.prod(shape) * travels.itemsize for travels, shape, _, _ in entries)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0].device)
     elif out.numel() != nbytes or out.dtype != torch.uint8:
@@ -179,7 +249,7 @@ def pack_bucket(
 def unpack_bucket(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
     """Views of the tensors :func:`pack_bucket` packed into ``buffer``, each of its spec's shape (a transposed
     one is seen through ``.t()``)."""
-    entries = [(DTYPES[s.dtype], tuple(s.shape), s.transposed) for s in specs]
+    entries = [(DTYPES[s.dtype], tuple(s.shape), s.transposed, s.joined) for s in specs]
     return [(s.name, view) for s, view in zip(specs, bucket_views(buffer, entries), strict=True)]
 
 

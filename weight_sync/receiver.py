@@ -100,6 +100,11 @@ class _EnginePolicy:
             return False
         return not (self._in_place_wanted() and self._engine_is_eager())
 
+    def _stacked_linear(self) -> dict[str, tuple[str, ...]]:
+        """The model's stacked linear layers (vLLM's ``packed_modules_mapping``: ``qkv_proj`` -> its pieces)."""
+        packed = getattr(type(self.model_runner.get_model()), "packed_modules_mapping", {}) or {}
+        return {fused: tuple(pieces) for fused, pieces in packed.items()}
+
     def _engine_is_eager(self) -> bool:
         """Whether the engine runs its model eagerly (no torch.compile graphs holding on to parameters)."""
         return bool(self.vllm_config.model_config.enforce_eager)
@@ -166,6 +171,7 @@ class WeightReceiverExtension(_EnginePolicy):
         return {
             "device_uuid": cuda_uuid(self.device),
             "transposed_linear": self._repacks_linear(),
+            "stacked_linear": self._stacked_linear() if self._repacks_linear() else {},
             "dtype": str(self.vllm_config.model_config.dtype).removeprefix("torch."),
             "torch": str(torch.__version__),
             "nccl": nccl_version(self.device),

@@ -63,6 +63,7 @@ from weight_sync.protocol import (
     announcement,
     bucket_byte_sizes,
     cuda_uuid,
+    joined_names,
     layout_key,
     nccl_version,
     plan_buckets,
@@ -264,15 +265,15 @@ class WeightPusher:
         """Hand the tensors to the IPC receivers, join the push's group (when a generator needs one; on gloo the
         last push's while its members hold it) and send every bucket to it and to the shared-memory receivers
         (``buffers`` are then ``segments``' tensors); returns the bytes sent. On gloo, bucket k+1 is packed (into
-        ``buffers[k+1]`` when given) while k is sent. ``transposed`` tensors are packed transposed."""
+        ``buffers[k+1]`` when given) while k is sent. ``transposed`` tensors are packed transposed (stacked: joined)."""
         store = torch.distributed.PrefixStore(namespace, self.store)
         self._homes = {}
         try:
-            flipped = frozenset(transposed)
-            push = BucketPush(store, namespace, plan, named, buckets, buffers, segments, flipped, self._groups)
+            flipped, joins = frozenset(transposed), joined_names(named, transposed, plan.stacked_linear)
+            push = BucketPush(store, namespace, plan, named, buckets, buffers, segments, flipped, self._groups, joins)
             sent = send(push, self.device, self.timeout, self._ipc_exports)
             if buffers is not None:  # every receiver is done with them until the next push
-                self._homes = slot_views(named, buckets, plan.dtype, buffers, transposed)
+                self._homes = slot_views(named, buckets, plan.dtype, buffers, transposed, joins)
             return sent
         except BaseException as exc:
             if plan.ipc or plan.shm:  # receivers waiting for a record stop now, not at their timeout
@@ -316,7 +317,7 @@ class WeightPusher:
             return PushReport(policy_version, (), 0, 0.0)
         plan = self._plan(generators)
         transposed = frozenset(linear) if plan.transposed_linear else frozenset()
-        specs, buckets = plan_buckets(named, self.bucket_bytes, plan.dtype, transposed)
+        specs, buckets = plan_buckets(named, self.bucket_bytes, plan.dtype, transposed, plan.stacked_linear)
         plan, buffers, segments = self._send_buffers_or_gloo(plan, generators, specs, len(buckets))
         announced = announcement(
             policy_version,

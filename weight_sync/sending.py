@@ -35,6 +35,7 @@ class BucketPush:
     segments: ShmSegments | None
     transposed: frozenset[str]
     groups: GroupKeeper | None = None
+    joined: frozenset[str] = frozenset()  # transposed pieces packed into the block of the one before
 
 
 def send(push: BucketPush, device: torch.device, timeout: timedelta, ipc_exports: IpcExports | None) -> int:
@@ -92,7 +93,8 @@ def _pack_and_send(push: BucketPush, device: torch.device, timeout: timedelta, g
     for index, indices in enumerate(push.buckets):
         out = push.buffers[index] if push.buffers is not None else None
         flags = [named[i][0] in push.transposed for i in indices]
-        buffer = pack_bucket([named[i][1] for i in indices], plan.dtype, out, flags).to(device)
+        joins = [named[i][0] in push.joined for i in indices]
+        buffer = pack_bucket([named[i][1] for i in indices], plan.dtype, out, flags, joins).to(device)
         if shm is not None:
             shm.publish(index)
         if group is not None:

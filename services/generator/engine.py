@@ -366,17 +366,25 @@ class Engine:
         """Ask every engine worker for its GPU's UUID, the engine dtype and torch/NCCL/vLLM versions (the
         workers hold CUDA; this process does not). Cached: they do not change while the engine runs."""
         if not self.runtime:
-            workers = await self.llm.collective_rpc("weight_runtime")
-            first = workers[0]
-            self.runtime = {
-                "device_uuids": tuple(w["device_uuid"] for w in workers if w["device_uuid"]),
-                "dtype": first["dtype"],
-                "transposed_linear": all(w["transposed_linear"] for w in workers),
-                "versions": {"torch": first["torch"], "nccl": first["nccl"], "vllm": first["vllm"]},
-            }
+            self.runtime = engine_runtime(await self.llm.collective_rpc("weight_runtime"))
             log.info("engine runtime: %s", self.runtime)
         return self.runtime
 
     async def fingerprint(self) -> dict[str, float]:
         [result, *_] = await self.llm.collective_rpc("weight_fingerprint")
         return result
+
+
+def engine_runtime(workers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The replica's runtime from its engine workers' answers (``weight_runtime``): every GPU's UUID, the
+    engine dtype, whether linear weights may travel transposed (every worker repacks them) and its stacked
+    layers (when every worker names the same), and the first worker's versions."""
+    first = workers[0]
+    stacked = first["stacked_linear"]
+    return {
+        "device_uuids": tuple(w["device_uuid"] for w in workers if w["device_uuid"]),
+        "dtype": first["dtype"],
+        "transposed_linear": all(w["transposed_linear"] for w in workers),
+        "stacked_linear": stacked if all(w["stacked_linear"] == stacked for w in workers) else {},
+        "versions": {"torch": first["torch"], "nccl": first["nccl"], "vllm": first["vllm"]},
+    }

@@ -64,6 +64,7 @@ class GeneratorTelemetry:
                     "device_uuids": runtime["device_uuids"],
                     "engine_dtype": runtime["dtype"],
                     "transposed_linear": runtime["transposed_linear"],
+                    "stacked_linear": runtime["stacked_linear"],
                     "versions": RuntimeVersions(**runtime["versions"]),
                 }
             )

@@ -82,6 +82,9 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
         # One push reaches both processes over gloo, and both then hold model B's weights. Both engines repack
         # their linear layers (oneDNN), so those weights travel transposed.
         assert all(g.transposed_linear for g in generators)
+        # Both stack q/k/v and gate/up, so those pieces travel joined: each stacked weight arrives as one view.
+        stacks = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+        assert all(g.stacked_linear == stacks for g in generators), [g.stacked_linear for g in generators]
         pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN)
         learner_b = AutoModelForCausalLM.from_pretrained(model_b, dtype=torch.float32)
         reference = {n: float(p.detach().double().sum()) for n, p in learner_b.named_parameters()}

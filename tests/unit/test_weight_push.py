@@ -9,20 +9,29 @@ import pytest
 import torch
 
 from shared.codec import decode, encode
-from shared.records import CudaIpcWeights, WeightVersionAnnouncement
+from shared.records import CudaIpcWeights, TensorSpec, WeightVersionAnnouncement
 from weight_sync.direct_load import (
     DirectLoader,
     DirectLoadUnavailable,
     TargetParam,
     describe_targets,
     is_transposed,
+    joined_view,
     plan_direct_load,
     rebuild_handles,
     source_names,
     stack_rows,
 )
 from weight_sync.placement import slot_views
-from weight_sync.protocol import bucket_byte_sizes, pack_bucket, plan_buckets, read_layout, unpack_bucket
+from weight_sync.protocol import (
+    bucket_byte_sizes,
+    bucket_views,
+    joined_names,
+    pack_bucket,
+    plan_buckets,
+    read_layout,
+    unpack_bucket,
+)
 from weight_sync.sender import _PHASES, _describe, _phases_of, _slowest_phases
 from weight_sync.transport_ipc import ipc_rebuild_args, ipc_record_from_args
 
@@ -727,7 +736,7 @@ def test_transposed_tensors_are_packed_as_their_transpose_and_unpack_to_the_same
         assert is_transposed(unpacked[name]) == (name in LINEAR), name
     with pytest.raises(ValueError, match="only a 2-D tensor travels transposed"):
         pack_bucket([torch.zeros(4)], "float32", transposed=[True])
-    with pytest.raises(ValueError, match="2 transposed flags for 1 tensors"):
+    with pytest.raises(ValueError, match="2 transposed and 1 joined flags for 1 tensors"):
         pack_bucket([torch.zeros(4)], "float32", transposed=[True, False])
 
 
@@ -963,3 +972,157 @@ def test_a_failed_background_rebuild_is_raised_by_the_next_wait():
     kept.start(loader.deferred)
     assert _DeferredHandles.wait_for(kept) >= 0.0
     assert model.model.layers[0].self_attn.qkv_proj.weight.numel() == 0  # its handle was made
+
+
+# Stacked pieces joined in the bucket (a CPU engine that stacks q/k/v and gate/up) ------------------------------
+
+
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def test_joined_names_are_the_later_pieces_of_a_stacked_layer_right_after_the_one_before():
+    named = _linear_named()
+    assert joined_names(named, LINEAR, STACKED) == {
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+    }
+    assert joined_names(named, LINEAR - {"model.layers.0.self_attn.q_proj.weight"}, STACKED) == {
+        "model.layers.0.self_attn.v_proj.weight"  # k has nothing transposed to join
+    }
+    assert joined_names(named, LINEAR, {}) == frozenset()
+    reordered = [named[0], named[2], named[1], named[3], named[4]]  # k, q, v: no piece right after its predecessor
+    assert joined_names(reordered, LINEAR, STACKED) == frozenset()
+    wider = [(n, torch.randn(2, 5)) if ".v_proj" in n else (n, t) for n, t in named]  # another input size
+    assert joined_names(wider, LINEAR, STACKED) == {"model.layers.0.self_attn.k_proj.weight"}
+
+
+def test_joined_pieces_share_one_block_and_unpack_to_the_same_values_as_one_view():
+    named = _linear_named()
+    # Buckets of 40 bytes would cut q/k/v apart; joined pieces stay in the bucket of the piece before them.
+    specs, buckets = plan_buckets(named, bucket_bytes=40, dtype="float32", transposed=LINEAR, stacked=STACKED)
+    joined = [s.name for s in specs if s.joined]
+    assert joined == ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"]
+    by_name = {s.name: s.bucket for s in specs}
+    assert len({by_name[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"}) == 1
+    flags = [[named[i][0] in LINEAR for i in indices] for indices in buckets]
+    joins = [[named[i][0] in joined for i in indices] for indices in buckets]
+    packed = [
+        pack_bucket([named[i][1] for i in indices], "float32", transposed=f, joined=j)
+        for indices, f, j in zip(buckets, flags, joins, strict=True)
+    ]
+    layout = read_layout([s.model_dump() for s in specs])
+    assert [b.numel() for b in packed] == bucket_byte_sizes(layout, len(buckets))
+    qkv_bucket = by_name["model.layers.0.self_attn.q_proj.weight"]
+    pieces = dict(unpack_bucket(packed[qkv_bucket], [s for s in layout if s.bucket == qkv_bucket]))
+    w = dict(named)
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    # The bytes are the [in, q+k+v] block: each row holds q's, k's and v's column of that input.
+    block = torch.cat([w[n].t() for n in names], dim=1).contiguous()
+    assert torch.equal(packed[qkv_bucket].view(torch.float32), block.reshape(-1))
+    for name in names:
+        assert torch.equal(pieces[name], w[name])
+    stacked = stack_rows([pieces[n] for n in names])  # one view of the bucket, no copy
+    assert stacked.data_ptr() == packed[qkv_bucket].data_ptr() and stacked.t().is_contiguous()
+    assert torch.equal(stacked, torch.cat([w[n] for n in names]))
+    assert joined_view([pieces[names[0]], pieces[names[2]]]) is None  # not consecutive columns
+    assert joined_view([pieces[n] for n in names[:2]]) is None  # leaves the block's last columns out
+
+
+def test_a_joined_entry_must_continue_a_transposed_block_of_its_size():
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    for entries in (
+        [(torch.float32, (2, 4), False, True)],  # nothing before it
+        [(torch.float32, (2, 4), False, False), (torch.float32, (2, 4), True, True)],  # block not transposed
+        [(torch.float32, (2, 4), True, False), (torch.float32, (2, 2), True, True)],  # another input size
+    ):
+        with pytest.raises(ValueError, match="does not continue a transposed block"):
+            list(bucket_views(buffer, entries, whole=False))
+    with pytest.raises(ValueError, match="only a transposed tensor is joined"):
+        TensorSpec(name="w", dtype="float32", shape=(2, 3), bucket=0, joined=True)
+
+
+def test_placed_joined_parameters_train_the_same_and_pack_by_no_copy():
+    from weight_sync.placement import place_parameters
+
+    torch.manual_seed(0)
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(4, n, bias=False) for n in (4, 2, 2))
+
+        def forward(self, x):
+            return self.q_proj(x).sum(-1) * self.k_proj(x).sum(-1) + self.v_proj(x).square().sum(-1)
+
+    model, twin = Attention(), Attention()
+    twin.load_state_dict(model.state_dict())
+    linear = frozenset(n for n, _ in model.named_parameters())
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    specs, buckets = plan_buckets(named, bucket_bytes=1 << 20, dtype="float32", transposed=linear, stacked=STACKED)
+    joined = frozenset(s.name for s in specs if s.joined)
+    assert joined == {"k_proj.weight", "v_proj.weight"}
+    buffers = [
+        pack_bucket(
+            [named[i][1] for i in idx],
+            "float32",
+            transposed=[named[i][0] in linear for i in idx],
+            joined=[named[i][0] in joined for i in idx],
+        )
+        for idx in buckets
+    ]
+    placed = place_parameters(model, slot_views(named, buckets, "float32", buffers, linear, joined))
+    assert len(placed) == 3 and model.k_proj.weight.stride() == (1, 8)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, twin)]
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        for m, optimizer in zip((model, twin), optimizers, strict=True):
+            optimizer.zero_grad()
+            m(x).square().sum().backward()
+            optimizer.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    # The next push packs them by no copy: the buffer already holds what the parameters are.
+    before = buffers[0].clone()
+    repacked = pack_bucket(
+        [p.detach() for p in model.parameters()],
+        "float32",
+        out=buffers[0],
+        transposed=[True] * 3,
+        joined=[False, True, True],
+    )
+    assert repacked is buffers[0] and not torch.equal(before, torch.zeros_like(before))
+    view = stack_rows([p.detach() for p in model.parameters()])
+    torch.testing.assert_close(view, torch.cat([p.detach() for p in twin.parameters()]))
+
+
+def test_a_deferring_loader_takes_joined_pieces_as_one_view_with_no_join_memory():
+    model = _CpuEngineModel()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    qkv.quant_method = _recording_method()
+    named = _linear_named()
+    specs, buckets = plan_buckets(named, bucket_bytes=1 << 20, dtype="float32", transposed=LINEAR, stacked=STACKED)
+    joined = {s.name for s in specs if s.joined}
+    buffers = [
+        pack_bucket(
+            [named[i][1] for i in indices],
+            "float32",
+            transposed=[named[i][0] in LINEAR for i in indices],
+            joined=[named[i][0] in joined for i in indices],
+        )
+        for indices in buckets
+    ]
+    layout = read_layout([s.model_dump() for s in specs])
+    targets = describe_targets(model, tensor_parallel_size=1)
+    plan = plan_direct_load({s.name: tuple(s.shape) for s in layout}, targets)
+    joins: dict = {}
+    loader = DirectLoader(model, plan, targets, defer=True, joins=joins)
+    for index, buffer in enumerate(buffers):
+        loader.add_all(unpack_bucket(buffer, [s for s in layout if s.bucket == index]))
+    loader.finish()
+    assert joins == {}  # nothing joined in memory of its own
+    assert qkv.weight.untyped_storage().data_ptr() == buffers[0].data_ptr()  # the bucket itself
+    x = torch.randn(3, 4)
+    rebuild_handles(loader.deferred)
+    assert qkv.quant_method.layouts == [True]  # packed from [in, out] contiguous
+    for key, value in model.outputs(x).items():
+        torch.testing.assert_close(value, _expected(named, x)[key], msg=key)

@@ -45,6 +45,21 @@ def test_linear_weights_travel_transposed_only_when_every_generator_repacks_them
     assert not GeneratorRegistration.model_validate(plain.model_dump()).transposed_linear  # the default
 
 
+def test_stacked_pieces_travel_joined_only_when_every_generator_stacks_them_the_same():
+    stacks = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def repacking(gid: str, stacked) -> GeneratorRegistration:
+        update = {"transposed_linear": True, "stacked_linear": stacked}
+        return gen(gid, versions=CPU.versions).model_copy(update=update)
+
+    assert plan_push(CPU, [repacking("a", stacks), repacking("b", stacks)]).stacked_linear == stacks
+    other = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+    assert plan_push(CPU, [repacking("a", stacks), repacking("b", other)]).stacked_linear == {}
+    plain = gen("c", versions=CPU.versions).model_copy(update={"stacked_linear": stacks})
+    assert plan_push(CPU, [repacking("a", stacks), plain]).stacked_linear == {}  # nothing travels transposed
+    assert GeneratorRegistration.model_validate(gen("d").model_dump()).stacked_linear == {}  # the default
+
+
 def test_transport_follows_the_physical_device():
     assert choose_transport(CPU, gen("g", versions=CPU.versions)) == "gloo"
     assert choose_transport(GPU_A, gen("g", "uuid-a")) == "ipc"
