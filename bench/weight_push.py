@@ -5,10 +5,10 @@ generator pause, receive, load into the engine, prefix-cache reset and resume. T
 generators on its host through shared memory by default (``--transport auto``: it packs each bucket into a
 /dev/shm segment the engine loads from, no process group, no socket); ``--transport gloo`` turns that off
 (``weight_shm_dir = ''``), as for generators on other hosts: the bucketed broadcast over a gloo group the
-first push forms and the later ones reuse, into buffers each engine keeps; an engine fed that way computes with
-vLLM's plain linear on the received weights and makes its oneDNN handles after the push returned, in the
-background (the next push waits for them first: its ``rebuild_wait`` phase). Between pushes the bench waits
-``--step-seconds``, as a training step does.
+first push forms and the later ones reuse, into buffers each engine keeps; an engine fed that way leaves its
+oneDNN handles to its first step after the push. After each push the bench times one 1-token request to every
+generator (that first step, making the handles) and then another (the handles in place), outside the push's
+time, and prints the difference: what the engine's sampling pays for the push beyond the push itself.
 "raw": the same bytes (the buckets as the pusher packs them, cast to the engines' dtype) broadcast with
 ``torch.distributed`` (gloo) to plain receiver processes that only receive, into buffers allocated
 beforehand, over a group formed beforehand - what the network path could do at best. Both in the same run,
@@ -22,7 +22,7 @@ weights (oneDNN), so those travel transposed, as in the learner's loop (``--no-t
 last line is ours/raw in speed (raw seconds over ours) per generator count (goal >= 0.7).
 
     python bench/weight_push.py [--layers 30] [--repeats 5] [--transport auto|gloo] [--in-place] [--no-place]
-                                [--no-transpose] [--step-seconds 1.0] [--quick]
+                                [--no-transpose] [--quick]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -127,9 +128,21 @@ async def _registered(client, keys: Keys, count: int, timeout_s: float = 60.0):
     return generators
 
 
+async def _first_steps(http: httpx.AsyncClient, generators) -> list[float]:
+    """Seconds of a 1-token request to each generator, one after another."""
+    body = {"prompts": ["item 7: the"], "sampling": {"temperature": 0, "max_tokens": 1}}
+    seconds = []
+    for generator in generators:
+        started = time.perf_counter()
+        reply = await http.post(f"{generator.url}/generate", json=body, headers={"Authorization": f"Bearer {TOKEN}"})
+        reply.raise_for_status()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
 async def our_push(
     model, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str, in_place: bool, shm_dir: str,
-    place: bool, linear: frozenset[str], step_s: float,
+    place: bool, linear: frozenset[str], first_step_extra: list[float],
 ) -> float:  # fmt: skip
     """Best seconds of ``repeats`` pushes of ``model``, done as the learner's loop does them: after each push the
     parameters move into the pusher's kept buffers (``place``), and an update changes them in place."""
@@ -165,7 +178,7 @@ async def our_push(
             bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN, bucket_bytes=BUCKET_BYTES, shm_dir=shm_dir
         )
         best = float("inf")
-        async with httpx.AsyncClient() as http:
+        async with httpx.AsyncClient(timeout=120) as http:
             for version in range(1, repeats + 1):
                 named = [(n, p.detach()) for n, p in model.named_parameters()]
                 report = await pusher.push(named, version, generators, http, linear=linear)
@@ -174,10 +187,15 @@ async def our_push(
                 with torch.no_grad():  # the next optimizer step
                     for param in model.parameters():
                         param.mul_(0.999)
-                await asyncio.sleep(step_s)  # the rest of a training step, while the engines sample again
+                steps = [await _first_steps(http, generators) for _ in range(2)]  # making the handles, then not
+                first_step_extra.append(max(a - b for a, b in zip(*steps, strict=True)))
                 best = min(best, report.seconds)
                 phases = ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in report.phases.items())
-                print(f"push {version} to {receivers}: {report.seconds:.3f} s ({phases})", flush=True)
+                print(
+                    f"push {version} to {receivers}: {report.seconds:.3f} s ({phases}); the engines' first step "
+                    f"after it {first_step_extra[-1] * 1000:+.0f} ms over the next",
+                    flush=True,
+                )
         pusher.close()
         return best
     finally:
@@ -204,6 +222,7 @@ def main(args) -> None:
         try:
             for receivers in args.generators:
                 raw = raw_broadcast(named, receivers, args.repeats, args.engine_dtype)
+                extra: list[float] = []
                 ours = asyncio.run(
                     our_push(
                         model,
@@ -216,10 +235,10 @@ def main(args) -> None:
                         shm_dir,
                         not args.no_place,
                         frozenset() if args.no_transpose else linear_weight_names(model),
-                        args.step_seconds,
+                        extra,
                     )
                 )
-                rows.append((receivers, raw, ours))
+                rows.append((receivers, raw, ours, statistics.mean(extra[1:] or extra)))
         finally:
             if server:
                 server.stop()
@@ -230,20 +249,28 @@ def main(args) -> None:
         f"transport {args.transport}, parameters placed in the send buffers {not args.no_place}, "
         f"linear weights transposed for engines that repack them {not args.no_transpose}"
     )
-    print(f"{'generators':>10} {'raw s':>8} {'raw GB/s':>9} {'ours s':>8} {'ours GB/s':>10} {'ratio':>6}")
-    for receivers, raw, ours in rows:
+    print(
+        f"{'generators':>10} {'raw s':>8} {'raw GB/s':>9} {'ours s':>8} {'ours GB/s':>10} {'ratio':>6} "
+        f"{'first step +ms':>15}"
+    )
+    for receivers, raw, ours, extra in rows:
         print(
             f"{receivers:>10} {raw:>8.3f} {total / raw / 1e9:>9.3f} {ours:>8.3f} {total / ours / 1e9:>10.3f} "
-            f"{raw / ours:>6.2f}"
+            f"{raw / ours:>6.2f} {extra * 1000:>15.0f}"
         )
     print(
+        "first step +ms: what the engines' first step after a push took over the next (the handles a push left "
+        "to it; mean of the pushes after the first), not in ours s"
+    )
+    print(
         "ratio ours/raw: "
-        + ", ".join(f"{r} generator(s) {raw / ours:.2f}" for r, raw, ours in rows)
+        + ", ".join(f"{r} generator(s) {raw / ours:.2f}" for r, raw, ours, _ in rows)
         + "  (goal >= 0.70)"
     )
     if args.record:
-        for receivers, raw, ours in rows:  # one history row per generator count
+        for receivers, raw, ours, extra in rows:  # one history row per generator count
             figures = {"raw_s": raw, "ours_s": ours, "ours_gb_per_s": total / ours / 1e9, "megabytes": total / 1e6}
+            figures["first_step_extra_s"] = extra
             one = argparse.Namespace(**{**vars(args), "generators": receivers})
             record("weight_push", figures, one, ratio=raw / ours, goal=">= 0.70")
 
@@ -255,13 +282,6 @@ if __name__ == "__main__":
     parser.add_argument("--generators", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--learner-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--engine-dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument(
-        "--step-seconds",
-        type=float,
-        default=1.0,
-        help="pause between pushes, as a training step makes (a CPU engine fed over gloo makes its kernel handles "
-        "then; a push that had to wait for the last one's shows it as rebuild_wait)",
-    )
     parser.add_argument("--quick", action="store_true", help="2 layers, 1 repeat, 1 generator (smoke test)")
     parser.add_argument(
         "--no-transpose",

@@ -24,7 +24,6 @@ vLLM is imported only inside the functions that need it.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import time
@@ -247,11 +246,11 @@ class DirectLoader:
     its layer prepacks them right after (its last parameter is in), else in new memory; a parameter still
     viewing the scratch afterwards gets a copy too.
 
-    ``defer``: a CPU layer's handle is not made during the push: the layer computes with vLLM's plain
-    ``linear`` on its received weights (:func:`interim_linear`) and is listed in ``deferred``, whose handles
-    :func:`rebuild_handles` makes after the push (the receiver runs it in the background while the engine
-    samples again). Its weights must stay untouched until then: the receiver's kept buffers, which the next
-    push overwrites only after waiting for the rebuild, and for a stacked layer its own join memory in
+    ``defer``: a CPU layer with a 2-D weight does not get its handle during the push: its ``cpu_linear``
+    becomes a :class:`PendingHandle` (listed in ``deferred``), which makes the handle on the layer's first call,
+    in the engine's first step after the push, on the engine's own thread. Until then its weights must stay
+    where they are: the receiver's kept buffers, which only the next push overwrites (which then sets every
+    layer pending again), and for a stacked layer whose pieces did not travel joined its own join memory in
     ``joins`` (kept by the receiver from push to push, one :class:`StackScratch` per parameter: fresh memory
     would be faulted in every time), not the shared scratch."""
 
@@ -272,7 +271,7 @@ class DirectLoader:
             raise ValueError("deferred handles need weights that stay put until they are made: not aliased or borrowed")
         self.defer = defer
         self.joins = joins if joins is not None else {}  # per parameter, when deferring
-        self.deferred: list[torch.nn.Module] = []  # layers computing with interim_linear until rebuild_handles
+        self.deferred: list[torch.nn.Module] = []  # layers whose handle a PendingHandle makes on their first call
         self.plan = plan
         self.alias = alias
         self.borrowed = borrowed
@@ -349,8 +348,8 @@ class DirectLoader:
             if self.module_left[key] == 0:
                 if self.module_aliased[key]:
                     module.cpu_linear = torch.nn.functional.linear
-                elif self.defer:
-                    module.cpu_linear = interim_linear(module)
+                elif self.defer and module.weight.dim() == 2:
+                    module.cpu_linear = PendingHandle(module)
                     self.deferred.append(module)
                 else:  # vLLM-CPU computes with a handle holding its own packed copy of the weight: make it anew
                     _contiguous_unless_prepacked(module)
@@ -408,24 +407,25 @@ class DirectLoader:
             raise RuntimeError(f"direct load incomplete: {missing[0]} and {len(missing) - 1} more got no data")
 
 
-def interim_linear(module: torch.nn.Module) -> Callable[..., torch.Tensor]:
-    """vLLM's plain ``linear`` on the weight and bias ``module`` holds now, whatever the caller passes: a handle
-    made later (:func:`rebuild_handles`) may drop or replace the parameters while another thread still computes
-    with this, so it keeps tensors of its own (sharing their memory)."""
-    weight = module.weight.detach()
-    bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
-    return functools.partial(_fixed_linear, weight, bias)
+class PendingHandle:
+    """A CPU layer's ``cpu_linear`` while its kernel handle is not made (a deferring :class:`DirectLoader`):
+    called as vLLM calls ``cpu_linear``, it makes the handle from the layer's weight as received (vLLM's own
+    ``process_weights_after_loading``, which puts the handle in ``cpu_linear``) and computes through it. So the
+    reorder runs in the engine's first step after a push, on the thread that runs the model, instead of
+    inside the push the learner waits for."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        make_handle(self.module)
+        return self.module.cpu_linear(x, self.module.weight, bias)
 
 
-def _fixed_linear(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, *_: Any) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-def rebuild_handles(modules: Sequence[torch.nn.Module]) -> None:
-    """Make the kernel handles a deferring :class:`DirectLoader` left out, layer after layer; each layer swaps
-    its interim linear for its handle in one assignment (``cpu_linear``), so a forward pass running meanwhile
-    computes with one or the other, both the same weights."""
-    for module in modules:
+def make_handle(module: torch.nn.Module) -> None:
+    """vLLM-CPU's kernel handle for ``module`` from its weight as it is now (outside inference mode, which the
+    engine's forward runs in: the method replaces parameters)."""
+    with torch.inference_mode(False):
         _contiguous_unless_prepacked(module)
         module.quant_method.process_weights_after_loading(module)
 

@@ -18,7 +18,6 @@ these functions (:mod:`weight_sync.sender`) and the generators' workers read the
 
 from __future__ import annotations
 
-import itertools
 import math
 import uuid
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -77,11 +76,13 @@ def plan_buckets(
     back to back in a bucket and the receiver can load them without a copy. ``transposed``: names of 2-D
     tensors that travel transposed (linear weights for engines that repack them, see
     ``GeneratorRegistration.transposed_linear``); a name that is not pushed is ignored. ``stacked``: the
-    engines' stacked linear layers (``GeneratorRegistration.stacked_linear``): transposed pieces of one,
-    next to each other in ``named``, travel joined (:func:`joined_names`), always in one bucket.
+    engines' stacked linear layers (``GeneratorRegistration.stacked_linear``): each one's pieces are packed
+    next to each other (:func:`stacked_order`), and its transposed pieces travel joined (:func:`joined_names`),
+    always in one bucket.
     """
     by_dtype: dict[DType, list[int]] = {}
-    for index, (name, tensor) in enumerate(named):
+    for index in stacked_order([name for name, _ in named], stacked or {}):
+        name, tensor = named[index]
         own = dtype_name(name, tensor.dtype)  # checked also when it travels cast
         by_dtype.setdefault(dtype or own, []).append(index)
     joined = joined_names(named, transposed, stacked or {})
@@ -108,19 +109,17 @@ def plan_buckets(
 def joined_names(
     named: Sequence[tuple[str, torch.Tensor]], transposed: Collection[str], stacked: Mapping[str, Sequence[str]]
 ) -> frozenset[str]:
-    """Names of the transposed tensors that continue the block of the tensor right before them in ``named``:
-    piece k > 0 of a stacked layer (``a.k_proj.weight`` right after ``a.q_proj.weight``, for ``qkv_proj`` ->
-    ``q_proj, k_proj, v_proj``) with the same dtype and input size as that one."""
-    pieces = {piece: (group, k) for group in stacked.values() for k, piece in enumerate(group)}
+    """Names of the transposed tensors that continue the block of the piece before them: piece k > 0 of a
+    stacked layer (``a.k_proj.weight`` for ``qkv_proj`` -> ``q_proj, k_proj, v_proj``) when piece k - 1
+    (``a.q_proj.weight``) is pushed too, transposed, with the same dtype and input size. :func:`plan_buckets`
+    puts each layer's pieces next to each other (:func:`stacked_order`)."""
+    tensors = dict(named)
     joined = set()
-    for (before, earlier), (name, tensor) in itertools.pairwise(named):
-        module, _, leaf = name.rpartition(".")
-        parent, _, last = module.rpartition(".")
-        group, k = pieces.get(last, ((), 0))
-        prefix = f"{parent}." if parent else ""
+    for name, tensor in named:
+        before = _piece_before(name, stacked)
+        earlier = tensors.get(before) if before is not None else None
         if (
-            k > 0
-            and before == f"{prefix}{group[k - 1]}.{leaf}"
+            earlier is not None
             and name in transposed
             and before in transposed
             and tensor.dim() == earlier.dim() == 2
@@ -129,6 +128,33 @@ def joined_names(
         ):
             joined.add(name)
     return frozenset(joined)
+
+
+def stacked_order(names: Sequence[str], stacked: Mapping[str, Sequence[str]]) -> list[int]:
+    """Indices of ``names`` in the order they are packed: each stacked layer's pieces with one leaf right after
+    its first piece (``q.weight, k.weight, v.weight, q.bias, k.bias, v.bias`` where a model lists ``q.weight,
+    q.bias, k.weight, ...``), everything else where it was."""
+    position = {name: index for index, name in enumerate(names)}
+
+    def key(index: int) -> tuple[int, int]:
+        name, k = names[index], 0
+        while (before := _piece_before(name, stacked)) is not None and before in position:
+            name, k = before, k + 1
+        return position[name], k
+
+    return sorted(range(len(names)), key=key)
+
+
+def _piece_before(name: str, stacked: Mapping[str, Sequence[str]]) -> str | None:
+    """``a.q_proj.weight`` for ``a.k_proj.weight`` (piece k - 1 of its stacked layer, same leaf); None for a
+    first piece or a tensor of no stacked layer."""
+    module, _, leaf = name.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    for group in stacked.values():
+        if last in group[1:]:
+            prefix = f"{parent}." if parent else ""
+            return f"{prefix}{group[list(group).index(last) - 1]}.{leaf}"
+    return None
 
 
 def _cut_into_buckets(

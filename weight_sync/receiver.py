@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -48,7 +47,6 @@ from weight_sync.direct_load import (
     describe_targets,
     layerwise_reload,
     plan_direct_load,
-    rebuild_handles,
 )
 from weight_sync.protocol import (
     bucket_byte_sizes,
@@ -137,11 +135,11 @@ class _EnginePolicy:
 
     def _deferring(self) -> bool:
         """Whether a CPU engine's linear layers get their kernel handles after the push has returned, in the
-        background while the engine samples again (vLLM's plain ``linear`` on the received weights until
-        then): over gloo into kept buffers, which only the next push overwrites, after waiting for the
-        rebuild; with an eager engine (no compiled graph holding on to a layer's kernel). The learner then
-        waits for the bytes to arrive, not for oneDNN to reorder them. Not over shared memory: the learner
-        writes the next push into the memory the weights would be read from."""
+        engine's first step (:class:`~weight_sync.direct_load.PendingHandle`): over gloo into kept buffers,
+        which only the next push overwrites; with an eager engine (no compiled graph holding on to a layer's
+        kernel). The learner then waits for the bytes to arrive, not for oneDNN to reorder them. Not over
+        shared memory: the learner writes the next push into the memory the weights would be read from while
+        the engine samples."""
         return self._kept_buffers() and self._engine_is_eager() and not self._aliasing()
 
 
@@ -164,7 +162,7 @@ class WeightReceiverExtension(_EnginePolicy):
     _ipc: IpcReceiver | None = None  # the learner's tensors opened over CUDA IPC, kept while it resends them
     _weight_timeout_s: float = 300.0
     _stack_scratch: StackScratch | None = None  # kept push to push on the CPU (see StackScratch)
-    _deferred: _DeferredHandles | None = None  # kernel handles left to the background (see _deferring)
+    _joins: dict[str, StackScratch] | None = None  # where deferring pushes join stacked layers (see _deferring)
 
     def weight_runtime(self) -> dict[str, Any]:
         """This worker's device UUID, engine dtype and library versions (for the generator's registration)."""
@@ -239,8 +237,8 @@ class WeightReceiverExtension(_EnginePolicy):
             alias=self._aliasing(),
             borrowed=self._borrowing(),
             scratch=self._stack_scratch,
-            defer=self._deferred is not None,
-            joins=self._deferred.joins if self._deferred is not None else None,
+            defer=self._joins is not None,
+            joins=self._joins,
         )
 
     def _buffers_for(self, specs: Sequence[TensorSpec], sizes: list[int], keep: bool) -> list[torch.Tensor] | None:
@@ -261,13 +259,12 @@ class WeightReceiverExtension(_EnginePolicy):
         and loading. The next bucket is received while this one loads (gloo in the background)."""
         if self._weight_store is None:
             raise RuntimeError("weight_channel_open must be called before weight_channel_receive")
-        rebuild_wait = _DeferredHandles.wait_for(self._deferred)  # they are made from the buffers received into
         model = self.model_runner.get_model()
         specs = read_layout(layout)
+        self._joins = (self._joins if self._joins is not None else {}) if self._deferring() else None
         if self._weight_transport == "ipc":
             return self._receive_ipc(model, specs)
         sizes = bucket_byte_sizes(specs, num_buckets)
-        self._deferred = _DeferredHandles.for_push(self._deferred, self._deferring())
         direct = self._direct_loader(model, specs)
         buffers = self._buffers_for(specs, sizes, keep=direct is not None and self._kept_buffers())
         # Loading straight from shared memory needs a loader that copies whatever a layer would keep of it.
@@ -279,8 +276,6 @@ class WeightReceiverExtension(_EnginePolicy):
                 waiting, loading = self._receive_buckets(by_bucket, sizes, direct.add_all, buffers, private)
                 mark = time.perf_counter()
                 direct.finish()
-                if direct.deferred:
-                    self._deferred.start(direct.deferred)
                 loading += time.perf_counter() - mark
             else:
                 waiting, loading = layerwise_reload(
@@ -295,8 +290,8 @@ class WeightReceiverExtension(_EnginePolicy):
             "seconds": time.perf_counter() - start,
             "receive_wait_seconds": waiting,
             "load_seconds": loading,
-            "rebuild_wait_seconds": rebuild_wait,
             "deferred_handles": float(len(direct.deferred) if direct is not None else 0),
+            "joined_pieces": float(sum(spec.joined for spec in specs)),
             "direct": float(direct is not None),
             "aliased_bytes": float(direct.aliased_bytes if direct is not None else 0),
             "copied_borrowed_bytes": float(direct.copied_borrowed_bytes if direct is not None else 0),
@@ -388,64 +383,8 @@ class WeightReceiverExtension(_EnginePolicy):
 
     def weight_fingerprint(self) -> dict[str, float]:
         """Sum of every parameter (float64), for tests and operators to compare weights across replicas."""
-        _DeferredHandles.wait_for(self._deferred)
         model = self.model_runner.get_model()
         return {name: float(param.detach().double().sum()) for name, param in model.named_parameters()}
-
-
-class _DeferredHandles:
-    """What a receiver deferring kernel handles keeps (see ``_EnginePolicy._deferring``): the join memory of
-    its stacked layers, push after push, and the background rebuild of the last push's handles."""
-
-    def __init__(self) -> None:
-        self.joins: dict[str, StackScratch] = {}
-        self.rebuild: _HandleRebuild | None = None
-
-    @staticmethod
-    def for_push(kept: _DeferredHandles | None, deferring: bool) -> _DeferredHandles | None:
-        """What a push that defers (or not) keeps: the last push's, a new one, or nothing."""
-        return (kept or _DeferredHandles()) if deferring else None
-
-    @staticmethod
-    def wait_for(kept: _DeferredHandles | None) -> float:
-        """Seconds waited for the last push's rebuild, if any. Raises when it failed: the layers still compute
-        with the right weights, but the next push must not overwrite the memory they read, and the engine is
-        slower than it should be."""
-        if kept is None or kept.rebuild is None:
-            return 0.0
-        rebuild, kept.rebuild = kept.rebuild, None
-        return rebuild.wait()
-
-    def start(self, modules: Sequence[torch.nn.Module]) -> None:
-        self.rebuild = _HandleRebuild(modules)
-
-
-class _HandleRebuild:
-    """:func:`rebuild_handles` on a thread of its own (a daemon: an engine shutting down does not wait for it),
-    logged with its duration; :meth:`wait` joins it and raises what it raised."""
-
-    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
-        self.count = len(modules)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(modules,), name="weight-handle-rebuild", daemon=True)
-        self.thread.start()
-
-    def _run(self, modules: Sequence[torch.nn.Module]) -> None:
-        started = time.perf_counter()
-        try:
-            rebuild_handles(modules)
-        except BaseException as exc:  # re-raised by wait(), on the worker's thread
-            log.exception("making %d kernel handles after a weight push failed", self.count)
-            self.error = exc
-            return
-        log.info("made %d kernel handles in the background in %.3f s", self.count, time.perf_counter() - started)
-
-    def wait(self) -> float:
-        mark = time.perf_counter()
-        self.thread.join()
-        if self.error is not None:
-            raise RuntimeError(f"making the last push's kernel handles failed: {self.error!r}") from self.error
-        return time.perf_counter() - mark
 
 
 def _timed(step: Callable[[], Any]) -> float:

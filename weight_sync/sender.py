@@ -88,7 +88,6 @@ _PHASES = (
     "transfer_seconds",
     "receive_wait_seconds",
     "load_seconds",
-    "rebuild_wait_seconds",
     "close_seconds",
     "reset_seconds",
     "resume_seconds",

@@ -68,10 +68,7 @@ class WeightUpdateResult(BaseModel):
     transfer_seconds: float = Field(0.0, description="receiving and loading, overlapped")
     receive_wait_seconds: float = Field(0.0, description="part of transfer spent waiting for data")
     load_seconds: float = Field(0.0, description="part of transfer spent loading into the engine")
-    rebuild_wait_seconds: float = Field(
-        0.0, description="part of transfer spent waiting for the last push's CPU kernel handles (made after it)"
-    )
-    deferred_handles: int = Field(0, description="CPU kernel handles made after this push returned, in the background")
+    deferred_handles: int = Field(0, description="CPU kernel handles left to the engine's first step after the push")
     close_seconds: float = Field(0.0, description="leaving the push's group")
     reset_seconds: float = 0.0
     resume_seconds: float = 0.0

@@ -79,8 +79,8 @@ def update_report(results: list[dict], transport: str, phases: Phases, policy_ve
     received = sum(r["bytes"] for r in results)
     phases.seconds["receive_wait_seconds"] = max(r["receive_wait_seconds"] for r in results)
     phases.seconds["load_seconds"] = max(r["load_seconds"] for r in results)
-    phases.seconds["rebuild_wait_seconds"] = max(r.get("rebuild_wait_seconds", 0.0) for r in results)
     deferred = int(sum(r.get("deferred_handles", 0.0) for r in results))
+    joined = int(max(r.get("joined_pieces", 0.0) for r in results))
     direct = all(r["direct"] for r in results)
     in_place = sum(r.get("aliased_bytes", 0.0) for r in results)
     copied = sum(r.get("copied_borrowed_bytes", 0.0) for r in results)
@@ -90,14 +90,15 @@ def update_report(results: list[dict], transport: str, phases: Phases, policy_ve
             copied / 1e6,
         )
     log.info(
-        "policy version %d loaded over %s (%s): %.1f MB in %.2f s, %.1f MB of it received in place, %d kernel "
-        "handles left to make in the background (%s)",
+        "policy version %d loaded over %s (%s): %.1f MB in %.2f s, %.1f MB of it received in place, %d tensors "
+        "joined to the one before, %d kernel handles left to the first step after it (%s)",
         policy_version,
         transport,
         "direct copy" if direct else "layerwise reload",
         received / 1e6,
         seconds,
         in_place / 1e6,
+        joined,
         deferred,
         ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.seconds.items()),
     )

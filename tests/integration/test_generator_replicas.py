@@ -100,10 +100,13 @@ async def test_two_replicas_share_prompts_survive_a_kill_and_take_pushes(tmp_pat
                 for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
                     assert fingerprint[name] == pytest.approx(reference[name], rel=1e-6), (service.name, name)
                 assert "loaded over gloo (direct copy)" in service.output(), service.output()[-3000:]
-                # The engines made their oneDNN handles after the push returned, in the background; the greedy
-                # request below may meet layers on vLLM's plain linear meanwhile, and must decode the same.
-                deferred = re.search(r"(\d+) kernel handles left to make in the background", service.output())
-                assert deferred and int(deferred.group(1)) > 0, service.output()[-3000:]
+                # q/k/v and gate/up arrived joined; the engines left their oneDNN handles to the first step after
+                # the push: the greedy request below makes them, and must decode what the pushed model does.
+                loaded = re.search(
+                    r"(\d+) tensors joined to the one before, (\d+) kernel handles left to the first step",
+                    service.output(),
+                )
+                assert loaded and int(loaded.group(1)) > 0 and int(loaded.group(2)) > 0, service.output()[-3000:]
                 greedy = {"prompts": ["item 7: the"], "sampling": {"temperature": 0, "max_tokens": 24}}
                 reply = await http.post(
                     f"{service.url}/generate", json=greedy, headers={"Authorization": f"Bearer {TOKEN}"}

@@ -13,12 +13,12 @@ from shared.records import CudaIpcWeights, TensorSpec, WeightVersionAnnouncement
 from weight_sync.direct_load import (
     DirectLoader,
     DirectLoadUnavailable,
+    PendingHandle,
     TargetParam,
     describe_targets,
     is_transposed,
     joined_view,
     plan_direct_load,
-    rebuild_handles,
     source_names,
     stack_rows,
 )
@@ -27,9 +27,11 @@ from weight_sync.protocol import (
     bucket_byte_sizes,
     bucket_views,
     joined_names,
+    lies_in,
     pack_bucket,
     plan_buckets,
     read_layout,
+    stacked_order,
     unpack_bucket,
 )
 from weight_sync.sender import _PHASES, _describe, _phases_of, _slowest_phases
@@ -905,7 +907,7 @@ def _deferred_push(model, named, buffers, joins):
     return loader
 
 
-def test_deferred_handles_compute_the_pushed_weights_before_and_after_they_are_made():
+def test_deferred_handles_are_made_by_the_first_call_after_the_push_from_the_pushed_weights():
     model = _CpuEngineModel()
     qkv = model.model.layers[0].self_attn.qkv_proj
     qkv.quant_method = _recording_method()
@@ -915,31 +917,32 @@ def test_deferred_handles_compute_the_pushed_weights_before_and_after_they_are_m
         named = _changed(_linear_named(), by=float(step))
         loader = _deferred_push(model, named, buffers, joins)
         assert {id(m) for m in loader.deferred} == {id(qkv), id(model.model.embed_tokens), id(model.lm_head)}
-        assert qkv.quant_method.layouts == [True] * step  # no handle made during the push
-        for key, value in model.outputs(x).items():  # the interim linears already compute the new weights
-            torch.testing.assert_close(value, _expected(named, x)[key], msg=f"{key}, push {step}")
+        assert isinstance(qkv.cpu_linear, PendingHandle) and qkv.quant_method.layouts == [True] * step
         join_memory.add(joins["model.layers.0.self_attn.qkv_proj.weight"].buffer.data_ptr())
-        rebuild_handles(loader.deferred)
-        assert qkv.quant_method.layouts == [True] * (step + 1)  # packed from [in, out] contiguous, as before
-        assert qkv.weight.numel() == 0  # the handle holds the weight, as vLLM's remove_weight leaves it
-        for key, value in model.outputs(x).items():
-            torch.testing.assert_close(value, _expected(named, x)[key], msg=f"{key}, push {step}, handles made")
+        with torch.inference_mode():  # as the engine's forward runs
+            first = model.outputs(x)  # makes the handles, from [in, out] contiguous weights
+        assert qkv.quant_method.layouts == [True] * (step + 1) and qkv.weight.numel() == 0
+        assert not isinstance(qkv.cpu_linear, PendingHandle)
+        for buffer in buffers:  # the next push's receive: the handles hold their own copies
+            buffer.fill_(7)
+        for key in ("qkv", "lm_head"):
+            torch.testing.assert_close(first[key], _expected(named, x)[key], msg=f"{key}, push {step}")
+            torch.testing.assert_close(model.outputs(x)[key], first[key], msg=f"{key}, push {step}, again")
     assert len(join_memory) == 1  # the second push joined in the first one's memory
 
 
-def test_an_interim_linear_keeps_its_own_tensors_while_the_handle_replaces_the_parameters():
-    model = _CpuEngineModel()
-    qkv = model.model.layers[0].self_attn.qkv_proj
-    named = _linear_named()
-    loader = _deferred_push(model, named, [], {})
-    interim = qkv.cpu_linear
-    weight = qkv.weight
-    rebuild_handles(loader.deferred)  # drops the parameter's data (remove_weight)
-    x = torch.randn(3, 4)
-    expected = _expected(named, x)["qkv"]
-    # A forward pass that read the interim linear and the parameter before the swap still computes right.
-    torch.testing.assert_close(interim(x, weight, None), expected)
-    torch.testing.assert_close(interim(x, torch.empty(0), None), expected)
+def test_a_pending_handle_passes_the_callers_bias_through():
+    torch.manual_seed(0)
+    layer = _Layer(torch.randn(3, 4), _cpu_method("UnquantizedLinearMethod", True))
+    layer.bias = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    weight = layer.weight
+    layer.weight = torch.nn.Parameter(torch.randn(3, 4), requires_grad=False)  # what a push loads
+    layer.cpu_linear = PendingHandle(layer)
+    x = torch.randn(2, 4)
+    expected = x @ layer.weight.detach().T
+    # vLLM passes bias=None for a layer that adds its bias itself (skip_bias_add).
+    torch.testing.assert_close(layer.cpu_linear(x, weight, None), expected)
+    torch.testing.assert_close(layer.cpu_linear(x, layer.weight, layer.bias), expected + layer.bias)
 
 
 def test_deferring_refuses_weights_that_do_not_stay_put():
@@ -950,28 +953,44 @@ def test_deferring_refuses_weights_that_do_not_stay_put():
             DirectLoader(model, {}, targets, defer=True, **{kind: True})
 
 
-def test_a_failed_background_rebuild_is_raised_by_the_next_wait():
-    from weight_sync.receiver import _DeferredHandles
+@pytest.mark.parametrize(
+    ("device", "transport", "eager", "in_place", "defers"),
+    [
+        ("cpu", "gloo", True, False, True),
+        ("cpu", "shm", True, False, False),  # the learner writes the next push where the weights would be read
+        ("cpu", "gloo", False, False, False),  # a compiled engine
+        ("cpu", "gloo", True, True, False),  # parameters alias the receive buffers: nothing to make
+        ("cuda", "nccl", True, False, False),
+        ("cuda", "ipc", True, False, False),
+    ],
+)
+def test_only_a_cpu_engine_fed_over_gloo_defers_its_handles(device, transport, eager, in_place, defers):
+    from weight_sync.receiver import _EnginePolicy
 
-    class Broken(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.zeros(2, 2), requires_grad=False)
-            self.quant_method = type("M", (), {"process_weights_after_loading": lambda self, layer: 1 / 0})()
+    class Policy(_EnginePolicy):
+        def _engine_is_eager(self) -> bool:
+            return eager
 
-    kept = _DeferredHandles.for_push(None, deferring=True)
-    assert _DeferredHandles.for_push(kept, deferring=True) is kept  # the join memory stays from push to push
-    assert _DeferredHandles.for_push(kept, deferring=False) is None
-    assert _DeferredHandles.wait_for(None) == 0.0 and _DeferredHandles.wait_for(kept) == 0.0
-    kept.start([Broken()])
-    with pytest.raises(RuntimeError, match="making the last push's kernel handles failed: ZeroDivisionError"):
-        _DeferredHandles.wait_for(kept)
-    assert _DeferredHandles.wait_for(kept) == 0.0  # raised once; the next push rebinds every layer
-    model = _CpuEngineModel()
-    loader = _deferred_push(model, _linear_named(), [], kept.joins)
-    kept.start(loader.deferred)
-    assert _DeferredHandles.wait_for(kept) >= 0.0
-    assert model.model.layers[0].self_attn.qkv_proj.weight.numel() == 0  # its handle was made
+        def _in_place_wanted(self) -> bool:
+            return in_place
+
+        def _hides_views(self) -> bool:
+            return False
+
+    policy = Policy()
+    policy.device, policy._weight_transport = torch.device(device), transport
+    assert policy._deferring() == defers
+
+
+def test_engine_runtime_names_stacked_layers_only_when_every_worker_agrees():
+    from services.generator.engine import engine_runtime
+
+    stacks = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}
+    worker = {"device_uuid": "", "dtype": "float32", "transposed_linear": True, "stacked_linear": stacks}
+    worker |= {"torch": "2.13.0", "nccl": "", "vllm": "0.32.0"}
+    assert engine_runtime([worker, {**worker, "device_uuid": "x"}])["stacked_linear"] == stacks
+    assert engine_runtime([worker, {**worker, "stacked_linear": {}}])["stacked_linear"] == {}
+    assert not engine_runtime([worker, {**worker, "transposed_linear": False}])["transposed_linear"]
 
 
 # Stacked pieces joined in the bucket (a CPU engine that stacks q/k/v and gate/up) ------------------------------
@@ -990,10 +1009,42 @@ def test_joined_names_are_the_later_pieces_of_a_stacked_layer_right_after_the_on
         "model.layers.0.self_attn.v_proj.weight"  # k has nothing transposed to join
     }
     assert joined_names(named, LINEAR, {}) == frozenset()
-    reordered = [named[0], named[2], named[1], named[3], named[4]]  # k, q, v: no piece right after its predecessor
-    assert joined_names(reordered, LINEAR, STACKED) == frozenset()
+    reordered = [named[0], named[2], named[1], named[3], named[4]]  # k, q, v: packed q, k, v all the same
+    assert joined_names(reordered, LINEAR, STACKED) == joined_names(named, LINEAR, STACKED)
+    assert [reordered[i][0].split(".")[-2] for i in stacked_order([n for n, _ in reordered], STACKED)][1:4] == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+    ]
     wider = [(n, torch.randn(2, 5)) if ".v_proj" in n else (n, t) for n, t in named]  # another input size
     assert joined_names(wider, LINEAR, STACKED) == {"model.layers.0.self_attn.k_proj.weight"}
+
+
+def test_stacked_pieces_with_biases_are_packed_weights_first_so_both_stack_as_views():
+    names = [f"l.self_attn.{p}_proj.{leaf}" for p in "qkv" for leaf in ("weight", "bias")]
+    names += ["l.self_attn.o_proj.weight", "l.mlp.gate_proj.weight", "l.mlp.up_proj.weight", "norm.weight"]
+    order = [names[i] for i in stacked_order(names, STACKED)]
+    assert order == [
+        "l.self_attn.q_proj.weight",
+        "l.self_attn.k_proj.weight",
+        "l.self_attn.v_proj.weight",
+        "l.self_attn.q_proj.bias",
+        "l.self_attn.k_proj.bias",
+        "l.self_attn.v_proj.bias",
+        "l.self_attn.o_proj.weight",
+        "l.mlp.gate_proj.weight",
+        "l.mlp.up_proj.weight",
+        "norm.weight",
+    ]
+    assert stacked_order(names, {}) == list(range(len(names)))
+    named = [(n, torch.randn(2 if "bias" in n else (2, 4))) for n in names]
+    specs, _ = plan_buckets(named, 1 << 20, "float32", {n for n in names if n.endswith("weight")}, STACKED)
+    assert [s.name for s in specs if s.joined] == [
+        "l.self_attn.k_proj.weight",
+        "l.self_attn.v_proj.weight",
+        "l.mlp.up_proj.weight",
+    ]
+    assert [s.name for s in specs] == order
 
 
 def test_joined_pieces_share_one_block_and_unpack_to_the_same_values_as_one_view():
@@ -1081,7 +1132,9 @@ def test_placed_joined_parameters_train_the_same_and_pack_by_no_copy():
             optimizer.step()
     for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
-    # The next push packs them by no copy: the buffer already holds what the parameters are.
+    # The next push packs them by no copy: each parameter is its slot.
+    slots = slot_views(named, buckets, "float32", buffers, linear, joined)
+    assert all(lies_in(p, slots[n]) for n, p in model.named_parameters())
     before = buffers[0].clone()
     repacked = pack_bucket(
         [p.detach() for p in model.parameters()],
@@ -1119,10 +1172,9 @@ def test_a_deferring_loader_takes_joined_pieces_as_one_view_with_no_join_memory(
     for index, buffer in enumerate(buffers):
         loader.add_all(unpack_bucket(buffer, [s for s in layout if s.bucket == index]))
     loader.finish()
-    assert joins == {}  # nothing joined in memory of its own
+    assert all(join.buffer is None for join in joins.values())  # nothing joined in memory of its own
     assert qkv.weight.untyped_storage().data_ptr() == buffers[0].data_ptr()  # the bucket itself
     x = torch.randn(3, 4)
-    rebuild_handles(loader.deferred)
-    assert qkv.quant_method.layouts == [True]  # packed from [in, out] contiguous
-    for key, value in model.outputs(x).items():
+    for key, value in model.outputs(x).items():  # the first call makes the handles
         torch.testing.assert_close(value, _expected(named, x)[key], msg=key)
+    assert qkv.quant_method.layouts == [True]  # packed from [in, out] contiguous
