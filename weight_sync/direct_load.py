@@ -414,7 +414,7 @@ class PendingHandle:
     reorder runs in the engine's first step after a push, on the thread that runs the model, instead of
     inside the push the learner waits for."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: Any) -> None:  # a vLLM layer: ``cpu_linear``, ``quant_method``
         self.module = module
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -422,7 +422,7 @@ class PendingHandle:
         return self.module.cpu_linear(x, self.module.weight, bias)
 
 
-def make_handle(module: torch.nn.Module) -> None:
+def make_handle(module: Any) -> None:
     """vLLM-CPU's kernel handle for ``module`` from its weight as it is now (outside inference mode, which the
     engine's forward runs in: the method replaces parameters)."""
     with torch.inference_mode(False):

@@ -82,6 +82,7 @@ class _EnginePolicy:
 
     device: torch.device
     vllm_config: Any
+    model_runner: Any
     _weight_transport: str = ""
 
     def _tensor_parallel_size(self) -> int:
