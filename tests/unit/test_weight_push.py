@@ -301,13 +301,18 @@ def _load(model, named, bucket_bytes: int, alias: bool, buffers=None, borrowed: 
     if not borrowed:
         for buffer, sent in zip(buffers, packed, strict=True):
             buffer.copy_(sent)  # what the receive does
+    return _load_buckets(model, layout, buffers, alias=alias, borrowed=borrowed), buffers
+
+
+def _load_buckets(model, layout, buffers, **options) -> DirectLoader:
+    """A direct loader (``options`` as DirectLoader takes them) fed every bucket of ``layout`` from ``buffers``."""
     targets = describe_targets(model, tensor_parallel_size=1)
     plan = plan_direct_load({s["name"]: tuple(s["shape"]) for s in layout}, targets)
-    loader = DirectLoader(model, plan, targets, alias=alias, borrowed=borrowed)
+    loader = DirectLoader(model, plan, targets, **options)
     for index, buffer in enumerate(buffers):
         loader.add_all(unpack_bucket(buffer, [s for s in read_layout(layout) if s.bucket == index]))
     loader.finish()
-    return loader, buffers
+    return loader
 
 
 def _changed(named, by: float):
@@ -802,6 +807,19 @@ def test_transposed_pieces_reach_the_handle_transposed_and_the_engine_computes_t
         torch.testing.assert_close(value, _expected(named, x)[key], msg=key)
 
 
+def _trains_like(model: torch.nn.Module, twin: torch.nn.Module) -> None:
+    """Three AdamW steps on each, the same input: ``model``'s parameters end equal to ``twin``'s."""
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, twin)]
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        for m, optimizer in zip((model, twin), optimizers, strict=True):
+            optimizer.zero_grad()
+            m(x).square().sum().backward()
+            optimizer.step()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
 def test_placed_transposed_parameters_train_and_pack_by_no_copy(monkeypatch):
     from services.learner.model import linear_weight_names
     from weight_sync.placement import place_parameters
@@ -821,16 +839,7 @@ def test_placed_transposed_parameters_train_and_pack_by_no_copy(monkeypatch):
     placed = place_parameters(model, slot_views(named, buckets, "float32", buffers, linear))
     assert len(placed) == 4
     assert model[0].weight.stride() == (1, 6) and model[0].bias.is_contiguous()
-    # Training on transposed parameters gives what training on ordinary ones gives.
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, twin)]
-    x = torch.randn(5, 4)
-    for _ in range(3):
-        for m, optimizer in zip((model, twin), optimizers, strict=True):
-            optimizer.zero_grad()
-            m(x).square().sum().backward()
-            optimizer.step()
-    for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(a, b, msg=name)
+    _trains_like(model, twin)  # training on transposed parameters gives what training on ordinary ones gives
     assert model[0].weight.stride() == (1, 6)  # still in its slot
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     copies = []
@@ -898,13 +907,7 @@ def _deferred_push(model, named, buffers, joins):
         buffers.extend(torch.empty_like(b) for b in packed)
     for buffer, sent in zip(buffers, packed, strict=True):
         buffer.copy_(sent)  # what the receive does
-    targets = describe_targets(model, tensor_parallel_size=1)
-    plan = plan_direct_load({s["name"]: tuple(s["shape"]) for s in layout}, targets)
-    loader = DirectLoader(model, plan, targets, defer=True, joins=joins)
-    for index, buffer in enumerate(buffers):
-        loader.add_all(unpack_bucket(buffer, [s for s in read_layout(layout) if s.bucket == index]))
-    loader.finish()
-    return loader
+    return _load_buckets(model, layout, buffers, defer=True, joins=joins)
 
 
 def test_deferred_handles_are_made_by_the_first_call_after_the_push_from_the_pushed_weights():
@@ -1123,15 +1126,7 @@ def test_placed_joined_parameters_train_the_same_and_pack_by_no_copy():
     ]
     placed = place_parameters(model, slot_views(named, buckets, "float32", buffers, linear, joined))
     assert len(placed) == 3 and model.k_proj.weight.stride() == (1, 8)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, twin)]
-    x = torch.randn(5, 4)
-    for _ in range(3):
-        for m, optimizer in zip((model, twin), optimizers, strict=True):
-            optimizer.zero_grad()
-            m(x).square().sum().backward()
-            optimizer.step()
-    for (name, a), b in zip(model.named_parameters(), twin.parameters(), strict=True):
-        torch.testing.assert_close(a, b, msg=name)
+    _trains_like(model, twin)
     # The next push packs them by no copy: each parameter is its slot.
     slots = slot_views(named, buckets, "float32", buffers, linear, joined)
     assert all(lies_in(p, slots[n]) for n, p in model.named_parameters())
