@@ -72,9 +72,9 @@ def plan_buckets(
     """Layout of a push: specs in order, and per bucket the indices of its tensors (one dtype each).
 
     ``dtype``: every tensor travels cast to it (the generators' engine dtype); None keeps each one's own.
-    Within a dtype, tensors keep their order, so pieces of one stacked engine parameter (``q, k, v``) lie
-    back to back in a bucket and the receiver can load them without a copy. ``transposed``: names of 2-D
-    tensors that travel transposed (linear weights for engines that repack them, see
+    Within a dtype, tensors keep their order (but for ``stacked``, below), so pieces of one stacked engine
+    parameter (``q, k, v``) lie back to back in a bucket and the receiver can load them without a copy.
+    ``transposed``: names of 2-D tensors that travel transposed (linear weights for engines that repack them, see
     ``GeneratorRegistration.transposed_linear``); a name that is not pushed is ignored. ``stacked``: the
     engines' stacked linear layers (``GeneratorRegistration.stacked_linear``): each one's pieces are packed
     next to each other (:func:`stacked_order`), and its transposed pieces travel joined (:func:`joined_names`),

@@ -1002,6 +1002,19 @@ def test_engine_runtime_names_stacked_layers_only_when_every_worker_agrees():
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+def _pack_joined(named, buckets, transposed, joined) -> list[torch.Tensor]:
+    """Every bucket packed as float32, the names in ``transposed`` transposed and those in ``joined`` joined."""
+    return [
+        pack_bucket(
+            [named[i][1] for i in indices],
+            "float32",
+            transposed=[named[i][0] in transposed for i in indices],
+            joined=[named[i][0] in joined for i in indices],
+        )
+        for indices in buckets
+    ]
+
+
 def test_joined_names_are_the_later_pieces_of_a_stacked_layer_right_after_the_one_before():
     named = _linear_named()
     assert joined_names(named, LINEAR, STACKED) == {
@@ -1058,12 +1071,7 @@ def test_joined_pieces_share_one_block_and_unpack_to_the_same_values_as_one_view
     assert joined == ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight"]
     by_name = {s.name: s.bucket for s in specs}
     assert len({by_name[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"}) == 1
-    flags = [[named[i][0] in LINEAR for i in indices] for indices in buckets]
-    joins = [[named[i][0] in joined for i in indices] for indices in buckets]
-    packed = [
-        pack_bucket([named[i][1] for i in indices], "float32", transposed=f, joined=j)
-        for indices, f, j in zip(buckets, flags, joins, strict=True)
-    ]
+    packed = _pack_joined(named, buckets, LINEAR, joined)
     layout = read_layout([s.model_dump() for s in specs])
     assert [b.numel() for b in packed] == bucket_byte_sizes(layout, len(buckets))
     qkv_bucket = by_name["model.layers.0.self_attn.q_proj.weight"]
@@ -1115,15 +1123,7 @@ def test_placed_joined_parameters_train_the_same_and_pack_by_no_copy():
     specs, buckets = plan_buckets(named, bucket_bytes=1 << 20, dtype="float32", transposed=linear, stacked=STACKED)
     joined = frozenset(s.name for s in specs if s.joined)
     assert joined == {"k_proj.weight", "v_proj.weight"}
-    buffers = [
-        pack_bucket(
-            [named[i][1] for i in idx],
-            "float32",
-            transposed=[named[i][0] in linear for i in idx],
-            joined=[named[i][0] in joined for i in idx],
-        )
-        for idx in buckets
-    ]
+    buffers = _pack_joined(named, buckets, linear, joined)
     placed = place_parameters(model, slot_views(named, buckets, "float32", buffers, linear, joined))
     assert len(placed) == 3 and model.k_proj.weight.stride() == (1, 8)
     _trains_like(model, twin)
@@ -1150,15 +1150,7 @@ def test_a_deferring_loader_takes_joined_pieces_as_one_view_with_no_join_memory(
     named = _linear_named()
     specs, buckets = plan_buckets(named, bucket_bytes=1 << 20, dtype="float32", transposed=LINEAR, stacked=STACKED)
     joined = {s.name for s in specs if s.joined}
-    buffers = [
-        pack_bucket(
-            [named[i][1] for i in indices],
-            "float32",
-            transposed=[named[i][0] in LINEAR for i in indices],
-            joined=[named[i][0] in joined for i in indices],
-        )
-        for indices in buckets
-    ]
+    buffers = _pack_joined(named, buckets, LINEAR, joined)
     layout = read_layout([s.model_dump() for s in specs])
     targets = describe_targets(model, tensor_parallel_size=1)
     plan = plan_direct_load({s.name: tuple(s.shape) for s in layout}, targets)
