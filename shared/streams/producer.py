@@ -46,9 +46,12 @@ class StreamProducer:
             raise ValueError(f"cannot add {count} entries at once under a backlog bound of {self.max_backlog}")
         waited = False
         while self._credit < count:
+            # The backlog is read before trimming: entries a consumer finishes in between are then counted (as
+            # still owed) rather than left in the stream uncounted, so one producer never holds more than
+            # ``max_backlog`` entries in the stream with one in-order consumer.
+            self._credit = self.max_backlog - await stream_backlog(self.client, self.stream)
             if self.trim:
                 await trim_processed(self.client, self.stream)
-            self._credit = self.max_backlog - await stream_backlog(self.client, self.stream)
             if self._credit < count:
                 if not waited:
                     self.waits += 1

@@ -190,6 +190,41 @@ async def test_producer_blocks_at_backlog_bound_and_resumes(redis_client, keys):
     assert await redis_client.xlen(source) <= 5
 
 
+async def test_entry_finished_between_backlog_read_and_trim_is_not_left_uncounted(redis_client, keys, monkeypatch):
+    """CI once saw six entries in a stream bounded at five: a consumer finished one between the producer's two calls.
+
+    The consumer's last commit is made to land right after whichever of the two calls comes first, the race's
+    worst moment; the stream must still hold no more than the bound once the producer has filled its room.
+    """
+    import shared.streams.producer as producer_module
+
+    source = f"{keys.prefix}:in"
+    await _fill(redis_client, source, 5)
+    consumer = _consumer(redis_client, keys, source, "c1", claim_idle_ms=60_000)
+    await consumer.start()
+    batch = await consumer.read(count=5)
+    for delivery in batch[:4]:
+        await consumer.commit(delivery)
+    last_commit = [batch[4]]
+
+    async def then_commit(call, *args, **kwargs):
+        result = await call(*args, **kwargs)
+        while last_commit:
+            await consumer.commit(last_commit.pop())
+        return result
+
+    backlog, trim = producer_module.stream_backlog, producer_module.trim_processed
+    monkeypatch.setattr(producer_module, "stream_backlog", lambda *a, **k: then_commit(backlog, *a, **k))
+    monkeypatch.setattr(producer_module, "trim_processed", lambda *a, **k: then_commit(trim, *a, **k))
+    producer = StreamProducer(redis_client, source, max_backlog=5)
+    await producer.add("n0", b"x")
+    added = 1
+    while producer._credit > 0:  # the room that one look at Redis gave, used up without asking again
+        await producer.add(f"n{added}", b"x")
+        added += 1
+    assert await redis_client.xlen(source) <= 5, f"{added} added"
+
+
 async def test_trim_keeps_pending_and_undelivered_entries(redis_client, keys):
     source = f"{keys.prefix}:in"
     ids = await _fill(redis_client, source, 10)
