@@ -10,6 +10,12 @@ reads its own shards under a checkpoint's ``optimizer/`` (:func:`distributed.sav
 follows the schedule its own settings describe (``lr``, ``warmup_steps``, ``max_steps``, ``min_lr_ratio``)
 from the restored step on, also from the first resumed step: a run resumed with a longer ``max_steps`` decays
 over the new length (:meth:`OptimizerStep.load_state_dict`).
+
+On one process on the CPU, AdamW runs PyTorch's fused kernel (:func:`fused_adamw`): one pass over each
+parameter's memory instead of one per operation, about 6x faster on SmolLM2-135M (0.07 s against 0.45 s a step
+on one AVX-512 core; on the demo's two cores it had been about a quarter of the learner's step beside the
+generator, whose decoding competes for the same memory bandwidth). Its results differ from the per-tensor loop by
+rounding (float32: a few ulp after several steps).
 """
 
 from __future__ import annotations
@@ -26,6 +32,19 @@ from services.learner.hardware import Precision, resolve_precision
 from shared.config.learner import LearnerSettings
 
 log = logging.getLogger(__name__)
+
+
+def fused_adamw(params: list[torch.Tensor], distributed_run: bool) -> bool:
+    """Whether AdamW runs fused: every trainable parameter a plain (not sharded) floating-point CPU tensor, one
+    process. On CUDA PyTorch's default (the multi-tensor loop) stays; sharded parameters are DTensors."""
+    return (
+        bool(params)
+        and not distributed_run
+        and all(p.device.type == "cpu" and p.dtype in _FUSED_DTYPES and type(p.data) is torch.Tensor for p in params)
+    )
+
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -48,7 +67,14 @@ class OptimizerStep:
         # Sharded, FSDP2's MixedPrecisionPolicy casts the gathered weights (distributed.shard_model).
         self.autocast = Precision() if topology.distributed else self.precision
         params = [p for p in model.parameters() if p.requires_grad]
-        self.adamw = torch.optim.AdamW(params, lr=s.lr, betas=(s.adam_beta1, s.adam_beta2), weight_decay=s.weight_decay)
+        self.fused = fused_adamw(params, topology.distributed)
+        self.adamw = torch.optim.AdamW(
+            params,
+            lr=s.lr,
+            betas=(s.adam_beta1, s.adam_beta2),
+            weight_decay=s.weight_decay,
+            fused=self.fused or None,
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.adamw, lambda step: lr_lambda(step, s.warmup_steps, s.max_steps, s.min_lr_ratio)
         )
@@ -91,6 +117,8 @@ class OptimizerStep:
                 f"this checkpoint was written by {state.get('ranks')} learner ranks (its optimizer is sharded "
                 "under optimizer/); resume it with torchrun, or start from its model with resume = false"
             )
+        for group in self.adamw.param_groups:  # a checkpoint's groups carry its own run's choice
+            group["fused"] = self.fused or None
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self._follow_schedule()

@@ -11,7 +11,7 @@ import torch
 
 from services.learner.checkpoint import LearnerState, save_checkpoint
 from services.learner.distributed import Topology
-from services.learner.optimizer import OptimizerStep, lr_lambda
+from services.learner.optimizer import OptimizerStep, fused_adamw, lr_lambda
 from services.learner.startup import build_trainer
 from shared.config.learner import LearnerSettings
 from shared.runs import run_identity, write_run_file
@@ -117,3 +117,39 @@ def test_a_learner_restarted_with_a_longer_max_steps_steps_at_the_new_schedules_
     [metrics] = trainer.train(batch)
     assert metrics["learning_rate"] == longer.lr * lr_lambda(2, 1, 6, longer.min_lr_ratio)
     assert metrics["learning_rate"] != first.lr * lr_lambda(2, 1, 3, first.min_lr_ratio)
+
+
+def test_adamw_runs_fused_on_one_cpu_process_only():
+    plain = [torch.nn.Parameter(torch.zeros(2, dtype=dtype)) for dtype in (torch.float32, torch.bfloat16)]
+    assert fused_adamw(plain, distributed_run=False)
+    assert not fused_adamw(plain, distributed_run=True)  # sharded parameters are DTensors
+    assert not fused_adamw([], distributed_run=False)
+    assert not fused_adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))], distributed_run=False)
+    assert _optimizer(N).adamw.param_groups[0]["fused"] is True
+
+
+def test_fused_adamw_takes_the_per_tensor_loop_s_steps_to_float32_rounding():
+    fused, loop = _optimizer(N), _optimizer(N)
+    for group in loop.adamw.param_groups:
+        group["fused"] = None
+    _rates(fused, 3), _rates(loop, 3)
+    for a, b in zip(fused.model.parameters(), loop.model.parameters(), strict=True):
+        assert not torch.equal(a, torch.zeros_like(a))
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_checkpoint_of_the_per_tensor_loop_resumes_fused():
+    """A checkpoint's parameter groups carry the run's choice (an older learner's: ``fused`` None); the resumed
+    optimizer keeps its own, and its next step equals a resumed per-tensor loop's to float32 rounding."""
+    first = _optimizer(N)
+    for group in first.adamw.param_groups:
+        group["fused"] = None
+    _rates(first, TRAINED)
+    state = _through_trainer_pt(first)
+    resumed = _optimizer(N)
+    resumed.model.load_state_dict(first.model.state_dict())
+    resumed.load_state_dict(state)
+    assert resumed.adamw.param_groups[0]["fused"] is True
+    _rates(resumed, 1), _rates(first, 1)
+    for a, b in zip(resumed.model.parameters(), first.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
