@@ -97,6 +97,30 @@ class OptimizerStep:
         self.step += 1
         return {"learning_rate": learning_rate, "grad_norm": float(grad_norm)}
 
+    def make_state(self) -> None:
+        """AdamW's state made now as its first step would make it (both moments zero, a step count of 0), so
+        that the first step finds its memory made (:mod:`services.learner.warm_up`). The state comes from an
+        AdamW step at learning rate 0 on zero gradients, which moves no weight (the decay multiplies by
+        exactly 1, the update adds exactly 0) and leaves both moments zero; the step count goes back to 0.
+        Nothing is made where the optimizer has state already (a resumed run)."""
+        params = [p for group in self.adamw.param_groups for p in group["params"]]
+        if not params or any(self.adamw.state.get(p) for p in params):
+            return
+        rates = [group["lr"] for group in self.adamw.param_groups]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        try:
+            for group in self.adamw.param_groups:
+                group["lr"] = 0.0
+            self.adamw.step()
+        finally:
+            for group, rate in zip(self.adamw.param_groups, rates, strict=True):
+                group["lr"] = rate
+            for p in params:
+                p.grad = None
+        for p in params:
+            self.adamw.state[p]["step"].zero_()
+
     def state_dict(self) -> dict:
         """Scheduler and step; the optimizer too on one rank (on several, :meth:`save` writes it)."""
         state = {"scheduler": self.scheduler.state_dict(), "step": self.step, "ranks": self.topology.world_size}

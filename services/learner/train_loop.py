@@ -125,6 +125,7 @@ class LearnerLoop:
         self.last_checkpoint: Path | None = None
         self.evaluator = evaluator
         self.evaluated_step: int | None = None  # the step of the last evaluation
+        self.warming: asyncio.Task[float] | None = None  # the warm-up, until the first step waits for it
         self.weights = WeightPublisher(
             settings=settings, client=client, keys=keys, trainer=trainer, pusher=pusher, http=http,
             counters=self.counters, redis=self.redis, registry_stats=registry_stats,
@@ -150,8 +151,7 @@ class LearnerLoop:
 
     def _train(self, groups: list[ScoredGroup]) -> list[dict[str, float]]:
         advantages = finalize_advantages(groups)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        batch = collate(groups, advantages, pad)
+        batch = collate(groups, advantages, self._pad_id())
         return self.trainer.train(batch)
 
     async def checkpoint(self) -> None:
@@ -190,11 +190,14 @@ class LearnerLoop:
         if resumed:
             await self.weights.push(reset=True)
         self.running = True
+        if not resumed:
+            self._start_warm_up()
         if self.trainer.step == 0 and self.settings.eval_on_start:
             await self.evaluate(stop)
         while self.trainer.step < self.settings.max_steps and not stop.is_set():
             if not await self.run_step(stop):
                 break
+        await self._warmed()
         ended = self.ending(stop)
         if self.unacked or (self.trainer.step and self.last_checkpoint is None):
             await self.checkpoint()
@@ -208,6 +211,32 @@ class LearnerLoop:
                 f"requested and data left (epoch {position.epoch}, row {position.index}): the run is not finished"
             )
         return ended
+
+    def _start_warm_up(self) -> None:
+        """AdamW's state made on a worker thread (:meth:`OptimizerStep.make_state`) beside the wait for the first
+        groups, so that the first step does not make it. Only on a fresh start: nothing is pushed before the first
+        step then, so no push moves the parameters while it runs."""
+        if not self.settings.warm_up or self.trainer.topology.distributed:
+            return
+
+        def make_state() -> float:
+            started = time.perf_counter()
+            self.trainer.optimizer.make_state()
+            seconds = time.perf_counter() - started
+            log.info("warm-up: AdamW's state made in %.2f s while the first rollouts are sampled", seconds)
+            return seconds
+
+        self.warming = asyncio.create_task(asyncio.to_thread(make_state))
+
+    async def _warmed(self) -> None:
+        """Wait for the warm-up, if one runs; its error is the learner's."""
+        if self.warming is not None:
+            warming, self.warming = self.warming, None
+            await warming
+
+    def _pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
 
     def ending(self, stop: asyncio.Event) -> RunEnd | None:
         """Why the loop ended: ``max_steps`` trained, the data ran out, or a stop; None for no known reason."""
@@ -243,6 +272,7 @@ class LearnerLoop:
         collected = await self.collector.collect(stop)
         if collected is None:
             return False
+        await self._warmed()  # the first step's wait for the groups may end before the warm-up does
         waited = time.perf_counter() - started
         groups = [g for _, g in collected]
         metrics = self._batch_figures(groups)
