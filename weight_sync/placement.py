@@ -40,16 +40,22 @@ def slot_views(
     return views
 
 
-def place_parameters(model: torch.nn.Module, homes: dict[str, torch.Tensor]) -> list[torch.nn.Parameter]:
+def place_parameters(
+    model: torch.nn.Module, homes: dict[str, torch.Tensor], *, contiguous_only: bool = False
+) -> list[torch.nn.Parameter]:
     """Move each parameter of ``model`` named in ``homes`` into that memory (its values copied there first)
     and return the parameters that live there now. The next push then packs them by no copy at all. Their
-    values must not change while a push reads them: the learner pushes between optimizer steps."""
+    values must not change while a push reads them: the learner pushes between optimizer steps.
+    ``contiguous_only``: leave out homes that are transposed or sliced views (a fused optimizer's kernel
+    needs contiguous parameters)."""
     placed = []
     with torch.no_grad():
         for name, param in model.named_parameters():
             home = homes.get(name)
             if home is None or home.dtype != param.dtype or home.shape != param.shape or home.device != param.device:
                 continue  # (a home stored transposed has the parameter's shape, and strides of its own)
+            if contiguous_only and not home.is_contiguous():
+                continue
             if not lies_in(param, home):
                 home.copy_(param)
                 param.data = home

@@ -15,7 +15,10 @@ On one process on the CPU, AdamW runs PyTorch's fused kernel (:func:`fused_adamw
 parameter's memory instead of one per operation, about 6x faster on SmolLM2-135M (0.07 s against 0.45 s a step
 on one AVX-512 core; on the demo's two cores it had been about a quarter of the learner's step beside the
 generator, whose decoding competes for the same memory bandwidth). Its results differ from the per-tensor loop by
-rounding (float32: a few ulp after several steps).
+rounding (float32: a few ulp after several steps). The kernel walks each tensor's memory flat, whatever its
+strides, so it runs only while every parameter, gradient and moment is contiguous (checked each step, else the
+per-tensor loop), and the learner places only contiguous parameters in the weight push's buffers while it is on
+(:class:`services.learner.weight_publisher.WeightPublisher`).
 """
 
 from __future__ import annotations
@@ -92,14 +95,25 @@ class OptimizerStep:
         if hasattr(grad_norm, "full_tensor"):  # a DTensor when the parameters are sharded
             grad_norm = grad_norm.full_tensor()
         learning_rate = float(self.adamw.param_groups[0]["lr"])
+        if self.fused:  # PyTorch's fused CPU kernel walks each tensor's memory flat, whatever its strides
+            for group in self.adamw.param_groups:
+                group["fused"] = all(self._flat(p) for p in group["params"]) or None
         self.adamw.step()
         self.scheduler.step()
         self.step += 1
         return {"learning_rate": learning_rate, "grad_norm": float(grad_norm)}
 
+    def _flat(self, param: torch.Tensor) -> bool:
+        """Whether a parameter, its gradient and its AdamW moments are contiguous: the fused kernel updates
+        element i of each at its memory offset i, so a parameter that lives in a transposed or sliced view (the
+        weight push's buffers, :func:`weight_sync.placement.place_parameters`) takes the per-tensor loop."""
+        state = self.adamw.state.get(param, {})
+        tensors = [param, param.grad, state.get("exp_avg"), state.get("exp_avg_sq")]
+        return all(t is None or t.is_contiguous() for t in tensors)
+
     def make_state(self) -> None:
         """AdamW's state made now as its first step would make it (both moments zero, a step count of 0), so
-        that the first step finds its memory made (:mod:`services.learner.warm_up`). The state comes from an
+        that the first step finds its memory made (``LearnerLoop._start_warm_up``). The state comes from an
         AdamW step at learning rate 0 on zero gradients, which moves no weight (the decay multiplies by
         exactly 1, the update adds exactly 0) and leaves both moments zero; the step count goes back to 0.
         Nothing is made where the optimizer has state already (a resumed run)."""
@@ -134,15 +148,15 @@ class OptimizerStep:
             if checkpoint is None:
                 raise ValueError("a sharded learner restores its optimizer from a checkpoint directory")
             distributed.load_optimizer(self.model, self.adamw, checkpoint / "optimizer")
-        elif "optimizer" in state:
-            self.adamw.load_state_dict(state["optimizer"])
+        elif "optimizer" in state:  # with this learner's choice of kernel, not the checkpoint's run's
+            saved = state["optimizer"]
+            groups = [{**group, "fused": self.fused or None} for group in saved["param_groups"]]
+            self.adamw.load_state_dict({**saved, "param_groups": groups})
         else:
             raise ValueError(
                 f"this checkpoint was written by {state.get('ranks')} learner ranks (its optimizer is sharded "
                 "under optimizer/); resume it with torchrun, or start from its model with resume = false"
             )
-        for group in self.adamw.param_groups:  # a checkpoint's groups carry its own run's choice
-            group["fused"] = self.fused or None
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self._follow_schedule()

@@ -106,7 +106,9 @@ class WeightPublisher:
                 self.placed = []
             raise
         if export.pushes_parameters:  # the next push packs them by no copy
-            placed = place_parameters(self.trainer.model, self.pusher.weight_homes())
+            placed = place_parameters(
+                self.trainer.model, self.pusher.weight_homes(), contiguous_only=self.trainer.optimizer.fused
+            )
             if placed and not self.placed:
                 mb = sum(p.numel() * p.element_size() for p in placed) / 1e6
                 log.info("%d parameters (%.0f MB) live in the weight push's buffers now", len(placed), mb)

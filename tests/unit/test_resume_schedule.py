@@ -153,3 +153,27 @@ def test_a_checkpoint_of_the_per_tensor_loop_resumes_fused():
     _rates(resumed, 1), _rates(first, 1)
     for a, b in zip(resumed.model.parameters(), first.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_adamw_steps_parameters_in_transposed_and_sliced_views_like_the_loop():
+    """PyTorch's fused CPU kernel walks memory flat: a parameter moved into a transposed view or a column slice
+    of a wider block (as the weight push places them) must take the per-tensor loop, and step like it."""
+    fused, loop = _optimizer(N), _optimizer(N)
+    for group in loop.adamw.param_groups:
+        group["fused"] = None
+    _rates(fused, 1), _rates(loop, 1)
+    blocks = []
+    for optimizer in (fused, loop):
+        weight, bias = optimizer.model.weight, optimizer.model.bias
+        transposed = torch.empty(weight.shape[1], weight.shape[0]).t()  # strides (1, 2)
+        transposed.copy_(weight.detach())
+        block = torch.zeros(bias.shape[0], 3)  # the bias as column 1 of a [2, 3] block
+        block[:, 1] = bias.detach()
+        weight.data, bias.data = transposed, block[:, 1]
+        blocks.append(block)
+    _rates(fused, 2), _rates(loop, 2)
+    assert fused.adamw.param_groups[0]["fused"] is None  # the loop took these steps
+    for a, b in zip(fused.model.parameters(), loop.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for block in blocks:  # the neighbouring columns untouched
+        assert not block[:, 0].any() and not block[:, 2].any()

@@ -1103,6 +1103,27 @@ def test_a_joined_entry_must_continue_a_transposed_block_of_its_size():
         TensorSpec(name="w", dtype="float32", shape=(2, 3), bucket=0, joined=True)
 
 
+def test_a_fused_optimizer_s_learner_places_only_contiguous_parameters():
+    """PyTorch's fused AdamW walks a parameter's memory flat: transposed homes are left out for it."""
+    from services.learner.model import linear_weight_names
+    from weight_sync.placement import place_parameters
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    linear = linear_weight_names(model)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    _, buckets = plan_buckets(named, bucket_bytes=64, dtype="float32", transposed=linear)
+    buffers = [
+        pack_bucket([named[i][1] for i in idx], "float32", transposed=[named[i][0] in linear for i in idx])
+        for idx in buckets
+    ]
+    homes = slot_views(named, buckets, "float32", buffers, linear)
+    placed = place_parameters(model, homes, contiguous_only=True)
+    assert {id(p) for p in placed} == {id(model[0].bias), id(model[1].bias)}
+    assert all(p.is_contiguous() for p in model.parameters())
+    assert all(not lies_in(model[i].weight, homes[f"{i}.weight"]) for i in (0, 1))
+
+
 def test_placed_joined_parameters_train_the_same_and_pack_by_no_copy():
     from weight_sync.placement import place_parameters
 
