@@ -155,10 +155,11 @@ def test_a_checkpoint_of_the_per_tensor_loop_resumes_fused():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_fused_adamw_steps_parameters_in_transposed_and_sliced_views_like_the_loop():
+def test_fused_adamw_steps_parameters_in_transposed_and_sliced_views_like_the_loop(caplog):
     """PyTorch's fused CPU kernel walks memory flat: a parameter moved into a transposed view or a column slice
     of a wider block (as the weight push places them) must take the per-tensor loop, and step like it."""
     fused, loop = _optimizer(N), _optimizer(N)
+    loop.fused = False
     for group in loop.adamw.param_groups:
         group["fused"] = None
     _rates(fused, 1), _rates(loop, 1)
@@ -171,9 +172,15 @@ def test_fused_adamw_steps_parameters_in_transposed_and_sliced_views_like_the_lo
         block[:, 1] = bias.detach()
         weight.data, bias.data = transposed, block[:, 1]
         blocks.append(block)
-    _rates(fused, 2), _rates(loop, 2)
+    with caplog.at_level("WARNING", logger="services.learner.optimizer"):
+        _rates(fused, 2), _rates(loop, 2)
     assert fused.adamw.param_groups[0]["fused"] is None  # the loop took these steps
+    assert sum("per-tensor loop" in r.getMessage() for r in caplog.records) == 1  # said once
     for a, b in zip(fused.model.parameters(), loop.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for block in blocks:  # the neighbouring columns untouched
         assert not block[:, 0].any() and not block[:, 2].any()
+    for p in fused.model.parameters():  # back in memory of their own: the fused kernel again
+        p.data = p.data.clone(memory_format=torch.contiguous_format)
+    _rates(fused, 1)
+    assert fused.adamw.param_groups[0]["fused"] is True
