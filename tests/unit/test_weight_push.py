@@ -1113,10 +1113,7 @@ def test_a_fused_optimizer_s_learner_places_only_contiguous_parameters():
     linear = linear_weight_names(model)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
     _, buckets = plan_buckets(named, bucket_bytes=64, dtype="float32", transposed=linear)
-    buffers = [
-        pack_bucket([named[i][1] for i in idx], "float32", transposed=[named[i][0] in linear for i in idx])
-        for idx in buckets
-    ]
+    buffers = _pack_joined(named, buckets, linear, joined=frozenset())
     homes = slot_views(named, buckets, "float32", buffers, linear)
     placed = place_parameters(model, homes, contiguous_only=True)
     assert {id(p) for p in placed} == {id(model[0].bias), id(model[1].bias)}
