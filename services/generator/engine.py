@@ -41,6 +41,14 @@ def vllm_on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def cpu_executor() -> type:
+    """The executor of a CPU engine (:mod:`services.generator.executor`: vLLM's multiprocess one, which waits
+    for a weight push's calls without busy-polling)."""
+    from services.generator.executor import WeightPushExecutor
+
+    return WeightPushExecutor
+
+
 def engine_block_size(configured: int | None, on_cpu: bool) -> int | None:
     """The KV-cache block size to ask vLLM for: the configured one, else 32 on CPUs and vLLM's default (None)
     on GPUs."""
@@ -160,6 +168,7 @@ class Engine:
         if settings.omp_cpus:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.omp_cpus
         os.environ[WEIGHTS_IN_PLACE_ENV] = "1" if settings.cpu_weights_in_place else "0"  # read by the workers
+        on_cpu = vllm_on_cpu()
         args = AsyncEngineArgs(
             model=model_path,
             dtype=settings.dtype,
@@ -167,10 +176,11 @@ class Engine:
             logprobs_mode="processed_logprobs",
             enforce_eager=settings.enforce_eager,
             max_num_seqs=settings.max_num_seqs,
-            block_size=engine_block_size(settings.block_size, vllm_on_cpu()),
+            block_size=engine_block_size(settings.block_size, on_cpu),
             tensor_parallel_size=settings.tensor_parallel_size,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             worker_extension_cls=WORKER_EXTENSION,
+            distributed_executor_backend=cpu_executor() if on_cpu else None,
         )
         llm = AsyncLLM.from_engine_args(args)
         tokenizer = AutoTokenizer.from_pretrained(model_path)

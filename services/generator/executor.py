@@ -1,0 +1,82 @@
+"""The executor a CPU engine runs its worker with: vLLM's multiprocess executor, except that its engine core
+waits for the worker's answer to a weight push by sleeping instead of spinning.
+
+vLLM's engine core talks to its worker process through shared-memory queues, and a reader keeps polling a
+queue (``sched_yield`` in a loop) for a second after it last read from it. On the CPU the launcher gives a
+generator's processes one set of cores; on a one-core generator the engine core's polling shares the core
+with the worker, and while the worker receives a push over gloo, whose thread sleeps and wakes for each
+chunk a socket brings, the polling stretched the receive: the engine core took 55 % of the core during
+pushes, and a push to 2 generators took 0.43 s instead of 0.26 s (``bench/weight_push.py --transport gloo``,
+2-core AMD EPYC). While a ``weight_channel_*`` call runs, the engine core here polls with a short sleep
+between looks (:data:`POLL_S`) instead: at most that much later to see the answer, next to nothing of the
+core. Every other call (sampling steps included: the polling is what makes a step's hand-off quick, and a
+sleeping poll made sampling 13 % slower) waits as vLLM does.
+
+vLLM chooses an executor per engine (``distributed_executor_backend``, which takes an ``Executor``
+subclass); a CPU engine runs the multiprocess one whatever is asked (vLLM's CPU platform needs the process
+for its OpenMP settings), so this class changes nothing else. The queue's poll is reached through vLLM
+internals (``response_mqs``, each queue's ``_spin_condition``); where they are missing (another vLLM), the
+calls wait as vLLM does and the log says so once. ``tests/unit/test_generator_executor.py`` checks the
+internals of the vLLM installed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.0005  # the engine core's sleep between looks at the worker's answer while a weight call runs
+QUIET_PREFIX = "weight_channel_"  # the weight push's worker calls (weight_sync.receiver)
+
+
+def sleeps_while_waiting(method: object, non_block: bool) -> bool:
+    """Whether a ``collective_rpc`` of ``method`` waits by sleeping: a blocking weight push call."""
+    return isinstance(method, str) and method.startswith(QUIET_PREFIX) and not non_block
+
+
+@contextlib.contextmanager
+def sleeping_polls(queues: Sequence[Any], poll_s: float = POLL_S) -> Iterator[bool]:
+    """While inside, each of ``queues`` (vLLM ``MessageQueue`` readers) polls for a message with a sleep of
+    ``poll_s`` between looks instead of yielding the core. Yields False, changing nothing, where a queue lacks
+    the poll this replaces."""
+    conditions = [getattr(queue, "_spin_condition", None) for queue in queues]
+    if not conditions or any(c is None or not callable(getattr(c, "wait", None)) for c in conditions):
+        yield False
+        return
+
+    def wait(timeout_ms: int | None = None) -> None:
+        time.sleep(poll_s)
+
+    for condition in conditions:
+        condition.wait = wait  # an instance attribute, over the class's method
+    try:
+        yield True
+    finally:
+        for condition in conditions:
+            del condition.wait
+
+
+class WeightPushExecutor(MultiprocExecutor):
+    """vLLM's multiprocess executor whose engine core sleeps between looks while a weight call runs."""
+
+    _warned = False
+
+    def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None,
+                       non_block: bool = False, **rest: Any) -> Any:  # fmt: skip
+        if not sleeps_while_waiting(method, non_block):
+            return super().collective_rpc(method, timeout, args, kwargs, non_block, **rest)
+        with sleeping_polls(getattr(self, "response_mqs", ())) as sleeping:
+            if not sleeping and not WeightPushExecutor._warned:
+                WeightPushExecutor._warned = True
+                log.warning(
+                    "this vLLM's executor has no queue poll to replace: the engine core busy-polls while it "
+                    "waits for weight pushes (slower pushes on a one-core generator)"
+                )
+            return super().collective_rpc(method, timeout, args, kwargs, non_block, **rest)

@@ -1,0 +1,120 @@
+"""The CPU engine's executor (services/generator/executor.py): while a weight call runs, the engine core's wait
+for the worker's answer sleeps between looks instead of spinning. Checked on the vLLM installed here, with
+its real shared-memory message queue (a writer and a reader in two threads of this process)."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm")
+
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue  # noqa: E402
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor  # noqa: E402
+
+from services.generator.engine import cpu_executor  # noqa: E402
+from services.generator.executor import (  # noqa: E402
+    POLL_S,
+    WeightPushExecutor,
+    sleeping_polls,
+    sleeps_while_waiting,
+)
+
+
+@pytest.fixture
+def queue_pair():
+    """A vLLM message queue with one local reader: (writer, reader), both ready."""
+    writer = MessageQueue(n_reader=1, n_local_reader=1, max_chunk_bytes=1 << 16, max_chunks=4)
+    readers = []
+    joining = threading.Thread(
+        target=lambda: readers.append(MessageQueue.create_from_handle(writer.export_handle(), 0)) or None
+    )
+    joining.start()
+    joining.join(10)
+    reader = readers[0]
+    ready = threading.Thread(target=reader.wait_until_ready)
+    ready.start()
+    writer.wait_until_ready()
+    ready.join(10)
+    yield writer, reader
+
+
+def _wait_cpu_seconds(writer, reader, write_after_s: float, quiet: bool) -> tuple[float, float, object]:
+    """The reader's CPU seconds and wall seconds for a dequeue whose message the writer sends after
+    ``write_after_s``, right after an earlier read (when vLLM's reader spins), and what it read."""
+    writer.enqueue("first")
+    assert reader.dequeue(timeout=5) == "first"
+    out = {}
+
+    def read() -> None:
+        started, cpu = time.perf_counter(), time.thread_time()
+        if quiet:
+            with sleeping_polls([reader]) as sleeping:
+                assert sleeping
+                out["got"] = reader.dequeue(timeout=5)
+        else:
+            out["got"] = reader.dequeue(timeout=5)
+        out["cpu"], out["wall"] = time.thread_time() - cpu, time.perf_counter() - started
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    time.sleep(write_after_s)
+    writer.enqueue("second")
+    thread.join(10)
+    return out["cpu"], out["wall"], out["got"]
+
+
+def test_a_weight_call_s_wait_sleeps_where_vllm_s_spins(queue_pair):
+    writer, reader = queue_pair
+    spin_cpu, spin_wall, got = _wait_cpu_seconds(writer, reader, 0.4, quiet=False)
+    assert got == "second" and spin_wall >= 0.35
+    assert spin_cpu > 0.2 * spin_wall, f"vLLM's reader no longer spins ({spin_cpu:.3f} of {spin_wall:.3f} s)"
+    quiet_cpu, quiet_wall, got = _wait_cpu_seconds(writer, reader, 0.4, quiet=True)
+    assert got == "second"
+    assert quiet_cpu < 0.05 * quiet_wall, f"{quiet_cpu:.3f} s of CPU in a {quiet_wall:.3f} s sleeping wait"
+    assert quiet_wall < 0.4 + 0.1  # the answer is seen within a few polls of its arrival
+
+
+def test_the_queue_s_own_poll_comes_back_afterwards(queue_pair):
+    _, reader = queue_pair
+    condition = reader._spin_condition
+    with sleeping_polls([reader]):
+        assert "wait" in vars(condition)
+    assert "wait" not in vars(condition) and condition.wait.__func__ is type(condition).wait
+
+
+def test_a_queue_without_the_poll_is_left_as_it_is():
+    class Other:
+        pass
+
+    other = Other()
+    with sleeping_polls([other]) as sleeping:
+        assert not sleeping
+    assert vars(other) == {}
+
+
+@pytest.mark.parametrize(
+    ("method", "non_block", "sleeps"),
+    [
+        ("weight_channel_receive", False, True),
+        ("weight_channel_open", False, True),
+        ("weight_channel_receive", True, False),  # a future: nothing waits here
+        ("execute_model", False, False),  # sampling steps keep vLLM's quick hand-off
+        ("weight_runtime", False, False),
+        (lambda worker: None, False, False),
+    ],
+)
+def test_which_calls_wait_by_sleeping(method, non_block, sleeps):
+    assert sleeps_while_waiting(method, non_block) is sleeps
+
+
+def test_the_cpu_engine_s_executor_calls_vllm_s_as_vllm_declares_it():
+    assert cpu_executor() is WeightPushExecutor and issubclass(WeightPushExecutor, MultiprocExecutor)
+    # WeightPushExecutor passes these positionally: a reordering in vLLM must fail here, not in a push.
+    names = list(inspect.signature(MultiprocExecutor.collective_rpc).parameters)[:6]
+    assert names == ["self", "method", "timeout", "args", "kwargs", "non_block"]
+    assert 0 < POLL_S <= 0.001
