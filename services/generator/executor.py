@@ -54,13 +54,17 @@ def sleeping_polls(queues: Sequence[Any], poll_s: float = POLL_S) -> Iterator[bo
     def wait(timeout_ms: int | None = None) -> None:
         time.sleep(poll_s)
 
+    before = [vars(condition).get("wait") for condition in conditions]  # None: the class's method
     for condition in conditions:
         condition.wait = wait  # an instance attribute, over the class's method
     try:
         yield True
     finally:
-        for condition in conditions:
-            del condition.wait
+        for condition, earlier in zip(conditions, before, strict=True):
+            if earlier is None:
+                del condition.wait
+            else:
+                condition.wait = earlier
 
 
 class WeightPushExecutor(MultiprocExecutor):

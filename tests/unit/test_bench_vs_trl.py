@@ -78,3 +78,30 @@ def test_the_summary_ranks_systems_by_the_judge_s_reward_and_keeps_the_training_
     assert figures["held_out_reward"] == pytest.approx(0.6) and figures["held_out_correct"] == pytest.approx(0.5)
     assert figures["final_reward"] == pytest.approx((0.2 + 0.3 + 0.9 + 0.0 + 0.0 + 0.3) / 6)
     assert figures["seconds"] == 15.0 and figures["tokens_per_s"] == pytest.approx(12.5)
+
+
+@pytest.mark.parametrize(
+    ("rendering", "ending"),
+    [
+        ("continue", "<|im_start|>assistant\n<think>"),  # ours: the prefill is continued
+        ("generation-prompt", "<|im_start|>assistant\n<think><|im_end|>\n<|im_start|>assistant\n"),  # TRL's trainer
+        ("no-prefill", "?<|im_end|>\n<|im_start|>assistant\n"),  # TRL's async trainer: no prefill at all
+    ],
+)
+def test_the_judge_asks_each_model_as_its_system_rendered_the_prompt(rendering, ending):
+    from bench.held_out import render
+    from bench.trl_side import load_demo
+    from tests.support.tiny_model import build_tokenizer
+
+    text = render(build_tokenizer(), load_demo(), "How many?", rendering)
+    assert text.endswith(ending) and text.count("How many?") == 1
+    assert text.startswith("<|im_start|>system\n")
+
+
+def test_an_unknown_rendering_is_refused():
+    from bench.held_out import render
+    from bench.trl_side import load_demo
+    from tests.support.tiny_model import build_tokenizer
+
+    with pytest.raises(ValueError, match="none of continue, generation-prompt, no-prefill"):
+        render(build_tokenizer(), load_demo(), "How many?", "plain")

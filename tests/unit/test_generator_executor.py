@@ -87,6 +87,17 @@ def test_the_queue_s_own_poll_comes_back_afterwards(queue_pair):
     assert "wait" not in vars(condition) and condition.wait.__func__ is type(condition).wait
 
 
+def test_nested_sleeping_polls_put_back_what_was_there(queue_pair):
+    _, reader = queue_pair
+    condition = reader._spin_condition
+    with sleeping_polls([reader], poll_s=0.001):
+        outer = condition.wait
+        with sleeping_polls([reader]):
+            assert condition.wait is not outer
+        assert condition.wait is outer
+    assert "wait" not in vars(condition)
+
+
 def test_a_queue_without_the_poll_is_left_as_it_is():
     class Other:
         pass
