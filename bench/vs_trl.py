@@ -146,6 +146,12 @@ def _our_config(tmp: Path, model: Path, steps: int, seed: int, quick: bool) -> P
 RENDERING = {"bench/trl_side.py": "generation-prompt", "bench/trl_async_side.py": "no-prefill", "ours": "continue"}
 
 
+def require_bench_env() -> None:
+    """Exit with the fix when ``.venv-bench`` (TRL, and the judge's environment) is missing."""
+    if not BENCH_PYTHON.exists():
+        raise SystemExit("no benchmark environment: run `make bench-env` (it installs TRL in .venv-bench)")
+
+
 def judge(
     model_dir: Path, held_out: int, seeds: Sequence[int], rendering: str, python: Path = BENCH_PYTHON
 ) -> dict[str, float]:
@@ -189,8 +195,7 @@ def run_trl_side(
 ) -> dict[str, Any]:
     """One TRL script's JSON line, with the judge's figures for the model it saved (``held_out``);
     ``{"error": ..., "why": ...}`` when it reports it cannot run."""
-    if not BENCH_PYTHON.exists():
-        raise SystemExit("no benchmark environment: run `make bench-env` (it installs TRL in .venv-bench)")
+    require_bench_env()
     with tempfile.TemporaryDirectory(prefix="bench-trl-") as scratch:
         command = [str(BENCH_PYTHON), script, "--model", str(model), "--steps", str(steps), "--seed", str(seed)]
         result = subprocess.run(
@@ -213,7 +218,8 @@ def run_trl_side(
 
 
 def summary(rows: Sequence[dict[str, Any]], steps: int) -> dict[str, float]:
-    """Mean over seeds of seconds, s/step, completion tokens/s (when reported) and the final reward."""
+    """Mean over seeds of seconds, s/step, completion tokens/s (when reported), the training reward of the first
+    and last ``LAST`` steps and the judge's held-out reward and share correct."""
     seconds = statistics.mean(r["seconds"] for r in rows)
     tokens = [r["completion_tokens"] / r["seconds"] for r in rows if r.get("completion_tokens")]
     return {
@@ -252,8 +258,7 @@ def main(args) -> None:
     from services.launcher.prepare_model import prepare_smollm2
 
     model = prepare_smollm2()
-    if not BENCH_PYTHON.exists():
-        raise SystemExit("no benchmark environment: run `make bench-env` (it installs TRL in .venv-bench)")
+    require_bench_env()
     before = {name: judge(model, args.held_out, args.seeds, RENDERING[side]) for name, side in INITIAL.items()}
     runs: dict[str, list[dict[str, Any]]] = {"TRL GRPOTrainer": [], "TRL async": [], "ours": []}
     async_error = None
