@@ -12,7 +12,9 @@ time, and prints the difference: what the engine's sampling pays for the push be
 "raw": the same bytes (the buckets as the pusher packs them, cast to the engines' dtype) broadcast with
 ``torch.distributed`` (gloo) to plain receiver processes that only receive, into buffers allocated
 beforehand, over a group formed beforehand - what the network path could do at best. Both in the same run,
-best of ``--repeats``, with the same CPU pinning: generator/receiver i on core i mod N, the learner/sender on
+a raw round before each push (so a noisy neighbour slows both alike; the raw round once the generators' vLLM
+processes have stopped polling, the push right after a request, as it comes in training), best of
+``--repeats`` each, with the same CPU pinning: generator/receiver i on core i mod N, the learner/sender on
 the last core. The model is a random Llama with SmolLM2-135M's layer shapes (``--layers`` of them) and a
 small vocabulary; the learner holds it in ``--learner-dtype`` and the engines serve ``--engine-dtype``
 (float32 on CPUs without native bf16). As in the learner's loop, after each push the learner's parameters
@@ -58,6 +60,10 @@ from weight_sync.sender import WeightPusher  # noqa: E402
 
 TOKEN = "bench-token-0123456789abcdef0123456789"
 BUCKET_BYTES = 64 << 20
+# vLLM's processes poll their message queues without sleeping for a second after each message (the generator's
+# engine core and worker, on the cores the raw receivers share): a raw round waits this long after the last
+# request, so that it does not run beside that polling (which made it twice as slow).
+QUIET_S = 1.5
 
 
 _CORES = sorted(os.sched_getaffinity(0))  # read before this process pins itself
@@ -87,35 +93,46 @@ def _receiver(port: int, rank: int, world: int, sizes: list[int], rounds: int) -
         group.barrier().wait()
 
 
-def raw_broadcast(named, receivers: int, repeats: int, dtype: str) -> float:
-    """Best seconds for broadcasting every bucket to ``receivers`` processes (group formed beforehand)."""
-    _, buckets = plan_buckets(named, BUCKET_BYTES, dtype)
-    packed = [pack_bucket([named[i][1] for i in indices], dtype) for indices in buckets]
-    port = free_port()
-    store = torch.distributed.TCPStore(
-        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
-    )
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_receiver, args=(port, r + 1, receivers + 1, [b.numel() for b in packed], repeats))
-        for r in range(receivers)
-    ]
-    for index, p in enumerate(procs):
-        p.start()
-        _pin(p.pid, index)
-    group = torch.distributed.ProcessGroupGloo(store, 0, receivers + 1, timedelta(seconds=120))
-    options = torch.distributed.BroadcastOptions()
-    options.rootRank = 0
-    best = float("inf")
-    for _ in range(repeats):
+class RawBroadcast:
+    """The same buckets broadcast with plain gloo to ``receivers`` processes that only receive, into buffers
+    allocated beforehand, over a group formed at the start: ``once`` times one round. The receivers stay for
+    ``rounds`` rounds, pinned as the generators are, so rounds alternate with the pushes: both see the same
+    machine (a noisy neighbour slows both, not one)."""
+
+    def __init__(self, named, receivers: int, rounds: int, dtype: str) -> None:
+        _, buckets = plan_buckets(named, BUCKET_BYTES, dtype)
+        self.packed = [pack_bucket([named[i][1] for i in indices], dtype) for indices in buckets]
+        port = free_port()
+        self.store = torch.distributed.TCPStore(
+            "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+        )
+        sizes = [b.numel() for b in self.packed]
+        ctx = mp.get_context("spawn")
+        self.procs = [
+            ctx.Process(target=_receiver, args=(port, r + 1, receivers + 1, sizes, rounds)) for r in range(receivers)
+        ]
+        for index, p in enumerate(self.procs):
+            p.start()
+            _pin(p.pid, index)
+        self.group = torch.distributed.ProcessGroupGloo(self.store, 0, receivers + 1, timedelta(seconds=120))
+        self.options = torch.distributed.BroadcastOptions()
+        self.options.rootRank = 0
+
+    def once(self) -> float:
         started = time.perf_counter()
-        for buffer in packed:
-            group.broadcast([buffer], options).wait()
-        group.barrier().wait()
-        best = min(best, time.perf_counter() - started)
-    for p in procs:
-        p.join(60)
-    return best
+        for buffer in self.packed:
+            self.group.broadcast([buffer], self.options).wait()
+        self.group.barrier().wait()
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        """Wait for the receivers (they end after their rounds); stop any still waiting for a round that a failed
+        push left unrun."""
+        for p in self.procs:
+            p.join(60)
+            if p.is_alive():
+                p.terminate()
+                p.join(10)
 
 
 async def _registered(client, keys: Keys, count: int, timeout_s: float = 60.0):
@@ -142,10 +159,11 @@ async def _first_steps(http: httpx.AsyncClient, generators) -> list[float]:
 
 async def our_push(
     model, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str, in_place: bool, shm_dir: str,
-    place: bool, linear: frozenset[str], first_step_extra: list[float],
+    place: bool, linear: frozenset[str], first_step_extra: list[float], raw: RawBroadcast, raw_seconds: list[float],
 ) -> float:  # fmt: skip
     """Best seconds of ``repeats`` pushes of ``model``, done as the learner's loop does them: after each push the
-    parameters move into the pusher's kept buffers (``place``), and an update changes them in place."""
+    parameters move into the pusher's kept buffers (``place``), and an update changes them in place. Before each
+    push, one round of ``raw`` (its seconds appended to ``raw_seconds``)."""
     prefix = f"bench-push-{os.getpid()}-{receivers}"
     services = []
     for i in range(receivers):
@@ -180,6 +198,11 @@ async def our_push(
         best = float("inf")
         async with httpx.AsyncClient(timeout=120) as http:
             for version in range(1, repeats + 1):
+                await asyncio.sleep(QUIET_S)
+                raw_seconds.append(raw.once())
+                # The push comes to engines that have just served a request, as in training, where they sample
+                # until the push pauses them (not to idle ones: their processes poll differently).
+                await _first_steps(http, generators)
                 named = [(n, p.detach()) for n, p in model.named_parameters()]
                 report = await pusher.push(named, version, generators, http, linear=linear)
                 if place:
@@ -192,8 +215,9 @@ async def our_push(
                 best = min(best, report.seconds)
                 phases = ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in report.phases.items())
                 print(
-                    f"push {version} to {receivers}: {report.seconds:.3f} s ({phases}); the engines' first step "
-                    f"after it {first_step_extra[-1] * 1000:+.0f} ms over the next",
+                    f"raw round {version}: {raw_seconds[-1]:.3f} s; push {version} to {receivers}: "
+                    f"{report.seconds:.3f} s ({phases}); the engines' first step after it "
+                    f"{first_step_extra[-1] * 1000:+.0f} ms over the next",
                     flush=True,
                 )
         pusher.close()
@@ -221,24 +245,30 @@ def main(args) -> None:
         rows = []
         try:
             for receivers in args.generators:
-                raw = raw_broadcast(named, receivers, args.repeats, args.engine_dtype)
+                raw = RawBroadcast(named, receivers, args.repeats, args.engine_dtype)
                 extra: list[float] = []
-                ours = asyncio.run(
-                    our_push(
-                        model,
-                        model_dir,
-                        receivers,
-                        args.repeats,
-                        url,
-                        args.engine_dtype,
-                        args.in_place,
-                        shm_dir,
-                        not args.no_place,
-                        frozenset() if args.no_transpose else linear_weight_names(model),
-                        extra,
+                raw_seconds: list[float] = []
+                try:
+                    ours = asyncio.run(
+                        our_push(
+                            model,
+                            model_dir,
+                            receivers,
+                            args.repeats,
+                            url,
+                            args.engine_dtype,
+                            args.in_place,
+                            shm_dir,
+                            not args.no_place,
+                            frozenset() if args.no_transpose else linear_weight_names(model),
+                            extra,
+                            raw,
+                            raw_seconds,
+                        )
                     )
-                )
-                rows.append((receivers, raw, ours, statistics.mean(extra[1:] or extra)))
+                finally:
+                    raw.close()
+                rows.append((receivers, min(raw_seconds), ours, statistics.mean(extra[1:] or extra)))
         finally:
             if server:
                 server.stop()

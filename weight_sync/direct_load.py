@@ -349,7 +349,7 @@ class DirectLoader:
                 if self.module_aliased[key]:
                     module.cpu_linear = torch.nn.functional.linear
                 elif self.defer and module.weight.dim() == 2:
-                    module.cpu_linear = PendingHandle(module)
+                    module.cpu_linear = PendingHandle(module, replaces=module.cpu_linear)
                     self.deferred.append(module)
                 else:  # vLLM-CPU computes with a handle holding its own packed copy of the weight: make it anew
                     _contiguous_unless_prepacked(module)
@@ -412,13 +412,21 @@ class PendingHandle:
     called as vLLM calls ``cpu_linear``, it makes the handle from the layer's weight as received (vLLM's own
     ``process_weights_after_loading``, which puts the handle in ``cpu_linear``) and computes through it. So the
     reorder runs in the engine's first step after a push, on the thread that runs the model, instead of
-    inside the push the learner waits for."""
+    inside the push the learner waits for.
 
-    def __init__(self, module: Any) -> None:  # a vLLM layer: ``cpu_linear``, ``quant_method``
+    It also holds the handle it ``replaces`` until then: freeing the old handles' packed weights took 16 ms of
+    a 150-ms push to a one-core engine with SmolLM2-135M's 121 linear layers (``release_dnnl_matmul_handler``;
+    ``bench/weight_push.py --transport gloo`` profiled in the engine's worker), so each is let go when its
+    layer's new handle is made. Replacing a pending handle (two pushes with no step between) keeps the handle the
+    first one replaced, never a chain of pending ones."""
+
+    def __init__(self, module: Any, replaces: Any = None) -> None:  # a vLLM layer: ``cpu_linear``, ``quant_method``
         self.module = module
+        self.replaced: Any = replaces.replaced if isinstance(replaces, PendingHandle) else replaces
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         make_handle(self.module)
+        self.replaced = None  # the old handle's packed weights are freed here, after the push
         return self.module.cpu_linear(x, self.module.weight, bias)
 
 

@@ -4,6 +4,8 @@ that needs no engine and no GPU."""
 
 from __future__ import annotations
 
+import gc
+
 import httpx
 import pytest
 import torch
@@ -932,6 +934,29 @@ def test_deferred_handles_are_made_by_the_first_call_after_the_push_from_the_pus
             torch.testing.assert_close(first[key], _expected(named, x)[key], msg=f"{key}, push {step}")
             torch.testing.assert_close(model.outputs(x)[key], first[key], msg=f"{key}, push {step}, again")
     assert len(join_memory) == 1  # the second push joined in the first one's memory
+
+
+def test_a_replaced_handle_is_freed_by_the_first_call_after_the_push_not_during_it():
+    """Freeing a oneDNN handle's packed weights is slow: the push leaves it to the step that makes the new one,
+    and a second push before any step keeps the handle the first replaced (no chain of pending handles)."""
+    import weakref
+
+    model = _CpuEngineModel()
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    first_handle = qkv.cpu_linear
+    freed = weakref.ref(first_handle)
+    del first_handle
+    buffers, joins = [], {}
+    for step in range(2):  # two pushes, no step between
+        _deferred_push(model, _changed(_linear_named(), by=float(step)), buffers, joins)
+        gc.collect()
+        assert freed() is not None, f"the old handle was freed during push {step}"
+        assert isinstance(qkv.cpu_linear, PendingHandle) and qkv.cpu_linear.replaced is freed()
+    with torch.inference_mode():
+        model.outputs(torch.randn(3, 4))  # the engine's first step
+    gc.collect()
+    assert freed() is None
+    assert not isinstance(qkv.cpu_linear, PendingHandle)
 
 
 def test_a_pending_handle_passes_the_callers_bias_through():
