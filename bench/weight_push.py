@@ -102,6 +102,7 @@ class RawBroadcast:
     def __init__(self, named, receivers: int, rounds: int, dtype: str) -> None:
         _, buckets = plan_buckets(named, BUCKET_BYTES, dtype)
         self.packed = [pack_bucket([named[i][1] for i in indices], dtype) for indices in buckets]
+        self.rounds, self.done = rounds, 0
         port = free_port()
         self.store = torch.distributed.TCPStore(
             "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
@@ -109,12 +110,17 @@ class RawBroadcast:
         sizes = [b.numel() for b in self.packed]
         ctx = mp.get_context("spawn")
         self.procs = [
-            ctx.Process(target=_receiver, args=(port, r + 1, receivers + 1, sizes, rounds)) for r in range(receivers)
+            ctx.Process(target=_receiver, args=(port, r + 1, receivers + 1, sizes, rounds), daemon=True)
+            for r in range(receivers)
         ]
-        for index, p in enumerate(self.procs):
-            p.start()
-            _pin(p.pid, index)
-        self.group = torch.distributed.ProcessGroupGloo(self.store, 0, receivers + 1, timedelta(seconds=120))
+        try:
+            for index, p in enumerate(self.procs):
+                p.start()
+                _pin(p.pid, index)
+            self.group = torch.distributed.ProcessGroupGloo(self.store, 0, receivers + 1, timedelta(seconds=120))
+        except BaseException:
+            self.close()
+            raise
         self.options = torch.distributed.BroadcastOptions()
         self.options.rootRank = 0
 
@@ -123,13 +129,16 @@ class RawBroadcast:
         for buffer in self.packed:
             self.group.broadcast([buffer], self.options).wait()
         self.group.barrier().wait()
+        self.done += 1
         return time.perf_counter() - started
 
     def close(self) -> None:
-        """Wait for the receivers (they end after their rounds); stop any still waiting for a round that a failed
-        push left unrun."""
+        """Wait for the receivers once they had all their rounds; stop them at once otherwise (a failed push
+        left them waiting for a round that will not come)."""
+        deadline = time.monotonic() + 60
         for p in self.procs:
-            p.join(60)
+            if self.done == self.rounds and p.pid is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.terminate()
                 p.join(10)
@@ -159,13 +168,15 @@ async def _first_steps(http: httpx.AsyncClient, generators) -> list[float]:
 
 async def our_push(
     model, model_dir: Path, receivers: int, repeats: int, redis_url: str, dtype: str, in_place: bool, shm_dir: str,
-    place: bool, linear: frozenset[str], first_step_extra: list[float], raw: RawBroadcast, raw_seconds: list[float],
+    place: bool, linear: frozenset[str], first_step_extra: list[float], raw_seconds: list[float],
 ) -> float:  # fmt: skip
     """Best seconds of ``repeats`` pushes of ``model``, done as the learner's loop does them: after each push the
     parameters move into the pusher's kept buffers (``place``), and an update changes them in place. Before each
-    push, one round of ``raw`` (its seconds appended to ``raw_seconds``)."""
+    push, one round of a :class:`RawBroadcast` of the same bytes to as many receivers, started once the generators
+    are up (its seconds appended to ``raw_seconds``)."""
     prefix = f"bench-push-{os.getpid()}-{receivers}"
     services = []
+    raw: RawBroadcast | None = None
     for i in range(receivers):
         port = free_port()
         service = start_service(
@@ -192,6 +203,7 @@ async def our_push(
         for service in services:
             await asyncio.to_thread(service.wait_for_line, "ready on port", 600)
         generators = await _registered(client, Keys(prefix), receivers)
+        raw = RawBroadcast([(n, p.detach()) for n, p in model.named_parameters()], receivers, repeats, dtype)
         pusher = WeightPusher(
             bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN, bucket_bytes=BUCKET_BYTES, shm_dir=shm_dir
         )
@@ -223,6 +235,8 @@ async def our_push(
         pusher.close()
         return best
     finally:
+        if raw is not None:
+            raw.close()
         for service in services:
             service.stop()
         doomed = [key async for key in client.scan_iter(match=f"{prefix}:*")]
@@ -245,29 +259,24 @@ def main(args) -> None:
         rows = []
         try:
             for receivers in args.generators:
-                raw = RawBroadcast(named, receivers, args.repeats, args.engine_dtype)
                 extra: list[float] = []
                 raw_seconds: list[float] = []
-                try:
-                    ours = asyncio.run(
-                        our_push(
-                            model,
-                            model_dir,
-                            receivers,
-                            args.repeats,
-                            url,
-                            args.engine_dtype,
-                            args.in_place,
-                            shm_dir,
-                            not args.no_place,
-                            frozenset() if args.no_transpose else linear_weight_names(model),
-                            extra,
-                            raw,
-                            raw_seconds,
-                        )
+                ours = asyncio.run(
+                    our_push(
+                        model,
+                        model_dir,
+                        receivers,
+                        args.repeats,
+                        url,
+                        args.engine_dtype,
+                        args.in_place,
+                        shm_dir,
+                        not args.no_place,
+                        frozenset() if args.no_transpose else linear_weight_names(model),
+                        extra,
+                        raw_seconds,
                     )
-                finally:
-                    raw.close()
+                )
                 rows.append((receivers, min(raw_seconds), ours, statistics.mean(extra[1:] or extra)))
         finally:
             if server:
@@ -337,6 +346,8 @@ if __name__ == "__main__":
     add_record_flag(parser)
     arguments = parser.parse_args()
     refuse_quick(arguments)
+    if arguments.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if arguments.quick:
         arguments.layers, arguments.repeats, arguments.generators = 2, 1, [1]
     main(arguments)

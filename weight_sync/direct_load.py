@@ -417,12 +417,14 @@ class PendingHandle:
     It also holds the handle it ``replaces`` until then: freeing the old handles' packed weights took 16 ms of
     a 150-ms push to a one-core engine with SmolLM2-135M's 121 linear layers (``release_dnnl_matmul_handler``;
     ``bench/weight_push.py --transport gloo`` profiled in the engine's worker), so each is let go when its
-    layer's new handle is made. Replacing a pending handle (two pushes with no step between) keeps the handle the
-    first one replaced, never a chain of pending ones."""
+    layer's new handle is made. A layer not called between two pushes (an embedding, which looks its rows up
+    without its handle; or no step between the pushes) lets go of the handle in the second push instead:
+    replacing a pending handle keeps nothing, so no layer holds an old handle for longer than one push.
+    """
 
     def __init__(self, module: Any, replaces: Any = None) -> None:  # a vLLM layer: ``cpu_linear``, ``quant_method``
         self.module = module
-        self.replaced: Any = replaces.replaced if isinstance(replaces, PendingHandle) else replaces
+        self.replaced: Any = None if isinstance(replaces, PendingHandle) else replaces
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         make_handle(self.module)
