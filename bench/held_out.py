@@ -33,21 +33,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-HELD_OUT_SEED = 4321  # services.learner.data.sources.read_held_out: shuffle_seed + 4321
 BATCH = 50
 RENDERINGS = ("continue", "generation-prompt", "no-prefill")
 
 
 def held_out_problems(demo: dict[str, Any], size: int, exclude_seeds: list[int]) -> list[dict[str, str]]:
     """``size`` problems of the demo's task, none of them a training row of any of ``exclude_seeds``."""
-    from services.learner.data.tasks import BUILTIN_TASKS, held_out_rows
+    from services.learner.data.tasks import BUILTIN_TASKS, HELD_OUT_SEED_OFFSET, TRAINING_SEED_OFFSET, held_out_rows
 
     data = demo["data"]
     name = data["source"].removeprefix("builtin:")
     training_size, max_operand = data.get("builtin_size", 2000), data.get("builtin_max_operand", 50)
     rows = BUILTIN_TASKS[name]
-    training = [row for seed in exclude_seeds for row in rows(training_size, max_operand, seed + 1234)]
-    return held_out_rows(name, size, max_operand, HELD_OUT_SEED, exclude=training)
+    training = [row for seed in exclude_seeds for row in rows(training_size, max_operand, seed + TRAINING_SEED_OFFSET)]
+    # As read_held_out draws them for shuffle_seed 0 (the same problems whatever the runs' seeds).
+    return held_out_rows(name, size, max_operand, HELD_OUT_SEED_OFFSET, exclude=training)
 
 
 def render(tokenizer: Any, demo: dict[str, Any], question: str, rendering: str) -> str:

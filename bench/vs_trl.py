@@ -152,6 +152,12 @@ def require_bench_env() -> None:
         raise SystemExit("no benchmark environment: run `make bench-env` (it installs TRL in .venv-bench)")
 
 
+def last_json_line(stdout: str) -> dict[str, Any] | None:
+    """The JSON object a child script prints as its last line (``bench/held_out.py``, the TRL sides), or None."""
+    lines = stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+
+
 def judge(
     model_dir: Path, held_out: int, seeds: Sequence[int], rendering: str, python: Path = BENCH_PYTHON
 ) -> dict[str, float]:
@@ -163,10 +169,10 @@ def judge(
     result = subprocess.run(
         [*command, "--exclude-seeds", *map(str, exclude)], cwd=ROOT, capture_output=True, text=True, timeout=3600
     )
-    lines = result.stdout.strip().splitlines()
-    if result.returncode != 0 or not lines or not lines[-1].startswith("{"):
+    figures = last_json_line(result.stdout)
+    if result.returncode != 0 or figures is None:
         raise RuntimeError(f"held_out.py failed (exit {result.returncode}):\n{(result.stdout + result.stderr)[-4000:]}")
-    return json.loads(lines[-1])
+    return figures
 
 
 def run_ours(
@@ -201,8 +207,7 @@ def run_trl_side(
         result = subprocess.run(
             [*command, "--output-dir", scratch], cwd=ROOT, capture_output=True, text=True, timeout=7200
         )
-        lines = result.stdout.strip().splitlines()
-        row = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+        row = last_json_line(result.stdout)
         if row is None or (result.returncode != 0 and "error" not in row):
             output = (result.stdout + result.stderr)[-4000:]
             raise RuntimeError(f"{script} failed (exit {result.returncode}):\n{output}")

@@ -48,15 +48,23 @@ def test_the_final_reward_is_the_mean_of_the_last_three_steps():
 def test_the_judge_s_problems_are_no_training_row_of_any_seed_and_the_same_every_time():
     from bench.held_out import held_out_problems
     from bench.trl_side import load_demo
-    from services.learner.data.tasks import arithmetic_rows
+    from services.learner.data.sources import _builtin_task
+    from shared.config.data import DataSettings
 
     demo = load_demo()
     problems = held_out_problems(demo, 50, [0, 1])
     assert len(problems) == 50 and problems == held_out_problems(demo, 50, [0, 1])
     operand = demo["data"]["builtin_max_operand"]
-    training = {row["question"] for seed in (0, 1) for row in arithmetic_rows(2000, operand, seed + 1234)}
+    runs = [DataSettings(builtin_size=2000, builtin_max_operand=operand, shuffle_seed=seed) for seed in (0, 1)]
+    training = {row["question"] for data in runs for row in _builtin_task("arithmetic", data)}  # as a run reads it
     assert not training & {p["question"] for p in problems}
     assert len({p["question"] for p in problems}) == 50
+
+
+def test_a_child_s_figures_are_its_last_line_when_that_is_a_json_object():
+    assert bench.last_json_line('progress\n{"reward": 0.5}\n') == {"reward": 0.5}
+    assert bench.last_json_line('{"reward": 0.5}\nTraceback (most recent call last): ...') is None
+    assert bench.last_json_line("") is None
 
 
 def test_the_summary_ranks_systems_by_the_judge_s_reward_and_keeps_the_training_tail():

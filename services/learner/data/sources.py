@@ -28,7 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services.learner.data.tasks import BUILTIN_TASKS, held_out_rows
+from services.learner.data.tasks import BUILTIN_TASKS, HELD_OUT_SEED_OFFSET, TRAINING_SEED_OFFSET, held_out_rows
 from shared.config.data import DataSettings, parse_split
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -172,7 +172,7 @@ def _builtin_task(name: str, data: DataSettings) -> list[dict[str, str]]:
     """The training rows of built-in task ``name``, as ``question``/``answer`` text."""
     if name not in BUILTIN_TASKS:
         raise DataError(f"unknown built-in task {name!r}; available: {', '.join(BUILTIN_TASKS)}")
-    return BUILTIN_TASKS[name](data.builtin_size, data.builtin_max_operand, data.shuffle_seed + 1234)
+    return BUILTIN_TASKS[name](data.builtin_size, data.builtin_max_operand, data.shuffle_seed + TRAINING_SEED_OFFSET)
 
 
 def _conversational(rows: list[dict[str, str]]) -> list[dict[str, Any]]:
@@ -191,7 +191,7 @@ def read_held_out(data: DataSettings, size: int) -> list[dict[str, Any]]:
         )
     name = source.removeprefix("builtin:")
     training = _builtin_task(name, data)
-    seed = data.shuffle_seed + 4321  # another stream of problems than the training rows' (seed + 1234)
+    seed = data.shuffle_seed + HELD_OUT_SEED_OFFSET  # another stream of problems than the training rows'
     return _conversational(held_out_rows(name, size, data.builtin_max_operand, seed, exclude=training))
 
 

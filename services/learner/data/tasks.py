@@ -24,6 +24,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
+# A run draws its built-in task's training rows with seed ``data.shuffle_seed + TRAINING_SEED_OFFSET`` and its
+# held-out problems (``eval_data = "held_out"``) from another stream, ``data.shuffle_seed + HELD_OUT_SEED_OFFSET``;
+# the benchmarks that judge or train the same task outside a run use the same two.
+TRAINING_SEED_OFFSET = 1234
+HELD_OUT_SEED_OFFSET = 4321
+
 _NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Lily", "Ben")
 _THINGS = ("apples", "shells", "stickers", "marbles", "books", "coins", "cards", "pencils", "stamps", "rocks")
 _ADD = (
