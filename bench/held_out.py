@@ -46,7 +46,8 @@ def held_out_problems(demo: dict[str, Any], size: int, exclude_seeds: list[int])
     training_size, max_operand = data.get("builtin_size", 2000), data.get("builtin_max_operand", 50)
     rows = BUILTIN_TASKS[name]
     training = [row for seed in exclude_seeds for row in rows(training_size, max_operand, seed + TRAINING_SEED_OFFSET)]
-    # As read_held_out draws them for shuffle_seed 0 (the same problems whatever the runs' seeds).
+    # From read_held_out's stream for shuffle_seed 0 (seed HELD_OUT_SEED_OFFSET) whatever the runs' seeds, less
+    # the training rows of every run judged.
     return held_out_rows(name, size, max_operand, HELD_OUT_SEED_OFFSET, exclude=training)
 
 

@@ -153,9 +153,15 @@ def require_bench_env() -> None:
 
 
 def last_json_line(stdout: str) -> dict[str, Any] | None:
-    """The JSON object a child script prints as its last line (``bench/held_out.py``, the TRL sides), or None."""
+    """The JSON object a child script prints as its last line (``bench/held_out.py``, the TRL sides), or None
+    (no such line: the caller reports the child's output)."""
     lines = stdout.strip().splitlines()
-    return json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None
+    if not lines or not lines[-1].startswith("{"):
+        return None
+    try:
+        return json.loads(lines[-1])
+    except json.JSONDecodeError:
+        return None
 
 
 def judge(

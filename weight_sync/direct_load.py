@@ -415,12 +415,12 @@ class PendingHandle:
     inside the push the learner waits for.
 
     It also holds the handle it ``replaces`` until then: freeing the old handles' packed weights took 16 ms of
-    a 150-ms push to a one-core engine with SmolLM2-135M's 121 linear layers (``release_dnnl_matmul_handler``;
-    ``bench/weight_push.py --transport gloo`` profiled in the engine's worker), so each is let go when its
-    layer's new handle is made. A layer not called between two pushes (an embedding, which looks its rows up
-    without its handle; or no step between the pushes) lets go of the handle in the second push instead:
-    replacing a pending handle keeps nothing, so no layer holds an old handle for longer than one push.
-    """
+    a profiled 138-ms receive on a one-core engine with SmolLM2-135M's 121 linear layers
+    (``release_dnnl_matmul_handler``; ``bench/weight_push.py --transport gloo``, ``cProfile`` in the engine's
+    worker), so each is let go when its layer's new handle is made. A layer not called between two pushes (an
+    embedding, which looks its rows up without its handle; or no step between the pushes) lets go of the handle
+    in the second push instead: replacing a pending handle keeps nothing, so no layer holds an old handle for
+    longer than one push."""
 
     def __init__(self, module: Any, replaces: Any = None) -> None:  # a vLLM layer: ``cpu_linear``, ``quant_method``
         self.module = module

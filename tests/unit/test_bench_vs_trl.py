@@ -64,6 +64,8 @@ def test_the_judge_s_problems_are_no_training_row_of_any_seed_and_the_same_every
 def test_a_child_s_figures_are_its_last_line_when_that_is_a_json_object():
     assert bench.last_json_line('progress\n{"reward": 0.5}\n') == {"reward": 0.5}
     assert bench.last_json_line('{"reward": 0.5}\nTraceback (most recent call last): ...') is None
+    assert bench.last_json_line('{"reward": 0.5}\n\n  \n') == {"reward": 0.5}
+    assert bench.last_json_line('{"reward": 0.5}\n{"cut off') is None
     assert bench.last_json_line("") is None
 
 

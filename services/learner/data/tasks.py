@@ -63,7 +63,7 @@ def _row(question: str, answer: int) -> dict[str, str]:
     return {"question": question, "answer": str(answer)}
 
 
-def arithmetic_rows(size: int, max_operand: int = 50, seed: int = 1234) -> Rows:
+def arithmetic_rows(size: int, max_operand: int = 50, seed: int = TRAINING_SEED_OFFSET) -> Rows:
     """``size`` word problems with answers in 0..2*max_operand."""
     rng = random.Random(seed)
     rows = []
@@ -79,7 +79,7 @@ def arithmetic_rows(size: int, max_operand: int = 50, seed: int = 1234) -> Rows:
     return rows
 
 
-def sums_rows(size: int, max_operand: int = 9, seed: int = 1234) -> Rows:
+def sums_rows(size: int, max_operand: int = 9, seed: int = TRAINING_SEED_OFFSET) -> Rows:
     """``size`` bare sums of two numbers in 0..max_operand."""
     rng = random.Random(seed)
     rows = []
@@ -89,7 +89,7 @@ def sums_rows(size: int, max_operand: int = 9, seed: int = 1234) -> Rows:
     return rows
 
 
-def products_rows(size: int, max_operand: int = 9, seed: int = 1234) -> Rows:
+def products_rows(size: int, max_operand: int = 9, seed: int = TRAINING_SEED_OFFSET) -> Rows:
     """``size`` bare products of two numbers in 2..max_operand (at least 2)."""
     rng = random.Random(seed)
     top = max(2, max_operand)
@@ -100,7 +100,7 @@ def products_rows(size: int, max_operand: int = 9, seed: int = 1234) -> Rows:
     return rows
 
 
-def compare_rows(size: int, max_operand: int = 99, seed: int = 1234) -> Rows:
+def compare_rows(size: int, max_operand: int = 99, seed: int = TRAINING_SEED_OFFSET) -> Rows:
     """``size`` questions asking for the larger of two different numbers in 1..max_operand (at least 2)."""
     rng = random.Random(seed)
     top = max(2, max_operand)
@@ -111,7 +111,7 @@ def compare_rows(size: int, max_operand: int = 99, seed: int = 1234) -> Rows:
     return rows
 
 
-def count_items_rows(size: int, max_operand: int = 9, seed: int = 1234) -> Rows:
+def count_items_rows(size: int, max_operand: int = 9, seed: int = TRAINING_SEED_OFFSET) -> Rows:
     """``size`` lists of 1..max_operand distinct words (capped at ``len(ITEMS)``), asking for their count."""
     rng = random.Random(seed)
     top = max(1, min(max_operand, len(ITEMS)))
@@ -122,7 +122,7 @@ def count_items_rows(size: int, max_operand: int = 9, seed: int = 1234) -> Rows:
     return rows
 
 
-def count_letters_rows(size: int, max_operand: int = 10, seed: int = 1234) -> Rows:
+def count_letters_rows(size: int, max_operand: int = 10, seed: int = TRAINING_SEED_OFFSET) -> Rows:
     """``size`` questions asking how many letters a common word of 2..max_operand letters has."""
     words = [w for w in WORDS if len(w) <= max(2, max_operand)]
     rng = random.Random(seed)
@@ -140,7 +140,7 @@ def calculator_question(a: int, b: int) -> str:
     return f"What is {a} times {b}?"
 
 
-def calculator_rows(size: int, max_operand: int = 999, seed: int = 1234) -> Rows:
+def calculator_rows(size: int, max_operand: int = 999, seed: int = TRAINING_SEED_OFFSET) -> Rows:
     """``size`` products of a number with as many digits as ``max_operand`` (up to it) and one in 10..99,
     none of them a worked example's (``CALCULATOR_EXAMPLES``)."""
     rng = random.Random(seed)
