@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.record import add_record_flag, record  # noqa: E402
 from services.learner.data.feeder import build_prompt  # noqa: E402
-from services.learner.data.tasks import BUILTIN_TASKS, TRAINING_SEED_OFFSET, held_out_rows  # noqa: E402
+from services.learner.data.tasks import held_out_rows, training_rows  # noqa: E402
 from services.scorer.rewards.builtin import correctness, extract_answer, hard_format  # noqa: E402
 from shared.config.data import DataSettings  # noqa: E402
 from shared.config.learner import LearnerSettings  # noqa: E402
@@ -173,8 +173,8 @@ async def run(args: argparse.Namespace) -> list[dict]:
     try:
         for name in args.candidates:
             candidate = CANDIDATES[name]
-            training = BUILTIN_TASKS[candidate.task](
-                learner.data.builtin_size, candidate.max_operand, learner.data.shuffle_seed + TRAINING_SEED_OFFSET
+            training = training_rows(
+                candidate.task, learner.data.builtin_size, candidate.max_operand, learner.data.shuffle_seed
             )
             rows = held_out_rows(candidate.task, args.n, candidate.max_operand, HELD_OUT_SEED, training)
             seen = {row["question"] for row in training}

@@ -39,13 +39,12 @@ RENDERINGS = ("continue", "generation-prompt", "no-prefill")
 
 def held_out_problems(demo: dict[str, Any], size: int, exclude_seeds: list[int]) -> list[dict[str, str]]:
     """``size`` problems of the demo's task, none of them a training row of any of ``exclude_seeds``."""
-    from services.learner.data.tasks import BUILTIN_TASKS, HELD_OUT_SEED_OFFSET, TRAINING_SEED_OFFSET, held_out_rows
+    from services.learner.data.tasks import HELD_OUT_SEED_OFFSET, held_out_rows, training_rows
 
     data = demo["data"]
     name = data["source"].removeprefix("builtin:")
     training_size, max_operand = data.get("builtin_size", 2000), data.get("builtin_max_operand", 50)
-    rows = BUILTIN_TASKS[name]
-    training = [row for seed in exclude_seeds for row in rows(training_size, max_operand, seed + TRAINING_SEED_OFFSET)]
+    training = [row for seed in exclude_seeds for row in training_rows(name, training_size, max_operand, seed)]
     # From read_held_out's stream for shuffle_seed 0 (seed HELD_OUT_SEED_OFFSET) whatever the runs' seeds, less
     # the training rows of every run judged.
     return held_out_rows(name, size, max_operand, HELD_OUT_SEED_OFFSET, exclude=training)

@@ -39,10 +39,11 @@ def demo_dataset(demo: dict[str, Any], *, prefill: bool = True):
     correctness reward reads."""
     from datasets import Dataset
 
-    from services.learner.data.tasks import TRAINING_SEED_OFFSET, arithmetic_rows
+    from services.learner.data.tasks import training_rows
 
     data = demo["data"]
-    rows = arithmetic_rows(data.get("builtin_size", 2000), data.get("builtin_max_operand", 50), TRAINING_SEED_OFFSET)
+    size, max_operand = data.get("builtin_size", 2000), data.get("builtin_max_operand", 50)
+    rows = training_rows("arithmetic", size, max_operand, shuffle_seed=0)  # the rows of our seed-0 run
     tail = [{"role": "assistant", "content": data["assistant_prefill"]}] if prefill else []
     prompts = [
         [

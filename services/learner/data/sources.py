@@ -28,7 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from services.learner.data.tasks import BUILTIN_TASKS, HELD_OUT_SEED_OFFSET, TRAINING_SEED_OFFSET, held_out_rows
+from services.learner.data.tasks import BUILTIN_TASKS, HELD_OUT_SEED_OFFSET, held_out_rows, training_rows
 from shared.config.data import DataSettings, parse_split
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -172,7 +172,7 @@ def _builtin_task(name: str, data: DataSettings) -> list[dict[str, str]]:
     """The training rows of built-in task ``name``, as ``question``/``answer`` text."""
     if name not in BUILTIN_TASKS:
         raise DataError(f"unknown built-in task {name!r}; available: {', '.join(BUILTIN_TASKS)}")
-    return BUILTIN_TASKS[name](data.builtin_size, data.builtin_max_operand, data.shuffle_seed + TRAINING_SEED_OFFSET)
+    return training_rows(name, data.builtin_size, data.builtin_max_operand, data.shuffle_seed)
 
 
 def _conversational(rows: list[dict[str, str]]) -> list[dict[str, Any]]:

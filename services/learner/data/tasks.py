@@ -165,6 +165,11 @@ BUILTIN_TASKS: dict[str, Callable[[int, int, int], Rows]] = {
 }
 
 
+def training_rows(task: str, size: int, max_operand: int, shuffle_seed: int) -> Rows:
+    """The training rows of built-in ``task`` in a run with ``data.shuffle_seed`` = ``shuffle_seed``."""
+    return BUILTIN_TASKS[task](size, max_operand, shuffle_seed + TRAINING_SEED_OFFSET)
+
+
 def held_out_rows(task: str, size: int, max_operand: int, seed: int, exclude: Sequence[dict[str, str]] = ()) -> Rows:
     """``size`` rows of ``task`` from ``seed`` whose questions are not among ``exclude``'s (the training rows)
     where the task has that many other questions; else the rest are drawn without that condition (a small
