@@ -60,6 +60,8 @@ BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 LAST = 3  # the training reward at the end: the mean of the last LAST steps
 # The initial model, judged as ours and as TRL's GRPOTrainer ask it (RENDERING below).
 INITIAL = {"ours": "ours", "TRL GRPOTrainer": "bench/trl_side.py"}
+# Our run's counters printed per seed, so a seed that learned less can be told from one that lost work.
+WATCHED = ("groups_trained", "groups_stale_dropped", "groups_zero_std_dropped", "weight_pushes", "weight_push_failures")
 
 
 # Reading a run's files -----------------------------------------------------------------------------------------
@@ -110,6 +112,7 @@ def read_run(log_dir: Path) -> dict[str, Any]:
         "completion_tokens": sum(r["completion_tokens"] for r in steps),
         "rewards": [r["reward"] for r in steps],
         "evaluations": len(evaluation_records(records)),
+        "counters": {k.removeprefix("counters/"): v for k, v in steps[-1].items() if k.startswith("counters/")},
     }
 
 
@@ -307,6 +310,14 @@ def main(args) -> None:
         f"(held-out: {args.held_out} new problems answered greedily with each run's final weights, each asked as "
         f"its system trained it, bench/held_out.py; the initial model's reward (correct): {initial})"
     )
+    for name, rows in runs.items():
+        each = ", ".join(
+            f"seed {seed} {r['held_out']['reward']:.3f}" for seed, r in zip(args.seeds, rows, strict=False)
+        )
+        print(f"(held-out reward per seed, {name}: {each})")
+    for seed, row in zip(args.seeds, runs["ours"], strict=True):
+        counted = ", ".join(f"{k} {v:g}" for k, v in row["counters"].items() if k in WATCHED)
+        print(f"(ours, seed {seed}, counters at the last step: {counted})")
     walls = ", ".join(f"{r['wall']:.1f}" for r in runs["ours"])
     print(f"(ours with start-up, engine and model loading included: {walls} s)")
     if async_error is not None:
@@ -328,6 +339,9 @@ def main(args) -> None:
         recorded["ours_wall_seconds"] = statistics.mean(r["wall"] for r in runs["ours"])
         for name, row in before.items():
             recorded[f"initial_held_out_reward_{name.lower().replace(' ', '_')}"] = row["reward"]
+        for name, rows in runs.items():
+            for seed, r in zip(args.seeds, rows, strict=False):
+                recorded[f"{name.lower().replace(' ', '_')}_held_out_reward_seed_{seed}"] = r["held_out"]["reward"]
         record("vs_trl", recorded, args, ratio=speedup, goal=">= 3 (TRL seconds / ours), held-out reward not lower")
 
 
@@ -341,6 +355,9 @@ def quick(args) -> None:
     for rendering in ("generation-prompt", "no-prefill"):  # TRL's two ways of asking, on the same checkpoint
         if judge(model, 4, args.seeds, rendering, python)["size"] != 4:
             raise SystemExit(f"the judge did not answer 4 problems asked as {rendering}")
+    missing = [name for name in WATCHED if name not in row["counters"]]
+    if missing:
+        raise SystemExit(f"the last training record has no counters/{', counters/'.join(missing)}")
     if row["evaluations"] < 1 or len(row["rewards"]) != args.steps or row["held_out"]["size"] != 4:
         raise SystemExit(f"expected {args.steps} training records, evaluation records and 4 judged answers, read {row}")
     print(

@@ -1,10 +1,10 @@
 """Learner process: ``python -m services.learner [--config FILE]``; under torchrun ranks > 0 follow. Wiring only."""
 
-import sys
 from functools import partial
 
 import httpx
 
+from services.learner.host_memory import configure_malloc
 from shared.config.learner import LearnerSettings
 from shared.lifecycle import Service, run_service
 from shared.service import main
@@ -30,10 +30,11 @@ async def lead(service: Service[LearnerSettings], topology) -> None:
 
 
 async def serve(settings: LearnerSettings) -> int:
+    configure_malloc(settings)  # before any thread allocates (importing startup starts one)
     from services.learner.startup import run_rank
 
     return await run_rank(settings, lambda s, topology: run_service("learner", s, partial(lead, topology=topology)))
 
 
 if __name__ == "__main__":
-    sys.exit(main("learner", LearnerSettings, serve, __doc__))
+    raise SystemExit(main("learner", LearnerSettings, serve, __doc__))

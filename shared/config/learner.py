@@ -83,11 +83,13 @@ class ModelSettings(BaseModel):
         "AVX512-BF16), else float32 (emulated bf16 is ~16x slower).",
     )
     dtype: Literal["auto", "float32", "bfloat16"] | None = Field(
-        None,
-        description="Deprecated: read as compute_dtype, with the master weights in param_dtype (a warning says so).",
+        None, description="Deprecated: read as compute_dtype over param_dtype master weights (a warning says so)."
     )
     device: str = Field("cpu", description="Torch device: cpu or cuda.")
     threads: int = Field(0, ge=0, description="Torch CPU threads (0: torch's default).")
+    keep_freed_memory: bool = Field(
+        True, description="cpu: glibc malloc keeps what a step frees for the next (host_memory.py); false: its defaults"
+    )
 
     @model_validator(mode="after")
     def _translate_dtype(self) -> ModelSettings:

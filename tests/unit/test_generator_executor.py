@@ -75,7 +75,9 @@ def test_a_weight_call_s_wait_sleeps_where_vllm_s_spins(queue_pair):
     assert spin_cpu > 0.2 * spin_wall, f"vLLM's reader no longer spins ({spin_cpu:.3f} of {spin_wall:.3f} s)"
     quiet_cpu, quiet_wall, got = _wait_cpu_seconds(writer, reader, 0.4, quiet=True)
     assert got == "second"
-    assert quiet_cpu < 0.05 * quiet_wall, f"{quiet_cpu:.3f} s of CPU in a {quiet_wall:.3f} s sleeping wait"
+    # A look every POLL_S costs tens of microseconds of CPU (7-8 % of the wait on a slow 2-core EPYC); a spin, all.
+    assert quiet_cpu < 0.15 * quiet_wall, f"{quiet_cpu:.3f} s of CPU in a {quiet_wall:.3f} s sleeping wait"
+    assert quiet_cpu < 0.25 * spin_cpu, f"{quiet_cpu:.3f} s of CPU sleeping against {spin_cpu:.3f} s spinning"
     assert quiet_wall < 0.4 + 0.1  # the answer is seen within a few polls of its arrival
 
 
