@@ -25,7 +25,8 @@ Both in the same process, alternating, best of ``--repeats``. Printed per loop: 
 model TFLOP/s and MFU against the device's dense bf16 peak (model FLOPs: 6 x non-embedding parameters x the
 batch's prompt + completion tokens, plus causal attention, 6 x layers x hidden x L^2 per sequence of L tokens:
 the work of one unshared forward + backward), and peak memory (CUDA: torch.cuda.max_memory_allocated; CPU: the
-process's resident set, sampled every 10 ms, above its level before the loop, after glibc's malloc_trim). Then
+process's resident set, sampled every 10 ms, above its level before the loop, after glibc's malloc_trim; glibc's
+malloc set as the CPU learner sets it, ``services/learner/host_memory.py``). Then
 the recompute pass (the no-grad old-logprob pass of ``old_logprobs = "recompute"``) as a share of our training
 step, and last the ratio ours/bare (goal >= 0.9).
 
@@ -56,6 +57,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2C
 from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
 from services.learner.data.batch import TrainBatch, collate  # noqa: E402
 from services.learner.hardware import Precision, compute_context, resolve_precision  # noqa: E402
+from services.learner.host_memory import keep_freed_memory  # noqa: E402
 from services.learner.logprobs.packing import attention_implementation  # noqa: E402
 from services.learner.model import checkpoint_layers  # noqa: E402
 from services.learner.trainer import Trainer  # noqa: E402
@@ -364,6 +366,8 @@ def _best_bare(args, config, shape: BatchShape, groups: list[ScoredGroup], preci
 
 def main(args) -> None:
     torch.set_num_threads(args.threads)
+    if args.device == "cpu":  # as the learner service runs (keep_freed_memory; figures before 2026-11-27 had not)
+        keep_freed_memory()
     shape = _batch_shape(args)
     config = _config(args.shape, args.layers)
     groups = make_groups(shape, config.vocab_size)

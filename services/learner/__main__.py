@@ -30,7 +30,7 @@ async def lead(service: Service[LearnerSettings], topology) -> None:
 
 
 async def serve(settings: LearnerSettings) -> int:
-    configure_malloc(settings)  # before any thread allocates (importing startup starts one)
+    configure_malloc(settings)  # before the threads that train allocate (numpy's idle OpenBLAS workers have not)
     from services.learner.startup import run_rank
 
     return await run_rank(settings, lambda s, topology: run_service("learner", s, partial(lead, topology=topology)))

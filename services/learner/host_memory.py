@@ -1,13 +1,16 @@
 """glibc malloc settings for a CPU learner: keep the memory a training step frees for the next step.
 
 Every step allocates the same large tensors (logits, activations, gradients) and frees them. With glibc's
-defaults a block of 32 MB or more is an ``mmap`` given back at ``free``, and a thread other than the main one
+defaults a large block (128 KiB at first, up to 32 MiB as blocks are freed; always past 32 MiB) is an ``mmap``
+given back at ``free``, and a thread other than the main one
 (the learner trains in one) allocates from its own arena, whose heaps are unmapped as they empty: each step
 faults its memory back in and the kernel zeroes every page again. Measured on the CPU demo (2-core AMD EPYC,
 ``perf``): a quarter of the learner's CPU time in the kernel, ``clear_page_erms`` first. One arena (the main
 one), no ``mmap`` for large blocks and no trimming below :data:`TRIM_THRESHOLD` keep those pages mapped from
-step to step, as PyTorch's caching allocator keeps device memory on a GPU. The price: the process keeps the
-heap its largest step needed (``keep_freed_memory = false`` in ``[learner]`` restores glibc's defaults).
+step to step, as PyTorch's caching allocator keeps device memory on a GPU. The price: the process keeps its peak
+heap since start-up (model loading and checkpoints included, and what fragmentation leaves), unless 2 GiB lie free
+at its top. The settings override any ``MALLOC_*`` or ``GLIBC_TUNABLES`` of the environment;
+``keep_freed_memory = false`` in ``[learner]`` leaves glibc's as they are.
 """
 
 from __future__ import annotations
@@ -44,5 +47,5 @@ def keep_freed_memory() -> bool:
 
 def configure_malloc(settings: Any) -> None:
     """:func:`keep_freed_memory` where the learner trains on the CPU and ``keep_freed_memory`` is on."""
-    if settings.device == "cpu" and settings.keep_freed_memory:
+    if not settings.device.startswith("cuda") and settings.keep_freed_memory:
         keep_freed_memory()

@@ -88,7 +88,7 @@ class ModelSettings(BaseModel):
     device: str = Field("cpu", description="Torch device: cpu or cuda.")
     threads: int = Field(0, ge=0, description="Torch CPU threads (0: torch's default).")
     keep_freed_memory: bool = Field(
-        True, description="cpu: glibc malloc keeps what a step frees for the next (host_memory.py); false: its defaults"
+        True, description="cpu: glibc malloc keeps what a step frees for the next (host_memory.py); false: defaults."
     )
 
     @model_validator(mode="after")
