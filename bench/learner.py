@@ -29,10 +29,13 @@ process's resident set, sampled every 10 ms, above its level before the loop, af
 malloc set as the CPU learner sets it, ``services/learner/host_memory.py``). Then
 the recompute pass (the no-grad old-logprob pass of ``old_logprobs = "recompute"``) as a share of our training
 step, and last the ratio ours/bare (goal >= 0.9).
+With ``--profile DIR``, one more step of each loop runs under ``torch.profiler`` (:mod:`bench.profiling`):
+its ops by device and host time, the device's busy time and the host's waits for it, in ``DIR/bare.txt`` and
+``DIR/ours.txt``.
 
     python bench/learner.py [--device cpu|cuda] [--shape smollm2|qwen2.5-0.5b|qwen2.5-1.5b] [--batch cpu|gpu]
         [--threads 1] [--repeats 3] [--compute-dtype auto] [--max-tokens-per-micro-batch auto|0|N]
-        [--share-prompts auto|on|off] [--gradient-checkpointing] [--quick]
+        [--share-prompts auto|on|off] [--gradient-checkpointing] [--profile DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
+from bench.profiling import profile_step  # noqa: E402
 from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
 from services.learner.data.batch import TrainBatch, collate  # noqa: E402
 from services.learner.hardware import Precision, compute_context, resolve_precision  # noqa: E402
@@ -353,15 +357,14 @@ def _best_bare(args, config, shape: BatchShape, groups: list[ScoredGroup], preci
     """The bare loop's best (seconds, peak memory) of ``args.repeats`` steps, on a model of its own."""
     model = build_model(config, precision.param, args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    return min(
-        _timed(
-            args.device,
-            lambda: bare_step(
-                model, optimizer, groups, shape.micro_batch_size, precision, args.device, args.bare_head_chunk
-            ),
-        )
-        for _ in range(args.repeats)
-    )
+
+    def step() -> None:
+        bare_step(model, optimizer, groups, shape.micro_batch_size, precision, args.device, args.bare_head_chunk)
+
+    best = min(_timed(args.device, step) for _ in range(args.repeats))
+    if args.profile:
+        print(profile_step("bare", args.device, step, args.profile))
+    return best
 
 
 def main(args) -> None:
@@ -390,6 +393,8 @@ def main(args) -> None:
     for _ in range(args.repeats):
         best["ours"] = min(best["ours"], _timed(args.device, lambda: trainer.train(batch)))
         old_logprobs = min(old_logprobs, recompute.prepare(batch.to(trainer.device)).seconds_old_logprobs)
+    if args.profile:
+        print(profile_step("ours", args.device, lambda: trainer.train(batch), args.profile))
     report(args, shape, config, ours_model, groups, tokens, trainer, precision, best, old_logprobs)
 
 
@@ -467,6 +472,12 @@ if __name__ == "__main__":
         default="auto",
         help="the bare loop's LM head in chunks of this many token positions; 0: full logits at once; "
         "auto: 8192 on cuda (a 151,936-word vocabulary's full float32 logits of the GPU batch do not fit), 0 on cpu",
+    )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="after the timed steps, one more step of each loop under torch.profiler: tables in this directory",
     )
     parser.add_argument("--quick", action="store_true", help="2 layers, 2 groups, 1 repeat (smoke test)")
     add_record_flag(parser)

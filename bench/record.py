@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results.jsonl"
 RECORD_HELP = f"append the figures to {RESULTS.relative_to(ROOT)} (refused with --quick)"
 # Options that change where or how often a bench reports, not what it measures: left out of the configuration.
-_NOT_CONFIGURATION = frozenset({"record", "quick", "json", "show", "repeats", "child", "kind"})
+_NOT_CONFIGURATION = frozenset({"record", "quick", "json", "show", "repeats", "child", "kind", "profile"})
 
 
 class RecordError(ValueError):

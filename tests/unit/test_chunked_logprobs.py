@@ -18,6 +18,7 @@ from services.learner.logprobs.policy import completion_logprobs_and_entropy, lo
 from services.learner.model import load_policy, reference_model
 from services.learner.trainer import Trainer
 from shared.config.learner import LearnerSettings
+from shared.records import SamplingSpec
 from tests.support.factories import make_rollout, make_scored, make_task
 from tests.support.tiny_model import build_tiny_llama
 
@@ -145,6 +146,55 @@ def test_chunks_do_the_plain_paths_arithmetic_bit_for_bit(dtype, entropy):
         results.append((logprobs.detach(), entropies.detach(), head.weight.grad.clone()))
     for chunked, plain in zip(results[1], results[0], strict=True):
         assert torch.equal(chunked, plain)
+
+
+@pytest.mark.parametrize("entropy", ["none", "value", "grad"])
+def test_unit_temperatures_skip_the_division_and_change_no_bit(entropy):
+    """None (every temperature 1) is the division by ones left out: dividing by 1 changes no value."""
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(3, 5, 40, generator=generator) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 40, (3, 5), generator=generator)
+    results = []
+    for temperatures in (torch.ones(3, 1), None):
+        source = logits.clone().requires_grad_(True)
+        logprobs, entropies = token_stats(source, targets, temperatures, entropy)
+        total = logprobs.sum() + (0.5 * entropies.sum() if entropy == "grad" else 0.0)
+        total.backward()
+        results.append((logprobs.detach(), None if entropies is None else entropies.detach(), source.grad))
+    for divided, as_is in zip(*results, strict=True):
+        assert (divided is None and as_is is None) or torch.equal(divided, as_is)
+
+
+def test_a_checkpointed_chunk_computes_a_value_entropy_once(monkeypatch):
+    """The backward's recompute rebuilds the log-probabilities' graph only; the entropy's value (no gradient)
+    comes from the forward."""
+    import services.learner.logprobs.lm_head as lm_head
+
+    calls = []
+    entropy = lm_head.token_entropy
+    monkeypatch.setattr(lm_head, "token_entropy", lambda log_probs: calls.append(1) or entropy(log_probs))
+    generator = torch.Generator().manual_seed(2)
+    head = torch.nn.Linear(6, 30, bias=False, dtype=F64)
+    hidden = torch.randn(10, 6, generator=generator, dtype=F64, requires_grad=True)
+    targets = torch.randint(0, 30, (10,), generator=generator)
+    logprobs, entropies = chunked_token_stats(head, hidden, targets, None, "value", 4)
+    logprobs.sum().backward()
+    assert len(calls) == 3  # three chunks, each once
+    assert not entropies.requires_grad
+    plain_hidden = hidden.detach().clone().requires_grad_(True)
+    want_logprobs, want_entropies = token_stats(head(plain_hidden), targets, None, "value")
+    want_logprobs.sum().backward()
+    torch.testing.assert_close(entropies, want_entropies, atol=1e-12, rtol=0)
+    torch.testing.assert_close(hidden.grad, plain_hidden.grad, atol=1e-12, rtol=0)
+
+
+def test_a_batch_on_a_device_keeps_its_temperatures_on_the_host():
+    rollouts = [make_rollout(make_task(2, sampling=SamplingSpec(temperature=t, max_tokens=4)), 3) for t in (1.0, 0.7)]
+    batch = collate([make_scored(r) for r in rollouts], [torch.tensor([0.5, -0.5])] * 2, pad_id=0)
+    moved = batch.to(torch.device("meta"))
+    assert moved.input_ids.device.type == "meta" and moved.temperatures.device.type == "cpu"
+    assert torch.equal(moved.sampling_temperatures(), torch.tensor([1.0, 1.0, 0.7, 0.7]))
+    assert batch.rows(slice(0, 2)).sampling_temperatures() is None  # every temperature 1: no division
 
 
 def test_autograd_keeps_no_tokens_by_vocab_tensor_when_chunked(tiny):

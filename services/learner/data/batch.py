@@ -93,7 +93,17 @@ class TrainBatch:
             yield self.rows(slice(start, start + size))
 
     def to(self, device: torch.device) -> TrainBatch:
-        return self._map(lambda tensor: tensor.to(device))
+        """The batch on ``device``, but for ``temperatures``: B floats the host reads to decide whether the
+        logits are divided at all (:meth:`sampling_temperatures`), which on a GPU would be a wait per pass."""
+        moved = self._map(lambda tensor: tensor.to(device))
+        moved.temperatures = self.temperatures
+        return moved
+
+    def sampling_temperatures(self) -> torch.Tensor | None:
+        """[B] each row's sampling temperature, or None when every one is 1: the logits are then used as they are
+        (dividing by 1 changes no value, and over a 150k vocabulary it is a pass over the logits forward and
+        backward)."""
+        return None if bool((self.temperatures == 1.0).all()) else self.temperatures
 
 
 @dataclass

@@ -1,12 +1,14 @@
-"""Per-token entropy of the policy from the logits the log-probabilities already use, in bounded memory.
+"""Per-token entropy of the policy from the log-probabilities the loss already uses, in bounded memory.
 
-H = logsumexp(s) - sum_v softmax(s)_v s_v for the temperature-scaled logits s [..., V]. Written naively,
-softmax and its product with s are two more [tokens x vocab] float32 tensors, and autograd keeps them for the
-backward. Here the forward and the backward walk the logits in chunks of at most ``_CHUNK_ELEMENTS``
-elements, and the only tensors kept for the backward are the logits themselves (already kept by the
-log-probabilities' log-softmax) and two [tokens] vectors. The backward recomputes softmax per chunk:
+H = -sum_v p_v log p_v with log p = log_softmax(s) over the (temperature-scaled) logits s [..., V]. Written
+naively, p and p log p are two more [tokens x vocab] float32 tensors, and autograd keeps them for the backward.
+Here the forward and the backward walk the log-probabilities in chunks of at most ``_CHUNK_ELEMENTS``
+elements, and the only tensor kept for the backward is the log-probabilities themselves (already kept by the
+log-softmax for its own backward). The backward recomputes p per chunk:
 
-    dH/ds_v = -p_v (log p_v + H),   log p_v = s_v - logsumexp(s)
+    dH/d(log p_v) = -p_v (log p_v + 1)
+
+which the log-softmax's backward turns into dH/ds_v = -p_v (log p_v + H).
 """
 
 from __future__ import annotations
@@ -25,36 +27,30 @@ def _pieces(rows: int, positions: int, vocab: int):
 
 
 class _ChunkedEntropy(torch.autograd.Function):
-    """Entropy of [B, T, V] scaled logits (any strides: slices of the model's logits are not copied)."""
+    """Entropy of [B, T, V] log-probabilities (any strides: slices are not copied)."""
 
     @staticmethod
-    def forward(ctx, scaled: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(lse)
-        for row, span in _pieces(*scaled.shape):
-            s = scaled[row, span]
-            out[row, span] = lse[row, span] - (torch.exp(s - lse[row, span].unsqueeze(-1)) * s).sum(dim=-1)
-        ctx.save_for_backward(scaled, lse, out)
+    def forward(ctx, log_probs: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(log_probs.shape[:-1], dtype=log_probs.dtype, device=log_probs.device)
+        for row, span in _pieces(*log_probs.shape):
+            piece = log_probs[row, span]
+            out[row, span] = -(torch.exp(piece) * piece).sum(dim=-1)
+        ctx.save_for_backward(log_probs)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        scaled, lse, entropy = ctx.saved_tensors
-        grad_scaled = torch.empty(scaled.shape, dtype=scaled.dtype, device=scaled.device)
-        for row, span in _pieces(*scaled.shape):
-            log_p = scaled[row, span] - lse[row, span].unsqueeze(-1)
-            weight = (log_p + entropy[row, span].unsqueeze(-1)) * grad[row, span].unsqueeze(-1)
-            grad_scaled[row, span] = -torch.exp(log_p) * weight
-        return grad_scaled, None
+        (log_probs,) = ctx.saved_tensors
+        grad_log_probs = torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
+        for row, span in _pieces(*log_probs.shape):
+            piece = log_probs[row, span]
+            grad_log_probs[row, span] = -torch.exp(piece) * (piece + 1.0) * grad[row, span].unsqueeze(-1)
+        return grad_log_probs
 
 
-def token_entropy(scaled: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
-    """Entropy [...] (nats) of softmax over the last dimension of ``scaled`` [..., V], differentiable in
-    ``scaled`` when it requires grad. ``lse``: its logsumexp over V when already computed (detached here)."""
-    if scaled.dim() != 3:
-        return token_entropy(
-            scaled.reshape(1, -1, scaled.shape[-1]), None if lse is None else lse.reshape(1, -1)
-        ).reshape(scaled.shape[:-1])
-    if lse is None:
-        with torch.no_grad():
-            lse = torch.logsumexp(scaled, dim=-1)
-    return _ChunkedEntropy.apply(scaled, lse.detach())
+def token_entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    """Entropy [...] (nats) of the distributions whose log-probabilities are the last dimension of
+    ``log_probs`` [..., V] (a log-softmax's output), differentiable in ``log_probs`` when it requires grad."""
+    if log_probs.dim() != 3:
+        return token_entropy(log_probs.reshape(1, -1, log_probs.shape[-1])).reshape(log_probs.shape[:-1])
+    return _ChunkedEntropy.apply(log_probs)

@@ -39,20 +39,34 @@ _CHUNKING_OFF = (
 )
 
 
-def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor, entropy: EntropyMode) -> Stats:
+def token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor | None, entropy: EntropyMode
+) -> Stats:
     """log softmax(logits / T)[target] in float32 (float64 stays float64) and, unless ``entropy`` is "none",
-    the entropy of softmax(logits / T) from the same scaled logits ("grad": differentiable; "value": not).
+    the entropy of softmax(logits / T) from the same log-probabilities ("grad": differentiable; "value": not,
+    and computed outside the graph).
 
-    logits [..., V], targets [...], temperatures broadcastable to targets ([B, 1] for [B, T]). No
+    logits [..., V], targets [...], temperatures broadcastable to targets ([B, 1] for [B, T]), or None when every
+    temperature is 1 (no division). One fused log-softmax over the vocabulary (its backward is one pass too); no
     [tokens x vocab] tensor is added for the entropy (:mod:`services.learner.logprobs.entropy`).
     """
-    dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16 -> float32
-    scaled = logits.to(dtype) / temperatures.to(logits.device, dtype).unsqueeze(-1)
-    lse = torch.logsumexp(scaled, dim=-1)
-    logprobs = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    scaled = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> float32
+    if temperatures is not None:
+        scaled = scaled / temperatures.to(logits.device, scaled.dtype).unsqueeze(-1)
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    logprobs = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     if entropy == "none":
         return logprobs, None
-    return logprobs, token_entropy(scaled if entropy == "grad" else scaled.detach(), lse)
+    if entropy == "grad":
+        return logprobs, token_entropy(log_probs)
+    with torch.no_grad():
+        return logprobs, token_entropy(log_probs.detach())
+
+
+def token_temperatures(temperatures: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+    """Each token's sampling temperature [M] at the [B, T] ``mask``'s positions, from each row's [B] (its
+    row's); None stays None (every temperature 1)."""
+    return None if temperatures is None else temperatures.to(mask.device)[:, None].expand(mask.shape)[mask]
 
 
 @contextmanager
@@ -116,22 +130,50 @@ def final_hidden_states(model: torch.nn.Module, **inputs: Any) -> tuple[torch.Te
 
 
 def _head_stats(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperatures: torch.Tensor, entropy: EntropyMode
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperatures: torch.Tensor | None,
+    entropy: EntropyMode,
 ) -> Stats:
     """:func:`token_stats` of one chunk: hidden [n, H] -> logits [n, V] -> log-probabilities [n] (entropy [n])."""
     return token_stats(head(hidden), targets, temperatures, entropy)
+
+
+def _checkpointed_stats(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperatures: torch.Tensor | None,
+    entropy: EntropyMode,
+) -> Stats:
+    """:func:`_head_stats` of one chunk under autograd, its logits recomputed in the backward. The recompute
+    rebuilds what the gradient needs and no more: a "value" entropy (outside the graph) comes from the first run
+    alone."""
+    if entropy != "value":
+        return checkpoint(_head_stats, head, hidden, targets, temperatures, entropy, use_reentrant=False)
+    values: list[torch.Tensor] = []
+
+    def logprobs_once(head, hidden, targets, temperatures) -> torch.Tensor:
+        logprobs, entropies = _head_stats(head, hidden, targets, temperatures, "none" if values else "value")
+        if entropies is not None:
+            values.append(entropies)
+        return logprobs
+
+    logprobs = checkpoint(logprobs_once, head, hidden, targets, temperatures, use_reentrant=False)
+    return logprobs, values[0]
 
 
 def chunked_token_stats(
     head: torch.nn.Module,
     hidden: torch.Tensor,
     targets: torch.Tensor,
-    temperatures: torch.Tensor,
+    temperatures: torch.Tensor | None,
     entropy: EntropyMode,
     chunk_tokens: int,
 ) -> Stats:
     """:func:`token_stats` of ``head(hidden)``, ``chunk_tokens`` tokens at a time: hidden [N, H], targets [N],
-    temperatures [N] -> log-probabilities [N] (and entropy [N], or None when ``entropy`` is "none").
+    temperatures [N] (None: all 1) -> log-probabilities [N] (and entropy [N], or None when ``entropy`` is "none").
 
     With gradients enabled each chunk is checkpointed, so its logits are recomputed in the backward instead of
     kept. N = 0 still runs one empty chunk: the result stays in the graph (a zero-weighted pass backpropagates).
@@ -141,12 +183,9 @@ def chunked_token_stats(
     parts = []
     for start in range(0, max(1, hidden.shape[0]), chunk_tokens):
         span = slice(start, start + chunk_tokens)
-        args = (head, hidden[span], targets[span], temperatures[span], entropy)
-        if torch.is_grad_enabled():
-            parts.append(checkpoint(_head_stats, *args, use_reentrant=False))
-        else:
-            parts.append(_head_stats(*args))
+        args = (head, hidden[span], targets[span], None if temperatures is None else temperatures[span], entropy)
+        parts.append(_checkpointed_stats(*args) if torch.is_grad_enabled() else _head_stats(*args))
     logprobs = torch.cat([lp for lp, _ in parts])
     if entropy == "none":
         return logprobs, None
-    return logprobs, torch.cat([h for _, h in parts])
+    return logprobs, torch.cat([h for _, h in parts if h is not None])  # every chunk has them

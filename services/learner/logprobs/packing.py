@@ -44,6 +44,7 @@ from services.learner.logprobs.lm_head import (
     final_hidden_states,
     output_embeddings,
     token_stats,
+    token_temperatures,
 )
 
 # Attention implementations that take the shared-prompt [N, N] mask as given (a 4-D tensor skips transformers'
@@ -230,7 +231,7 @@ def packed_logprobs(
         logits_to_keep=keep,
         use_cache=False,
     )
-    temperatures = batch.temperatures.to(mask.device)[:, None].expand(mask.shape)[mask]
+    temperatures = token_temperatures(batch.sampling_temperatures(), mask)
     targets = batch.completion_ids[mask]
     if chunk_tokens:
         hidden, _ = final_hidden_states(model, **inputs)

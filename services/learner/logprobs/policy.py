@@ -27,11 +27,18 @@ from services.learner.logprobs.lm_head import (
     final_hidden_states,
     output_embeddings,
     token_stats,
+    token_temperatures,
 )
 from services.learner.logprobs.packing import packed_logprobs
 
 # (model, **inputs) -> (per-position tensor, model output): logits or the final hidden states.
 Forward = Callable[..., tuple[torch.Tensor, Any]]
+
+
+def _row_temperatures(batch: TrainBatch) -> torch.Tensor | None:
+    """[B, 1] each row's sampling temperature, or None when every one is 1."""
+    temperatures = batch.sampling_temperatures()
+    return None if temperatures is None else temperatures[:, None]
 
 
 def _chunked_stats(
@@ -41,7 +48,7 @@ def _chunked_stats(
     token t, through the LM head in chunks (:mod:`services.learner.logprobs.lm_head`). Only sampled tokens (the
     loss mask) are computed: context and padding positions are 0, as the plain path's are after masking."""
     mask = batch.loss_mask.bool()
-    temperatures = batch.temperatures.to(hidden.device)[:, None].expand(mask.shape)[mask]
+    temperatures = token_temperatures(batch.sampling_temperatures(), mask)
     logprobs, entropies = chunked_token_stats(
         output_embeddings(model), hidden[mask], batch.completion_ids[mask], temperatures, entropy, chunk_tokens
     )
@@ -64,7 +71,7 @@ def _padded_logprobs(
         hidden, _ = final_hidden_states(model, **inputs)
         return _chunked_stats(model, hidden[:, :-1], batch, entropy, chunk_tokens)
     output = model(**inputs)
-    return token_stats(output.logits[:, :-1], batch.completion_ids, batch.temperatures[:, None], entropy)
+    return token_stats(output.logits[:, :-1], batch.completion_ids, _row_temperatures(batch), entropy)
 
 
 def _logits(model: torch.nn.Module, **inputs: Any) -> tuple[torch.Tensor, Any]:
@@ -120,7 +127,7 @@ def _shared_prompt_logprobs(
         token_stats(
             _prompt_predictors(model, batch, rows, _logits),
             batch.completion_ids[rows],
-            batch.temperatures[rows, None],
+            None if (temperatures := _row_temperatures(batch)) is None else temperatures[rows],
             entropy,
         )
         for rows in spans
