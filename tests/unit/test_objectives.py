@@ -604,13 +604,18 @@ def test_chunked_entropy_value_and_gradient_match_naive(contiguous, monkeypatch)
     torch.testing.assert_close(g_got, g_want, atol=1e-12, rtol=0)
 
 
-def test_chunked_entropy_keeps_no_vocab_sized_tensor_for_backward():
-    log_probs = torch.log_softmax(torch.randn(2, 6, 50), -1).requires_grad_(True)
+@pytest.mark.parametrize("temperatures", [None, torch.full((2, 1), 0.7)])
+def test_token_stats_keep_one_vocab_sized_tensor_for_backward(temperatures):
+    """The log-softmax's output, which its own backward needs; the entropy keeps nothing more of that size."""
+    from services.learner.logprobs.lm_head import token_stats
+
+    logits = torch.randn(2, 7, 50, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 50, (2, 6))
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        entropy_module.token_entropy(log_probs)
-    big = [t for t in saved if t.numel() >= log_probs.numel()]
-    assert big and all(t.untyped_storage().data_ptr() == log_probs.untyped_storage().data_ptr() for t in big)
+        token_stats(logits[:, :-1], targets, temperatures, "grad")
+    big = {t.untyped_storage().data_ptr() for t in saved if t.numel() >= targets.numel() * 50}
+    assert len(big) == 1
 
 
 @pytest.fixture(scope="module")

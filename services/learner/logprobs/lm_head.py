@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -188,4 +188,4 @@ def chunked_token_stats(
     logprobs = torch.cat([lp for lp, _ in parts])
     if entropy == "none":
         return logprobs, None
-    return logprobs, torch.cat([h for _, h in parts if h is not None])  # every chunk has them
+    return logprobs, torch.cat([cast(torch.Tensor, h) for _, h in parts])  # every chunk made one
