@@ -49,14 +49,24 @@ def configuration(args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(json.dumps(options, default=str))
 
 
+# The widest vector unit a CPU has, first match: the same model name hides instances a CPU bench runs at
+# different speeds (an AMD EPYC with AVX-512 BF16 computes in bf16, one with AVX2 alone in float32).
+_VECTOR_UNITS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
+def vector_unit(cpuinfo: str) -> str | None:
+    """ "AMX", "AVX-512 BF16", "AVX-512" or "AVX2" from /proc/cpuinfo's first flags line; None: none of them."""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return next((name for flag, name in _VECTOR_UNITS if flag in flags), None)
+
+
 def machine() -> dict[str, Any]:
-    """CPU model, cores this process may use, and the GPU's name when torch sees one."""
-    names = []
-    if Path("/proc/cpuinfo").exists():
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    """CPU model and vector unit, cores this process may use, and the GPU's name when torch sees one."""
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")]
     return {
         "cpu": names[0] if names else platform.processor() or "unknown CPU",
+        "vector": vector_unit(cpuinfo),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "gpu": _gpu_name(),
     }

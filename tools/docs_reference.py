@@ -344,17 +344,19 @@ def read_results(path: Path) -> list[dict[str, Any]]:
 
 
 def latest(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The last result of each (bench, configuration), by bench then configuration."""
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    """The last result of each (bench, configuration, machine), by bench, configuration, then machine."""
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     for result in results:
-        rows[result["bench"], json.dumps(result["configuration"], sort_keys=True)] = result
+        key = result["bench"], json.dumps(result["configuration"], sort_keys=True), _machine(result["machine"])
+        rows[key] = result
     return [rows[key] for key in sorted(rows)]
 
 
 def _machine(machine: dict[str, Any]) -> str:
-    return f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores" + (
-        f", {machine['gpu']}" if machine.get("gpu") else ""
-    )
+    """``AMD EPYC (AVX2), 2 cores``; results recorded before the vector unit was (2026-11-27) show none."""
+    vector = f" ({machine['vector']})" if machine.get("vector") else ""
+    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
+    return f"{machine.get('cpu', '?')}{vector}, {machine.get('cores', '?')} cores{gpu}"
 
 
 def _ratio(result: dict[str, Any]) -> str:
@@ -377,7 +379,7 @@ def benchmarks_page(path: Path = RESULTS) -> str:
     rows = latest(read_results(path))
     parts = [
         f"# Benchmark results\n\n{_GENERATED}",
-        "The latest result of each bench and configuration, recorded with `--record` (for example "
+        "The latest result of each bench, configuration and machine, recorded with `--record` (for example "
         "`python bench/transport.py --record`) into `bench/results.jsonl` in the repository, which keeps every "
         "run: the history. A `--quick` run is a smoke test and is never recorded.",
     ]

@@ -397,6 +397,25 @@ def test_the_page_shows_the_latest_result_of_each_configuration(tmp_path):
     ]
 
 
+def test_a_machine_is_named_with_its_vector_unit_and_keeps_its_own_row(tmp_path):
+    assert bench_record.vector_unit("flags\t: fpu avx2 avx512f avx512_bf16 amx_bf16\n") == "AMX"
+    assert bench_record.vector_unit("flags\t: fpu avx2 avx512f avx512_bf16\n") == "AVX-512 BF16"
+    assert bench_record.vector_unit("flags\t: fpu sse2 avx2 fma\nflags\t: avx512f\n") == "AVX2"  # the first line
+    assert bench_record.vector_unit("model name\t: Neoverse\n") is None
+    path = tmp_path / "results.jsonl"
+    wide = {
+        **_result("learner", {}, 2.4, "2026-01-01T00:00:00Z"),
+        "machine": {"cpu": "EPYC", "cores": 2, "vector": "AVX-512 BF16"},
+    }
+    narrow = {
+        **_result("learner", {}, 3.0, "2026-01-02T00:00:00Z"),
+        "machine": {"cpu": "EPYC", "cores": 2, "vector": "AVX2"},
+    }
+    path.write_text("".join(json.dumps(r) + "\n" for r in (wide, narrow)))
+    rows = [line for line in ref.benchmarks_page(path).splitlines() if line.startswith("| learner")]
+    assert [row.split(" | ")[4] for row in rows] == ["EPYC (AVX-512 BF16), 2 cores", "EPYC (AVX2), 2 cores"]
+
+
 def test_an_empty_history_says_which_command_fills_it(tmp_path):
     page = ref.benchmarks_page(tmp_path / "results.jsonl")
     assert "No result is recorded yet" in page and "--record" in page
