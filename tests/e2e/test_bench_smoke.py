@@ -23,6 +23,7 @@ BENCHES = {
 # Scripts in bench/ that are not benchmarks: no ratio against a limit, so no --quick form.
 NOT_BENCHES = {
     "record.py": "the results file's writer, imported by every bench",
+    "profiling.py": "bench/learner.py's --profile (torch.profiler tables), run by its test below",
     "trl_side.py": "TRL's side of vs_trl.py, run in .venv-bench",
     "trl_async_side.py": "TRL's asynchronous trainer's side of vs_trl.py, run in .venv-bench",
     "held_out.py": "vs_trl.py's judge of every system's final weights (run by vs_trl.py --quick on a tiny model)",
@@ -37,13 +38,21 @@ def test_every_script_in_bench_is_run_here_or_said_not_to_be_a_benchmark():
 
 
 @pytest.mark.parametrize("script", sorted(BENCHES))
-def test_bench_quick_prints_its_ratio(script):
+def test_bench_quick_prints_its_ratio(script, tmp_path):
     if script not in ("transport.py", "learner.py", "logprob_chunks.py"):
         pytest.importorskip("vllm")
+    profile = ["--profile", str(tmp_path)] if script == "learner.py" else []  # bench/profiling.py too
     result = subprocess.run(
-        [sys.executable, f"bench/{script}", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=1200
+        [sys.executable, f"bench/{script}", "--quick", *profile],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith(BENCHES[script]), result.stdout[-2000:]
+    for loop in ("bare", "ours") if profile else ():
+        table = (tmp_path / f"{loop}.txt").read_text()
+        assert table.startswith(f"{loop}: wall ") and "aten::mm" in table, table[:2000]
     print(f"\n{script}: {last}")
