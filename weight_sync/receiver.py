@@ -166,8 +166,10 @@ class WeightReceiverExtension(_EnginePolicy):
     _joins: dict[str, StackScratch] | None = None  # where deferring pushes join stacked layers (see _deferring)
 
     def weight_runtime(self) -> dict[str, Any]:
-        """This worker's device UUID, engine dtype and library versions (for the generator's registration)."""
+        """This worker's device UUID, engine dtype and library versions (for the generator's registration), and
+        the glibc malloc settings it started with (for the generator's log)."""
         return {
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
             "device_uuid": cuda_uuid(self.device),
             "transposed_linear": self._repacks_linear(),
             "stacked_linear": self._stacked_linear() if self._repacks_linear() else {},

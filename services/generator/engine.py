@@ -159,6 +159,7 @@ class Engine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from services.generator.host_memory import keep_freed_in_engines
         from weight_sync.receiver import WEIGHTS_IN_PLACE_ENV
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
@@ -169,6 +170,7 @@ class Engine:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = settings.omp_cpus
         os.environ[WEIGHTS_IN_PLACE_ENV] = "1" if settings.cpu_weights_in_place else "0"  # read by the workers
         on_cpu = vllm_on_cpu()
+        keep_freed_in_engines(os.environ, settings.keep_freed_memory, on_cpu)  # read by glibc in vLLM's processes
         args = AsyncEngineArgs(
             model=model_path,
             dtype=settings.dtype,
@@ -388,7 +390,7 @@ class Engine:
 def engine_runtime(workers: list[dict[str, Any]]) -> dict[str, Any]:
     """The replica's runtime from its engine workers' answers (``weight_runtime``): every GPU's UUID, the
     engine dtype, whether linear weights may travel transposed (every worker repacks them) and its stacked
-    layers (when every worker names the same), and the first worker's versions."""
+    layers (when every worker names the same), the first worker's versions and glibc malloc settings."""
     first = workers[0]
     stacked = first["stacked_linear"]
     return {
@@ -397,4 +399,5 @@ def engine_runtime(workers: list[dict[str, Any]]) -> dict[str, Any]:
         "transposed_linear": all(w["transposed_linear"] for w in workers),
         "stacked_linear": stacked if all(w["stacked_linear"] == stacked for w in workers) else {},
         "versions": {"torch": first["torch"], "nccl": first["nccl"], "vllm": first["vllm"]},
+        "glibc_tunables": first.get("glibc_tunables", ""),
     }

@@ -118,6 +118,13 @@ class GeneratorSettings(ServiceSettings):
         description="CPU engine: shared-memory directory for weight pushes; a CPU learner that sees it (same "
         "host and user) sends weights through it instead of gloo. Empty: gloo only.",
     )
+    keep_freed_memory: bool = Field(
+        True,
+        description="CPU engine: vLLM's engine processes keep the memory a step frees for the next (glibc malloc "
+        "through GLIBC_TUNABLES: no mmap for large blocks, no trim below 2 GiB; the worker's page faults while "
+        "sampling fell from 15,000-20,000 to under 50 a second, bench/generator.py, 2-core AVX2 EPYC). false: "
+        "glibc's defaults.",
+    )
     cpu_weights_in_place: bool = Field(
         False,
         description="CPU engine, pushes over gloo (not shared memory): parameters become views of the "

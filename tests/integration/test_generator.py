@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from services.generator.host_memory import engine_tunables
 from shared.codec import decode, encode
 from shared.records import ChatMessage, PromptTask, Rollout, SamplingSpec, WeightVersionAnnouncement
 from shared.registry import RegistryStats, live_generators
@@ -332,6 +333,13 @@ async def test_a_generator_with_other_versions_is_refused_before_any_group(gener
         assert f"vLLM {registration.versions.vllm} (learner) vs 0.11.0 (generator)" in str(caught.value)
         ready = (await http.get(f"{generator.url}/ready")).json()
     assert ready["policy_version"] == served  # nothing was sent
+
+
+def test_the_cpu_engine_processes_start_with_the_malloc_settings(generator):
+    """vLLM's engine processes, spawned by the generator, read GLIBC_TUNABLES when they start
+    (``keep_freed_memory``, on by default): the worker says which it runs with, and the generator logs it."""
+    runtime = next(line for line in generator.output().splitlines() if "engine runtime:" in line)
+    assert f"'glibc_tunables': '{engine_tunables('')}'" in runtime, runtime
 
 
 def test_pause_and_resume_with_the_token(generator):

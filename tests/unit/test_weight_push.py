@@ -1030,6 +1030,8 @@ def test_engine_runtime_names_stacked_layers_only_when_every_worker_agrees():
     assert engine_runtime([worker, {**worker, "device_uuid": "x"}])["stacked_linear"] == stacks
     assert engine_runtime([worker, {**worker, "stacked_linear": {}}])["stacked_linear"] == {}
     assert not engine_runtime([worker, {**worker, "transposed_linear": False}])["transposed_linear"]
+    assert engine_runtime([{**worker, "glibc_tunables": "a=1"}, worker])["glibc_tunables"] == "a=1"  # the first's
+    assert engine_runtime([worker])["glibc_tunables"] == ""  # a worker of an older generator says none
 
 
 # Stacked pieces joined in the bucket (a CPU engine that stacks q/k/v and gate/up) ------------------------------
