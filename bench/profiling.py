@@ -1,11 +1,11 @@
 """``--profile DIR`` of the benchmarks: one more step of a loop under ``torch.profiler``, written as tables.
 
 For each profiled loop ``name`` the directory gets ``name.txt``: the step's wall time, the time the device
-spent in kernels (CUDA; on the CPU, the process's own op time) and their share of the wall, the number of host
-waits for the device (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` / ``cudaMemcpy*``: every ``.item()``,
-``.tolist()`` or ``float(tensor)`` of a CUDA tensor is one), then the ops by their own device time and by
-their own host time (top ``rows``). A device busy less than the wall is waiting for the host: launches, Python,
-or the synchronisations counted.
+spent in kernels (CUDA) and their share of the wall, the number of host-device synchronisations and copies
+(``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` / ``cudaMemcpy*``: every ``.item()``, ``.tolist()`` or
+``float(tensor)`` of a CUDA tensor is one), then the ops by their own device time and by their own host time
+(top ``rows``; on the CPU, by host time alone). A device busy less than the wall is waiting for the host:
+launches, Python, or the synchronisations counted.
 """
 
 from __future__ import annotations
@@ -15,13 +15,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 _WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
 
 
-def _self_device_us(event) -> float:
-    return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
+def _kernel_seconds(averages) -> float:
+    """The device's busy time: the kernels' own time, as the table's "Self CUDA time total" counts it (an op's
+    own device time repeats its kernels', so summing every row counts them twice)."""
+    kernels = (e for e in averages if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+    return sum(e.self_device_time_total for e in kernels) / 1e6
 
 
 def profile_step(name: str, device: str, step: Callable[[], object], directory: Path, rows: int = 40) -> str:
@@ -37,7 +41,7 @@ def profile_step(name: str, device: str, step: Callable[[], object], directory: 
             torch.cuda.synchronize()
         wall = time.perf_counter() - started
     averages = prof.key_averages()
-    device_s = sum(_self_device_us(e) for e in averages) / 1e6 if cuda else 0.0
+    device_s = _kernel_seconds(averages) if cuda else 0.0
     waits = {e.key: e.count for e in averages if e.key in _WAITS}
     summary = (
         f"{name}: wall {wall:.3f} s (profiled)"

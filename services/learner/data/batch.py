@@ -25,7 +25,7 @@ prompt ids share an index, and only consecutive rows of one index share a prompt
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -79,10 +79,13 @@ class TrainBatch:
         """The tokens the loss acts on: the sampled ones."""
         return int(self.loss_mask.sum())
 
-    def _map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
-        """A batch of ``change`` applied to every tensor (the fields left None stay None)."""
+    def _map(self, change: Callable[[torch.Tensor], torch.Tensor], keep: Collection[str] = ()) -> TrainBatch:
+        """A batch of ``change`` applied to every tensor but the fields named in ``keep`` (the fields left None
+        stay None)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        changed: dict[str, Any] = {name: None if value is None else change(value) for name, value in values.items()}
+        changed: dict[str, Any] = {
+            name: value if value is None or name in keep else change(value) for name, value in values.items()
+        }
         return TrainBatch(**changed)
 
     def rows(self, index: slice) -> TrainBatch:
@@ -95,9 +98,7 @@ class TrainBatch:
     def to(self, device: torch.device) -> TrainBatch:
         """The batch on ``device``, but for ``temperatures``: B floats the host reads to decide whether the
         logits are divided at all (:meth:`sampling_temperatures`), which on a GPU would be a wait per pass."""
-        moved = self._map(lambda tensor: tensor.to(device))
-        moved.temperatures = self.temperatures
-        return moved
+        return self._map(lambda tensor: tensor.to(device), keep=("temperatures",))
 
     def sampling_temperatures(self) -> torch.Tensor | None:
         """[B] each row's sampling temperature, or None when every one is 1: the logits are then used as they are

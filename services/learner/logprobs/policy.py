@@ -123,11 +123,12 @@ def _shared_prompt_logprobs(
     if chunk_tokens:
         hidden = torch.cat([_prompt_predictors(model, batch, rows, final_hidden_states) for rows in spans])
         return _chunked_stats(model, hidden, batch, entropy, chunk_tokens)
+    temperatures = _row_temperatures(batch)
     parts = [
         token_stats(
             _prompt_predictors(model, batch, rows, _logits),
             batch.completion_ids[rows],
-            None if (temperatures := _row_temperatures(batch)) is None else temperatures[rows],
+            None if temperatures is None else temperatures[rows],
             entropy,
         )
         for rows in spans
