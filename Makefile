@@ -101,13 +101,14 @@ bench: $(STAMP)
 	$(BIN)/python bench/generator.py
 	$(BIN)/python bench/multi_turn.py
 
-# The benchmark environment: TRL beside the CPU torch, kept apart from the project's environment.
+# The benchmark environment: TRL beside the CPU torch, kept apart from the project's environment
+# (pydantic-settings: the TRL sides read our learner's settings, whose optimizer and schedule they run).
 bench-env: .venv-bench/.installed
 
-.venv-bench/.installed: requirements/torch-cpu.txt
+.venv-bench/.installed: requirements/torch-cpu.txt Makefile
 	@test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench
 	.venv-bench/bin/python -m pip install -q --no-deps --require-hashes $(TORCH_SOURCE) -r requirements/torch-cpu.txt
-	.venv-bench/bin/python -m pip install -q "trl==1.16.0" math-verify
+	.venv-bench/bin/python -m pip install -q "trl==1.16.0" math-verify pydantic-settings
 	@touch .venv-bench/.installed
 
 bench-trl: $(STAMP) bench-env

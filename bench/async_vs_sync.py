@@ -14,8 +14,9 @@ the async run (the learner's train + push beside a sampling generator; the gener
 batch, the union of the groups' sampling intervals in ``batches.jsonl``, beside a training learner) give a
 second ideal, sync s/step / max(both): the gap between the two ideals is what the phases lose to each other
 (cores sharing caches and memory bandwidth, threads outside their core), the gap from the second to the
-measured speedup is what the overlap itself costs. The last line is measured / ideal from phases alone
-(goal >= 0.95).
+measured speedup is what the overlap itself costs. Both phases' work grows with the completion tokens, which
+differ between the two runs (each policy learns its own way), so each phase's slowdown is also printed per
+completion token. The last line is measured / ideal from phases alone (goal >= 0.95).
 
     python bench/async_vs_sync.py [--model smollm2|tiny] [--steps 12] [--quick]
 """
@@ -128,6 +129,7 @@ def run_mode(model: Path, mode: str, steps: int, groups: int, context: int) -> d
         "push": statistics.mean(r["seconds/sync"] for r in later),
         "sampling": sampling_per_batch(batches),
         "staleness": statistics.mean(r["staleness/mean"] for r in records),
+        "tokens": statistics.mean(r["completion_tokens"] for r in later),
     }
 
 
@@ -159,12 +161,12 @@ def main(args) -> None:
     )
     print(
         f"{'mode':<6} {'s/step':>7} {'wait s':>7} {'sampling s':>11} {'train+push s':>13} {'push s':>7} "
-        f"{'staleness':>10}"
+        f"{'staleness':>10} {'tokens/step':>12}"
     )
     for name, row in (("sync", sync), ("async", asyn)):
         print(
             f"{name:<6} {row['seconds_per_step']:>7.2f} {row['wait']:>7.2f} {row['sampling']:>11.2f} "
-            f"{row['train']:>13.2f} {row['push']:>7.2f} {row['staleness']:>10.2f}"
+            f"{row['train']:>13.2f} {row['push']:>7.2f} {row['staleness']:>10.2f} {row['tokens']:>12.0f}"
         )
     print(f"phases alone (sync run): T_gen {t_gen:.2f} s, T_train {t_train:.2f} s -> ideal speedup {ideal:.2f}")
     print(
@@ -181,12 +183,22 @@ def main(args) -> None:
         f"{asyn['push']:.2f} s is the pause for the step's weight push, which lands while it samples (in the sync "
         "run it lands while the generator idles, inside T_train)"
     )
+    # The two runs sample different completions (their lengths drift apart as each policy learns), and both
+    # phases' work grows with the completion tokens: their times per completion token tell the slowdown apart
+    # from the work.
+    tokens = asyn["tokens"] / sync["tokens"]
+    print(
+        f"per completion token (async run {asyn['tokens']:.0f} a step, sync {sync['tokens']:.0f}: {tokens:.2f}x): "
+        f"sampling {asyn['sampling'] / sync['sampling'] / tokens:.2f}x, train + push "
+        f"{t_train_beside / t_train / tokens:.2f}x their time alone"
+    )
     print(f"ratio measured/ideal: {speedup / ideal:.2f}  (goal >= 0.95, ideal from phases alone)")
     if args.record:
         figures = {"sync_s_per_step": sync["seconds_per_step"], "async_s_per_step": asyn["seconds_per_step"]}
         figures |= {"t_gen_s": t_gen, "t_train_s": t_train, "ideal_speedup": ideal, "speedup": speedup}
         figures |= {"t_gen_beside_s": t_gen_beside, "t_train_beside_s": t_train_beside}
         figures |= {"ideal_speedup_beside": ideal_beside, "push_s": sync["push"], "push_beside_s": asyn["push"]}
+        figures |= {"completion_tokens_sync": sync["tokens"], "completion_tokens_async": asyn["tokens"]}
         record("async_vs_sync", figures, args, ratio=speedup / ideal, goal=">= 0.95")
 
 

@@ -8,17 +8,16 @@ problems are drawn as the learner's ``eval_data = "held_out"`` draws them (anoth
 rows') and none is a training row of any seed that ``--exclude-seeds`` names (TRL trains on the rows of seed 0,
 this pipeline on those of its run's seed).
 
-Each model is asked as its system trained it (``--rendering``), since the three render the demo's prompt
-differently: ``continue`` (this pipeline: the chat template continues the assistant's ``<think>`` prefill),
-``generation-prompt`` (TRL 1.16's GRPOTrainer, whose prompts always go through the template with
-``add_generation_prompt=True``: the prefill becomes a closed assistant turn and a new one starts) and
-``no-prefill`` (TRL's asynchronous trainer, given no prefill for that reason). The rewards judge the prefill
-plus the answer where the prompt had one, as in training.
+Each model is asked as its system trained it (``--rendering``): ``continue`` (this pipeline, and TRL's
+GRPOTrainer, which ``bench/trl_side.py`` gives our generator's prompts as text: the chat template continues the
+assistant's ``<think>`` prefill) or ``no-prefill`` (TRL's asynchronous trainer, whose rollout worker takes
+conversations only and opens a new assistant turn after the last message). The rewards judge the prefill plus
+the answer where the prompt had one, as in training.
 
 Prints one JSON line: ``reward`` (mean weighted reward), ``correct`` (share of correct answers), ``size``.
 
-    python bench/held_out.py --model DIR [--rendering continue|generation-prompt|no-prefill] [--size 200]
-                             [--exclude-seeds 0 1] [--threads 2]
+    python bench/held_out.py --model DIR [--rendering continue|no-prefill] [--size 200] [--exclude-seeds 0 1]
+                             [--threads 2]
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 BATCH = 50
-RENDERINGS = ("continue", "generation-prompt", "no-prefill")
+RENDERINGS = ("continue", "no-prefill")
 
 
 def held_out_problems(demo: dict[str, Any], size: int, exclude_seeds: list[int]) -> list[dict[str, str]]:
@@ -50,22 +49,13 @@ def held_out_problems(demo: dict[str, Any], size: int, exclude_seeds: list[int])
     return held_out_rows(name, size, max_operand, HELD_OUT_SEED_OFFSET, exclude=training)
 
 
-def render(tokenizer: Any, demo: dict[str, Any], question: str, rendering: str) -> str:
+def prompt_text(tokenizer: Any, demo: dict[str, Any], question: str, rendering: str) -> str:
     """The prompt as the system that trained the model rendered it (see the module's docstring)."""
-    data = demo["data"]
-    conversation = [
-        {"role": "system", "content": data["system_prompt"]},
-        *data["examples"],
-        {"role": "user", "content": question},
-    ]
-    if rendering == "no-prefill":
-        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    conversation.append({"role": "assistant", "content": data["assistant_prefill"]})
-    if rendering == "generation-prompt":
-        return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    if rendering == "continue":
-        return tokenizer.apply_chat_template(conversation, tokenize=False, continue_final_message=True)
-    raise ValueError(f"rendering {rendering!r} is none of {', '.join(RENDERINGS)}")
+    from bench.trl_side import conversation, render
+
+    if rendering not in RENDERINGS:
+        raise ValueError(f"rendering {rendering!r} is none of {', '.join(RENDERINGS)}")
+    return render(tokenizer, conversation(demo, question, prefill=rendering == "continue"))
 
 
 def evaluate(model_dir: str, size: int, exclude_seeds: list[int], threads: int, rendering: str) -> dict[str, float]:
@@ -81,7 +71,7 @@ def evaluate(model_dir: str, size: int, exclude_seeds: list[int], threads: int, 
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    texts = [render(tokenizer, demo, p["question"], rendering) for p in problems]
+    texts = [prompt_text(tokenizer, demo, p["question"], rendering) for p in problems]
     completions: list[str] = []
     started = time.perf_counter()
     with torch.inference_mode():

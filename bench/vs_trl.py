@@ -1,7 +1,9 @@
 """Against TRL: the demo's run (SmolLM2-135M-Instruct, one-step word problems, G = 8, 2 prompts per step,
-64-token completions, the demo's rewards, DAPO loss, lr 2e-5) for N steps with TRL 1.16's GRPOTrainer, TRL
-1.16's asynchronous trainer, and this pipeline, on the same 2-core CPU machine, one after the other, for each
-seed.
+64-token completions, the demo's rewards, DAPO loss, lr 2e-5 and our learner's optimizer and schedule on every
+side) for N steps with TRL 1.16's GRPOTrainer, TRL 1.16's asynchronous trainer, and this pipeline, on the same
+2-core CPU machine, one after the other, for each seed. The GRPOTrainer gets our generator's prompts token for
+token (rendered as text, the ``<think>`` prefill continued: ``bench/trl_side.py``); the async trainer, which takes
+conversations only, gets them without the prefill (``bench/trl_async_side.py``).
 
 TRL runs in its own environment (``make bench-env`` creates ``.venv-bench`` with ``trl``): the GRPOTrainer as
 one process with both cores (HF ``generate`` then training, in turn), the asynchronous trainer as its own
@@ -17,13 +19,13 @@ start-up is printed beside it.
 
 The final reward is the held-out one: after each run, outside its window, ``bench/held_out.py`` (in
 ``.venv-bench``) answers ``--held-out`` new problems of the task greedily with the run's final weights (TRL's
-saved model, our last checkpoint) and scores them with the demo's rewards: one judge, the same problems for
-every system and seed, each model asked as its system trained it (TRL renders the ``<think>`` prefill as a closed
-turn; ``bench/held_out.py``), and the initial model judged both ways for reference. The mean training reward of the last
-3 steps is printed beside it; it moves with what each step happened to sample (an asynchronous run's steps
-also with timing), too much to rank two systems on 2 seeds. The last line is TRL's GRPOTrainer time / ours
-(goal >= 3), the async trainer's time / ours (goal >= 1.5) and the held-out rewards (goal: ours not lower),
-each the mean over the seeds. ``--png`` draws every reward curve in one figure.
+saved model, our last checkpoint) and scores them with the demo's rewards: one judge, the same problems and
+decoding for every system and seed, each model asked as it was trained (``RENDERING``: ours and the
+GRPOTrainer's prompts are the same), and the initial model judged the same way for reference. The mean
+training reward of the last 3 steps is printed beside it; it moves with what each step happened to sample (an
+asynchronous run's steps also with timing), too much to rank two systems on 2 seeds. The last line is TRL's
+GRPOTrainer time / ours (goal >= 3), the async trainer's time / ours (goal >= 1.5) and the held-out rewards
+(goal: ours not lower), each the mean over the seeds. ``--png`` draws every reward curve in one figure.
 
 ``--quick`` (in ``make test``): our side only, on a tiny random model, 2 steps with evaluation on, so the
 parsing of ``metrics.jsonl`` and ``batches.jsonl`` (training records beside evaluation records) is checked, and
@@ -42,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,13 +54,11 @@ sys.path.insert(0, str(ROOT))
 import tomli_w  # noqa: E402
 
 from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
-from bench.trl_side import FINAL  # noqa: E402
+from bench.trl_side import FINAL, load_demo  # noqa: E402
 from tests.support.launcher import run_pipeline  # noqa: E402
 
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 LAST = 3  # the training reward at the end: the mean of the last LAST steps
-# The initial model, judged as ours and as TRL's GRPOTrainer ask it (RENDERING below).
-INITIAL = {"ours": "ours", "TRL GRPOTrainer": "bench/trl_side.py"}
 # Our run's counters printed per seed, so a seed that learned less can be told from one that lost work.
 WATCHED = ("groups_trained", "groups_stale_dropped", "groups_zero_std_dropped", "weight_pushes", "weight_push_failures")
 
@@ -120,7 +119,7 @@ def read_run(log_dir: Path) -> dict[str, Any]:
 
 
 def _our_config(tmp: Path, model: Path, steps: int, seed: int, quick: bool) -> Path:
-    document = tomllib.loads((ROOT / "configs" / "demo-cpu.toml").read_text())
+    document = load_demo()
     for table in ("generator", "learner"):
         document[table]["model"] = str(model)
     document["learner"].update(
@@ -146,7 +145,7 @@ def _our_config(tmp: Path, model: Path, steps: int, seed: int, quick: bool) -> P
 
 
 # How each system renders the demo's prompt, so the judge asks its model the same way (bench/held_out.py).
-RENDERING = {"bench/trl_side.py": "generation-prompt", "bench/trl_async_side.py": "no-prefill", "ours": "continue"}
+RENDERING = {"bench/trl_side.py": "continue", "bench/trl_async_side.py": "no-prefill", "ours": "continue"}
 
 
 def require_bench_env() -> None:
@@ -273,7 +272,7 @@ def main(args) -> None:
 
     model = prepare_smollm2()
     require_bench_env()
-    before = {name: judge(model, args.held_out, args.seeds, RENDERING[side]) for name, side in INITIAL.items()}
+    before = judge(model, args.held_out, args.seeds, RENDERING["ours"])  # as ours and the GRPOTrainer ask
     runs: dict[str, list[dict[str, Any]]] = {"TRL GRPOTrainer": [], "TRL async": [], "ours": []}
     async_error = None
     for seed in args.seeds:
@@ -305,10 +304,10 @@ def main(args) -> None:
             f"{row['first_reward']:>15.3f} {row['final_reward']:>14.3f} {row['held_out_reward']:>16.3f} "
             f"{row['held_out_correct']:>17.3f}"
         )
-    initial = ", ".join(f"{r['reward']:.3f} ({r['correct']:.3f}) asked as {name}" for name, r in before.items())
     print(
         f"(held-out: {args.held_out} new problems answered greedily with each run's final weights, each asked as "
-        f"its system trained it, bench/held_out.py; the initial model's reward (correct): {initial})"
+        f"it was trained, bench/held_out.py; the initial model's reward {before['reward']:.3f}, correct "
+        f"{before['correct']:.3f}, asked as ours and the GRPOTrainer)"
     )
     for name, rows in runs.items():
         each = ", ".join(
@@ -337,8 +336,7 @@ def main(args) -> None:
     if args.record:
         recorded = {f"{name.lower().replace(' ', '_')}_{k}": v for name, row in figures.items() for k, v in row.items()}
         recorded["ours_wall_seconds"] = statistics.mean(r["wall"] for r in runs["ours"])
-        for name, row in before.items():
-            recorded[f"initial_held_out_reward_{name.lower().replace(' ', '_')}"] = row["reward"]
+        recorded["initial_held_out_reward"] = before["reward"]
         for name, rows in runs.items():
             for seed, r in zip(args.seeds, rows, strict=False):
                 recorded[f"{name.lower().replace(' ', '_')}_held_out_reward_seed_{seed}"] = r["held_out"]["reward"]
@@ -352,9 +350,8 @@ def quick(args) -> None:
     model = build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", seed=1, hidden=256, layers=4, logit_scale=1.0)
     python = BENCH_PYTHON if BENCH_PYTHON.exists() else Path(sys.executable)
     row = run_ours(model, args.steps, args.seeds[0], 4, args.seeds, quick=True, python=python)
-    for rendering in ("generation-prompt", "no-prefill"):  # TRL's two ways of asking, on the same checkpoint
-        if judge(model, 4, args.seeds, rendering, python)["size"] != 4:
-            raise SystemExit(f"the judge did not answer 4 problems asked as {rendering}")
+    if judge(model, 4, args.seeds, RENDERING["bench/trl_async_side.py"], python)["size"] != 4:  # its other way
+        raise SystemExit("the judge did not answer 4 problems asked as TRL's async trainer is")
     missing = [name for name in WATCHED if name not in row["counters"]]
     if missing:
         raise SystemExit(f"the last training record has no counters/{', counters/'.join(missing)}")

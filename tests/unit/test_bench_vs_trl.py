@@ -93,25 +93,97 @@ def test_the_summary_ranks_systems_by_the_judge_s_reward_and_keeps_the_training_
 @pytest.mark.parametrize(
     ("rendering", "ending"),
     [
-        ("continue", "<|im_start|>assistant\n<think>"),  # ours: the prefill is continued
-        ("generation-prompt", "<|im_start|>assistant\n<think><|im_end|>\n<|im_start|>assistant\n"),  # TRL's trainer
+        ("continue", "<|im_start|>assistant\n<think>"),  # ours and TRL's GRPOTrainer: the prefill is continued
         ("no-prefill", "?<|im_end|>\n<|im_start|>assistant\n"),  # TRL's async trainer: no prefill at all
     ],
 )
 def test_the_judge_asks_each_model_as_its_system_rendered_the_prompt(rendering, ending):
-    from bench.held_out import render
+    from bench.held_out import prompt_text
     from bench.trl_side import load_demo
     from tests.support.tiny_model import build_tokenizer
 
-    text = render(build_tokenizer(), load_demo(), "How many?", rendering)
+    text = prompt_text(build_tokenizer(), load_demo(), "How many?", rendering)
     assert text.endswith(ending) and text.count("How many?") == 1
     assert text.startswith("<|im_start|>system\n")
 
 
 def test_an_unknown_rendering_is_refused():
-    from bench.held_out import render
+    from bench.held_out import prompt_text
     from bench.trl_side import load_demo
     from tests.support.tiny_model import build_tokenizer
 
-    with pytest.raises(ValueError, match="none of continue, generation-prompt, no-prefill"):
-        render(build_tokenizer(), load_demo(), "How many?", "plain")
+    with pytest.raises(ValueError, match="none of continue, no-prefill"):
+        prompt_text(build_tokenizer(), load_demo(), "How many?", "generation-prompt")
+
+
+def test_trl_s_grpotrainer_gets_our_generator_s_prompt_ids():
+    """The text prompts TRL tokenizes as they are (``tokenizer(text)``) give the ids our generator sends vLLM
+    for the same chat, the prefill continued."""
+    from bench.trl_side import demo_rows, load_demo, rendered_dataset
+    from services.generator.engine import Engine
+    from shared.trajectory import ChatMessage
+    from tests.support.tiny_model import build_tokenizer
+
+    demo, tokenizer = load_demo(), build_tokenizer()
+    dataset = rendered_dataset(demo, tokenizer)
+    rows = demo_rows(demo)
+    assert len(dataset) == len(rows) and dataset["answer"][:3] == [row["answer"] for row in rows[:3]]
+    data = demo["data"]
+    chat = (
+        ChatMessage(role="system", content=data["system_prompt"]),
+        *(ChatMessage(**m) for m in data["examples"]),
+        ChatMessage(role="user", content=rows[0]["question"]),
+        ChatMessage(role="assistant", content=data["assistant_prefill"]),
+    )
+    generator = Engine.__new__(Engine)
+    generator.tokenizer = tokenizer
+    assert tokenizer(dataset["prompt"][0])["input_ids"] == generator.tokenize(chat)
+    assert dataset["prompt"][0].endswith("<|im_start|>assistant\n<think>")
+
+
+def test_a_tokenizer_that_would_change_the_prompt_ids_is_refused():
+    from bench.trl_side import load_demo, rendered_dataset
+    from tests.support.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer._tokenizer.post_processor = __import__("tokenizers").processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", tokenizer.convert_tokens_to_ids("<|im_start|>"))]
+    )  # a BOS-like token added to plain text only
+    with pytest.raises(ValueError, match="otherwise than our generator"):
+        rendered_dataset(load_demo(), tokenizer)
+
+
+def test_the_rewards_judge_text_and_chat_completions_alike():
+    from bench.trl_side import JudgedReward
+
+    reward = JudgedReward("hard_format", "<think>")
+    text = "2 + 3 = 5</think><answer>5</answer>"
+    assert reward(["q"], [text]) == reward(["q"], [[{"role": "assistant", "content": text}]]) == [1.0]
+
+
+def test_trl_runs_our_learner_s_optimizer_and_schedule():
+    import torch
+
+    from bench.trl_side import LearnerSchedule, load_demo, optimizer_arguments
+    from services.learner.optimizer import lr_lambda
+
+    learner = load_demo()["learner"]
+    arguments = optimizer_arguments(learner)
+    assert arguments["learning_rate"] == learner["lr"] and arguments["warmup_steps"] == learner["warmup_steps"]
+    assert arguments["adam_beta2"] == 0.99 and arguments["lr_scheduler_kwargs"] == {"min_lr_rate": 0.5}
+
+    class Args:
+        warmup_steps = arguments["warmup_steps"]
+        lr_scheduler_kwargs = arguments["lr_scheduler_kwargs"]
+
+    trainer = LearnerSchedule()
+    trainer.args, trainer.lr_scheduler = Args(), None
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=arguments["learning_rate"])
+    schedule = trainer.create_scheduler(num_training_steps=20, optimizer=optimizer)
+    seen = []
+    for _ in range(20):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert seen == [learner["lr"] * lr_lambda(step, 3, 20, 0.5) for step in range(20)]
+    assert seen[0] == pytest.approx(learner["lr"] / 3) and seen[-1] > learner["lr"] / 2
