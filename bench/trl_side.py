@@ -135,7 +135,8 @@ class LearnerSchedule:
     """Mixin for a TRL trainer (a ``transformers.Trainer``): our learner's learning-rate schedule
     (``services.learner.optimizer.lr_lambda``: warm-up from ``lr / warmup_steps`` at step 0, then cosine decay to
     ``min_lr_ratio`` at the last step, as :func:`optimizer_arguments` sets ``min_lr_rate``) in place of HF's
-    ``cosine_with_min_lr``, whose warm-up starts at lr 0 (step 0 a lost step) and decays from the step after."""
+    ``cosine_with_min_lr``, whose warm-up runs 0, 1/3, 2/3 of lr over 3 steps where ours runs 1/3, 2/3, 1 (HF's
+    step 0 a lost step); both begin the cosine at step ``warmup_steps``."""
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         import functools
@@ -147,7 +148,7 @@ class LearnerSchedule:
         if self.lr_scheduler is None:
             schedule = functools.partial(
                 lr_lambda,
-                warmup_steps=self.args.warmup_steps,
+                warmup_steps=self.args.get_warmup_steps(num_training_steps),  # a ratio below 1, as HF reads it
                 total_steps=num_training_steps,
                 min_ratio=self.args.lr_scheduler_kwargs["min_lr_rate"],
             )
@@ -157,7 +158,7 @@ class LearnerSchedule:
 
 
 class JudgedReward:
-    """One of our built-in rewards as TRL calls it (conversational completions), judging ``prefix`` plus the
+    """One of our built-in rewards as TRL calls it (text or chat completions), judging ``prefix`` plus the
     completion as our scorer judges the prefill plus the completion, scaled by ``weight``.
 
     A module-level class rather than a closure because TRL's async trainer pickles its rewards into a spawned

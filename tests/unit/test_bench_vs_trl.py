@@ -172,9 +172,11 @@ def test_trl_runs_our_learner_s_optimizer_and_schedule():
     assert arguments["learning_rate"] == learner["lr"] and arguments["warmup_steps"] == learner["warmup_steps"]
     assert arguments["adam_beta2"] == 0.99 and arguments["lr_scheduler_kwargs"] == {"min_lr_rate": 0.5}
 
-    class Args:
-        warmup_steps = arguments["warmup_steps"]
+    class Args:  # TrainingArguments' two fields the schedule reads
         lr_scheduler_kwargs = arguments["lr_scheduler_kwargs"]
+
+        def get_warmup_steps(self, num_training_steps: int) -> int:
+            return arguments["warmup_steps"]
 
     trainer = LearnerSchedule()
     trainer.args, trainer.lr_scheduler = Args(), None
