@@ -80,7 +80,18 @@ def engine(tmp_path_factory):
     # vLLM's client binds its output task to the first event loop that uses it: every test runs in this one.
     started.model_path, started.seen, started.loop = model, seen, asyncio.new_event_loop()
     yield started
-    started.shutdown()
+
+    async def shut_down(engine) -> None:
+        # In the loop vLLM's client runs in: called from outside it, AsyncLLM's shutdown only schedules the closing
+        # of its ZMQ sockets on that loop, which then never runs again; the open sockets make the context's
+        # termination, whenever the garbage collector reaches it, wait forever (a later test hung 600 s on it).
+        engine.shutdown()
+        await asyncio.sleep(0)  # the cancelled output tasks end
+
+    started.loop.run_until_complete(shut_down(started))
+    resources = started.llm.engine_core.resources
+    sockets = (resources.output_socket, resources.input_socket, resources.first_req_send_socket)
+    assert all(socket is None or socket.closed for socket in sockets), "vLLM's client left a ZMQ socket open"
     started.loop.close()
     del started
     gc.collect()
