@@ -51,11 +51,12 @@ def held_out_problems(demo: dict[str, Any], size: int, exclude_seeds: list[int])
 
 def prompt_text(tokenizer: Any, demo: dict[str, Any], question: str, rendering: str) -> str:
     """The prompt as the system that trained the model rendered it (see the module's docstring)."""
-    from bench.trl_side import conversation, render
+    from bench.trl_side import conversation
+    from shared.chat import render_chat
 
     if rendering not in RENDERINGS:
         raise ValueError(f"rendering {rendering!r} is none of {', '.join(RENDERINGS)}")
-    return render(tokenizer, conversation(demo, question, prefill=rendering == "continue"))
+    return render_chat(tokenizer, conversation(demo, question, prefill=rendering == "continue"), tokenize=False)
 
 
 def evaluate(model_dir: str, size: int, exclude_seeds: list[int], threads: int, rendering: str) -> dict[str, float]:

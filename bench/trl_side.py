@@ -52,19 +52,6 @@ def conversation(demo: dict[str, Any], question: str, *, prefill: bool = True) -
     ]
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], *, tokenize: bool = False) -> Any:
-    """``messages`` through the chat template as our generator sends them (``services/generator/engine.py``'s
-    ``tokenize``): a final assistant message continued, otherwise a generation prompt opened. Text, or token ids
-    when ``tokenize``."""
-    prefill = messages[-1]["role"] == "assistant"
-    encoded = tokenizer.apply_chat_template(
-        messages, tokenize=tokenize, continue_final_message=prefill, add_generation_prompt=not prefill
-    )
-    if tokenize and hasattr(encoded, "keys"):
-        return list(encoded["input_ids"])
-    return encoded
-
-
 def demo_rows(demo: dict[str, Any]) -> list[dict[str, str]]:
     """The built-in arithmetic problems our seed-0 run trains on (``question``, ``answer``)."""
     from services.learner.data.tasks import training_rows
@@ -81,12 +68,14 @@ def rendered_dataset(demo: dict[str, Any], tokenizer: Any):
     or a template whose text does not round-trip, would fail here rather than change the task)."""
     from datasets import Dataset
 
+    from shared.chat import render_chat
+
     rows = demo_rows(demo)
     prompts = []
     for row in rows:
         messages = conversation(demo, row["question"])
-        text = render(tokenizer, messages)
-        ours = render(tokenizer, messages, tokenize=True)
+        text = render_chat(tokenizer, messages, tokenize=False)
+        ours = render_chat(tokenizer, messages, tokenize=True)
         if tokenizer(text)["input_ids"] != ours:
             raise ValueError(f"TRL would tokenize this prompt otherwise than our generator: {text!r}")
         prompts.append(text)

@@ -25,6 +25,7 @@ import numpy as np
 
 from services.generator.trajectory.state import SampledTurn
 from services.generator.weight_update import Phases, Rendezvous, WeightUpdateError, rendezvous, update_report
+from shared.chat import prompt_ids
 from shared.config.generator import GeneratorSettings
 from shared.records import ChatMessage, Completion, SamplingSpec, WeightVersionAnnouncement
 
@@ -195,25 +196,12 @@ class Engine:
     # Sampling ------------------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | tuple[ChatMessage, ...]) -> list[int]:
-        """Prompt token ids: chat messages through the chat template (a final assistant message is
-        continued, which lets a task prefill the answer's start), plain text as is."""
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
-        if not prompt:
-            raise InvalidPromptError("a chat prompt needs at least one message")
-        messages = [{"role": m.role, "content": m.content} for m in prompt]
-        prefill = messages[-1]["role"] == "assistant"
+        """Prompt token ids (:func:`shared.chat.prompt_ids`: chat messages through the chat template, a final
+        assistant message continued, which lets a task prefill the answer's start; plain text as is)."""
         try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages,
-                tokenize=True,
-                add_generation_prompt=not prefill,
-                continue_final_message=prefill,
-            )
+            return prompt_ids(self.tokenizer, prompt)
         except Exception as exc:  # the model's chat template rejects these messages (jinja raises many types)
-            raise InvalidPromptError(f"the chat template rejected the prompt: {exc}") from exc
-        ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
-        return list(ids)
+            raise InvalidPromptError(f"the tokenizer or chat template rejected the prompt: {exc}") from exc
 
     async def _generate(self, prompt_ids: list[int], params: Any) -> Any:
         """One request's final output."""

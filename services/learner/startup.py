@@ -28,6 +28,7 @@ from services.learner.metrics.trackers import TrackingRun
 from services.learner.model import load_policy, reference_model
 from services.learner.train_loop import LearnerLoop
 from services.learner.trainer import Trainer
+from shared.chat import prompt_ids
 from shared.codec import encode
 from shared.config.learner import LearnerSettings, missing_trackers
 from shared.keys import Keys
@@ -50,19 +51,10 @@ def check_context(settings: LearnerSettings, model_config) -> None:
 
 
 def prompt_length_counter(tokenizer):
-    """Tokens a prompt takes as the generator will tokenize it: text as it is, chat messages templated."""
+    """Tokens a prompt takes as the generator will tokenize it (:func:`shared.chat.prompt_ids`)."""
 
-    def count(messages: str | tuple[ChatMessage, ...]) -> int:
-        if isinstance(messages, str):
-            return len(tokenizer(messages)["input_ids"])
-        prefill = messages[-1].role == "assistant"
-        encoded = tokenizer.apply_chat_template(
-            [m.model_dump() for m in messages],
-            tokenize=True,
-            continue_final_message=prefill,
-            add_generation_prompt=not prefill,
-        )
-        return len(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    def count(prompt: str | tuple[ChatMessage, ...]) -> int:
+        return len(prompt_ids(tokenizer, prompt))
 
     return count
 

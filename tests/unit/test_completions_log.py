@@ -17,6 +17,7 @@ from services.learner.metrics.completions_log import (
     markdown_table,
     table_columns,
 )
+from shared.chat import prompt_ids
 from shared.records import ChatMessage, ScoredGroup
 from shared.trajectory import TrajectoryInfo
 from tests.support.factories import make_rollout, make_task, make_trajectory_completion
@@ -202,8 +203,7 @@ def test_prompt_text_is_the_chat_templated_prompt_the_model_read():
     tokenizer = build_tokenizer()
     group = _group(None, ["5", "6"], [[1.0], [0.0]], [1.0, 0.0], [0.5, -0.5], names=("accuracy",))
     messages = [m.model_dump() for m in group.rollout.task.prompt]
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded  # transformers 5 returns a dict
+    ids = prompt_ids(tokenizer, group.rollout.task.prompt)  # as the generator tokenizes it
     rollout = group.rollout.model_copy(update={"prompt_token_ids": np.asarray(ids, dtype=np.int32)})
     rows = completion_rows([group.model_copy(update={"rollout": rollout})], limit=2, decode=tokenizer.decode)
     rendered = (

@@ -28,10 +28,10 @@ from services.generator.trajectory.state import (
     cut_tool_content,
     delta_room,
     derived_seed,
-    message_dict,
     turn_budget,
 )
 from services.generator.trajectory.template import PrefixBreak, Render, check_template, make_render, turn_delta
+from shared.chat import message_dict
 from shared.records import Completion, PromptTask, SamplingSpec
 from shared.staleness import trajectory_version
 

@@ -178,8 +178,3 @@ def chat_message(message: Mapping[str, Any]) -> ChatMessage:
         name=message.get("name"),
         reasoning_content=message.get("reasoning_content"),
     )
-
-
-def message_dict(message: ChatMessage) -> dict[str, Any]:
-    """A wire message in ``apply_chat_template``'s shape (fields that are None left out)."""
-    return message.model_dump(mode="json", exclude_none=True)
