@@ -220,7 +220,13 @@ class SamplingSettings(BaseModel):
     top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1: off).")
     min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling: drop tokens below min_p x the top one (0: off).")
     repetition_penalty: float = Field(1.0, gt=0, description="vLLM's repetition penalty (1: off).")
-    max_prompt_length: int = Field(512, ge=1, description="Longer prompts are skipped (counted).")
+    max_prompt_length: int = Field(
+        512,
+        ge=1,
+        description="Prompts longer than this, in the tokens the generator samples from, are skipped (counted). An "
+        "environment task's tool schemas and reset observation are added at the generator and not counted here; a "
+        "prompt that then outgrows the engine's context is set aside there.",
+    )
     model_context: int = Field(0, ge=0, description="Model context (0: read from the model's config).")
 
 
