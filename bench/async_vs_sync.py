@@ -14,9 +14,10 @@ the async run (the learner's train + push beside a sampling generator; the gener
 batch, the union of the groups' sampling intervals in ``batches.jsonl``, beside a training learner) give a
 second ideal, sync s/step / max(both): the gap between the two ideals is what the phases lose to each other
 (cores sharing caches and memory bandwidth, threads outside their core), the gap from the second to the
-measured speedup is what the overlap itself costs. Both phases' work grows with the completion tokens, which
-differ between the two runs (each policy learns its own way), so each phase's slowdown is also printed per
-completion token. The last line is measured / ideal from phases alone (goal >= 0.95).
+measured speedup is what the overlap itself costs. Both phases' work grows with the completion tokens, so both
+runs sample every completion to the same length (``min_completion_length = max_completion_length``): each step
+of either run samples and trains the same number of tokens (printed, and each phase's slowdown per token
+beside it). The last line is measured / ideal from phases alone (goal >= 0.95).
 
     python bench/async_vs_sync.py [--model smollm2|tiny] [--steps 12] [--quick]
 """
@@ -41,6 +42,11 @@ from bench.vs_trl import training_records  # noqa: E402
 from tests.support.launcher import run_pipeline  # noqa: E402
 from tests.support.redis_server import free_port  # noqa: E402
 
+# Every completion is sampled to this length (min = max tokens), so both runs do the same work each step: left
+# to end where the model ends them, the two runs' completions drifted apart (867 vs 929 tokens a step in one
+# pair of runs) as each policy learned its own way, and s/step compared different work.
+COMPLETION_TOKENS = 64
+
 
 def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int, context: int) -> Path:
     document = {
@@ -63,7 +69,8 @@ def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int, context:
             "micro_batch_size": 8,
             "max_steps": steps,
             "max_staleness": 0 if mode == "sync" else 1,
-            "max_completion_length": 64,
+            "max_completion_length": COMPLETION_TOKENS,
+            "min_completion_length": COMPLETION_TOKENS,
             "max_prompt_length": 256,
             "lr": 1e-5,
             "loss_type": "dapo",
@@ -183,9 +190,8 @@ def main(args) -> None:
         f"{asyn['push']:.2f} s is the pause for the step's weight push, which lands while it samples (in the sync "
         "run it lands while the generator idles, inside T_train)"
     )
-    # The two runs sample different completions (their lengths drift apart as each policy learns), and both
-    # phases' work grows with the completion tokens: their times per completion token tell the slowdown apart
-    # from the work.
+    # Both runs sample every completion to COMPLETION_TOKENS, so this is 1.00 unless a completion was cut short
+    # (the context): then the times per completion token tell the slowdown apart from the work.
     tokens = asyn["tokens"] / sync["tokens"]
     print(
         f"per completion token (async run {asyn['tokens']:.0f} a step, sync {sync['tokens']:.0f}: {tokens:.2f}x): "

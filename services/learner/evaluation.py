@@ -114,10 +114,11 @@ def _resolved(source: str | list[str]) -> list[Path]:
 
 
 def eval_sampling(training: SamplingSpec, temperature: float) -> SamplingSpec:
-    """Evaluation's sampling: the training spec at ``eval_temperature`` (0: greedy, so no top-k/p/min-p)."""
+    """Evaluation's sampling: the training spec at ``eval_temperature`` (0: greedy, so no top-k/p/min-p), each
+    completion ending where the model ends it (no ``min_tokens``)."""
     if temperature > 0:
-        return training.model_copy(update={"temperature": temperature})
-    return training.model_copy(update={"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0})
+        return training.model_copy(update={"temperature": temperature, "min_tokens": 0})
+    return training.model_copy(update={"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "min_tokens": 0})
 
 
 def eval_metrics(groups: Sequence[ScoredGroup], wanted: int, seconds: float) -> dict[str, float]:

@@ -111,6 +111,7 @@ def sampling_spec(settings: LearnerSettings) -> SamplingSpec:
         min_p=settings.min_p,
         repetition_penalty=settings.repetition_penalty,
         max_tokens=settings.max_completion_length,
+        min_tokens=settings.min_completion_length,
     )
 
 

@@ -35,6 +35,7 @@ from shared.allowed_hosts import LOOPBACK, HostAllowList
 from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
 from shared.config.data import DataSettings, parse_split
 from shared.config.objective import Objective
+from shared.config.sampling import SamplingSettings
 
 log = logging.getLogger(__name__)
 
@@ -210,24 +211,6 @@ class BatchSettings(BaseModel):
                 f"({self.micro_batch_size}); e.g. micro_batch_size = {fitting}"
             )
         return self
-
-
-class SamplingSettings(BaseModel):
-    """Sampling, sent with every prompt; the generators apply it."""
-
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (logprobs use the same).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
-    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1: off).")
-    min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling: drop tokens below min_p x the top one (0: off).")
-    repetition_penalty: float = Field(1.0, gt=0, description="vLLM's repetition penalty (1: off).")
-    max_prompt_length: int = Field(
-        512,
-        ge=1,
-        description="Prompts longer than this, in the tokens the generator samples from, are skipped (counted). An "
-        "environment task's tool schemas and reset observation are added at the generator and not counted here; a "
-        "prompt that then outgrows the engine's context is set aside there.",
-    )
-    model_context: int = Field(0, ge=0, description="Model context (0: read from the model's config).")
 
 
 class EvaluationSettings(BaseModel):
@@ -471,6 +454,11 @@ class LearnerSettings(
             raise ValueError(context_problem)
         if self.old_logprobs == "reuse" and self.num_iterations > 1:
             raise ValueError("old_logprobs = 'reuse' needs num_iterations = 1 (later iterations need the old policy)")
+        if self.min_completion_length > self.max_completion_length:
+            raise ValueError(
+                f"min_completion_length ({self.min_completion_length}) exceeds max_completion_length "
+                f"({self.max_completion_length}); lower it"
+            )
         _check_eval(self)
         return self
 

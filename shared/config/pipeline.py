@@ -179,6 +179,7 @@ def cross_problems(generator: GeneratorSettings | None, learner: LearnerSettings
     problems = [_colocated_memory_problem(generator, learner)]
     if generator is not None and learner is not None:
         problems += [_context_problem(generator, learner), _tool_response_problem(generator, learner)]
+        problems.append(_min_length_problem(generator, learner))
     return [problem for problem in problems if problem]
 
 
@@ -212,6 +213,15 @@ def _tool_response_problem(generator: GeneratorSettings, learner: LearnerSetting
         f"learner.max_completion_length ({learner.max_completion_length}), which counts every token after the "
         "prompt (sampled turns, tool results, the template's tokens): one tool result would leave no room for "
         "the answer; lower max_tool_response_tokens or raise max_completion_length"
+    )
+
+
+def _min_length_problem(generator: GeneratorSettings, learner: LearnerSettings) -> str | None:
+    if generator.environment is None or not learner.min_completion_length:
+        return None
+    return (
+        f"learner.min_completion_length ({learner.min_completion_length}) beside an [environment]: it would hold "
+        "every turn open past the model's own turn end (vLLM's min_tokens ignores the stop tokens too); set it to 0"
     )
 
 

@@ -63,6 +63,14 @@ def test_a_tool_result_limit_at_or_past_the_completion_budget_is_refused_naming_
     assert "lower max_tool_response_tokens or raise max_completion_length" in message
 
 
+def test_min_completion_length_beside_an_environment_is_refused(write, monkeypatch):
+    monkeypatch.setenv("LEARNER_MIN_COMPLETION_LENGTH", "8")
+    with pytest.raises(PipelineError) as refused:
+        PipelineConfig.load(write('[environment]\npython = "m:C"\n'))
+    assert "learner.min_completion_length (8) beside an [environment]" in str(refused.value)
+    assert PipelineConfig.load(write("")).learner.min_completion_length == 8
+
+
 def test_an_environment_needs_exactly_one_source(write):
     with pytest.raises(PipelineError) as refused:
         PipelineConfig.load(write('[environment]\npython = "m:C"\nurl = "http://127.0.0.1:9"\n'))

@@ -78,6 +78,15 @@ def test_evaluation_samples_greedily_by_default_with_the_training_length():
     assert (sampled.temperature, sampled.top_p, sampled.top_k) == (0.7, 0.9, 50)
 
 
+def test_training_samples_to_min_completion_length_and_evaluation_ends_where_the_model_does():
+    settings = _settings(max_completion_length=64, min_completion_length=64)
+    training = sampling_spec(settings)
+    assert (training.min_tokens, training.max_tokens) == (64, 64)
+    assert eval_sampling(training, 0.0).min_tokens == eval_sampling(training, 0.7).min_tokens == 0
+    with pytest.raises(ValidationError, match=r"min_completion_length \(65\) exceeds max_completion_length \(64\)"):
+        _settings(max_completion_length=64, min_completion_length=65)
+
+
 def _group(step: int, rewards_per_func: list[list[float]], weights=(1.0, 0.5), lengths=None, version=3, finished=3):
     per_func = np.array(rewards_per_func, dtype=np.float32)
     size = per_func.shape[0]

@@ -12,7 +12,7 @@ import pytest
 
 from environments.build import build_environment
 from environments.session import EnvFault
-from services.generator.engine import PromptTooLongError
+from services.generator.engine import InvalidPromptError, PromptTooLongError
 from services.generator.trajectory.runner import RolledBack, TrajectoryRunner, TrajectorySettings
 from services.generator.trajectory.state import TRUNCATION_MARK, delta_room, derived_seed, turn_budget
 from shared.config.environment import EnvironmentSettings
@@ -170,6 +170,17 @@ def test_a_prompt_longer_than_the_context_is_refused():
     runner, _ = _runner(SCRIPT, max_model_len=20)
     with pytest.raises(PromptTooLongError):
         _run(runner)
+
+
+def test_a_task_with_min_tokens_is_refused_before_any_session_opens():
+    """vLLM's min_tokens would hold every turn open past its close token (a learner configured apart from the
+    generator's environment can still send one)."""
+    runner, _ = _runner(SCRIPT)
+    task = _task()
+    task = task.model_copy(update={"sampling": task.sampling.model_copy(update={"min_tokens": 4})})
+    with pytest.raises(InvalidPromptError, match="min_tokens = 4 with an environment"):
+        _run(runner, task)
+    assert runner.environment.stats.sessions_opened == 0
 
 
 def test_an_environment_fault_abandons_the_prompt_and_closes_every_session():

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from environments.protocol import StepResponse, ToolCallIn
 from environments.session import EnvFault, Environment, Session
-from services.generator.engine import PromptTooLongError
+from services.generator.engine import InvalidPromptError, PromptTooLongError
 from services.generator.trajectory.parsing import ParsedTurn, ToolCallParser
 from services.generator.trajectory.state import (
     SampledTurn,
@@ -125,6 +125,11 @@ class TrajectoryRunner:
     async def run(self, task: PromptTask) -> SampledTrajectories:
         """All G trajectories of ``task``; raises ``EnvFault`` (the prompt is abandoned), ``RolledBack``, or
         ``InvalidPromptError`` (from the engine) as the first of its trajectories' failures."""
+        if task.sampling.min_tokens:  # vLLM's min_tokens would hold every turn open past its close token
+            raise InvalidPromptError(
+                f"min_tokens = {task.sampling.min_tokens} with an environment: a turn ends at the model's own turn "
+                "end (set the learner's min_completion_length to 0)"
+            )
         started_at = time.time()
         try:
             async with asyncio.TaskGroup() as group:

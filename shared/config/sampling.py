@@ -1,0 +1,34 @@
+"""The learner's sampling settings (``[learner]``, ``LEARNER_*``): sent with every prompt, applied by the generators.
+
+``max_completion_length`` is an objective field (:mod:`shared.config.objective`: the dr_grpo aggregation reads
+it); the check that ``min_completion_length`` stays below it is the learner's (:mod:`shared.config.learner`).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class SamplingSettings(BaseModel):
+    """Sampling, sent with every prompt; the generators apply it."""
+
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (logprobs use the same).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1: off).")
+    min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling: drop tokens below min_p x the top one (0: off).")
+    repetition_penalty: float = Field(1.0, gt=0, description="vLLM's repetition penalty (1: off).")
+    min_completion_length: int = Field(
+        0,
+        ge=0,
+        description="vLLM's min_tokens for training samples: end of sequence and stop strings are ignored until a "
+        "completion has this many tokens (0: off). Single-turn tasks only (refused beside an [environment], whose "
+        "turns end at the model's own turn end); evaluation samples without it.",
+    )
+    max_prompt_length: int = Field(
+        512,
+        ge=1,
+        description="Prompts longer than this, in the tokens the generator samples from, are skipped (counted). An "
+        "environment task's tool schemas and reset observation are added at the generator and not counted here; a "
+        "prompt that then outgrows the engine's context is set aside there.",
+    )
+    model_context: int = Field(0, ge=0, description="Model context (0: read from the model's config).")
