@@ -16,8 +16,9 @@ second ideal, sync s/step / max(both): the gap between the two ideals is what th
 (cores sharing caches and memory bandwidth, threads outside their core), the gap from the second to the
 measured speedup is what the overlap itself costs. Both phases' work grows with the completion tokens, so both
 runs sample every completion to the same length (``min_completion_length = max_completion_length``): each step
-of either run samples and trains the same number of tokens (printed, and each phase's slowdown per token
-beside it). The last line is measured / ideal from phases alone (goal >= 0.95).
+of either run samples and trains the same number of completion tokens (printed, and each phase's slowdown per
+token beside it). The learning is not the demo's (a completion forced past its ``</answer>`` fails the
+format reward): only the work per step is compared. The last line is measured / ideal from phases alone (goal >= 0.95).
 
     python bench/async_vs_sync.py [--model smollm2|tiny] [--steps 12] [--quick]
 """

@@ -459,6 +459,9 @@ class LearnerSettings(
                 f"min_completion_length ({self.min_completion_length}) exceeds max_completion_length "
                 f"({self.max_completion_length}); lower it"
             )
+        if self.mask_truncated_completions and self.min_completion_length >= self.max_completion_length:
+            raise ValueError("mask_truncated_completions with min_completion_length = max_completion_length masks "
+                             "every completion (each one runs to the limit): drop one of them")  # fmt: skip
         _check_eval(self)
         return self
 

@@ -221,7 +221,7 @@ def _min_length_problem(generator: GeneratorSettings, learner: LearnerSettings) 
         return None
     return (
         f"learner.min_completion_length ({learner.min_completion_length}) beside an [environment]: it would hold "
-        "every turn open past the model's own turn end (vLLM's min_tokens ignores the stop tokens too); set it to 0"
+        "every turn open past the model's own turn end (vLLM's min_tokens masks the stop tokens too); set it to 0"
     )
 
 

@@ -20,9 +20,9 @@ class SamplingSettings(BaseModel):
     min_completion_length: int = Field(
         0,
         ge=0,
-        description="vLLM's min_tokens for training samples: end of sequence and stop strings are ignored until a "
-        "completion has this many tokens (0: off). Single-turn tasks only (refused beside an [environment], whose "
-        "turns end at the model's own turn end); evaluation samples without it.",
+        description="vLLM's min_tokens for training samples: end-of-sequence and stop tokens are masked and stop "
+        "strings ignored until a completion has this many tokens (0: off). Single-turn tasks only (refused beside "
+        "an [environment], whose turns end at the model's own turn end); evaluation samples without it.",
     )
     max_prompt_length: int = Field(
         512,

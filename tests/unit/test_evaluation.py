@@ -85,6 +85,9 @@ def test_training_samples_to_min_completion_length_and_evaluation_ends_where_the
     assert eval_sampling(training, 0.0).min_tokens == eval_sampling(training, 0.7).min_tokens == 0
     with pytest.raises(ValidationError, match=r"min_completion_length \(65\) exceeds max_completion_length \(64\)"):
         _settings(max_completion_length=64, min_completion_length=65)
+    with pytest.raises(ValidationError, match="masks every completion"):
+        _settings(max_completion_length=64, min_completion_length=64, mask_truncated_completions=True)
+    assert _settings(max_completion_length=64, min_completion_length=63, mask_truncated_completions=True)
 
 
 def _group(step: int, rewards_per_func: list[list[float]], weights=(1.0, 0.5), lengths=None, version=3, finished=3):
