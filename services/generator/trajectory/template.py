@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.chat import template_ids
+
 Message = Mapping[str, Any]
 Render = Callable[[Sequence[Message], bool], list[int]]  # (messages, add_generation_prompt) -> token ids
 Decode = Callable[[Sequence[int]], str]
@@ -82,8 +84,7 @@ class ChatRender:
             tokenize=True,
             **self.chat_template_kwargs,
         )
-        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-        return [int(i) for i in ids]
+        return template_ids(encoded)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens kept (what the diff in an error shows)."""
