@@ -80,9 +80,7 @@ def _gpu_name() -> str | None:
 
 
 def commit(root: Path = ROOT) -> str:
-    """``git rev-parse --short HEAD``, with ``+dirty`` when the working tree has changes. Outside git - a copy of
-    the tree run on another machine, such as a lent GPU machine, which gets the files without ``.git`` - the
-    commit the caller names in ``BENCH_COMMIT`` (``+copy`` appended), else "unknown"."""
+    """``git rev-parse --short HEAD``, with ``+dirty`` when the working tree has changes; "unknown" outside git."""
 
     def git(*args: str) -> str:
         result = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
@@ -90,8 +88,7 @@ def commit(root: Path = ROOT) -> str:
 
     head = git("rev-parse", "--short", "HEAD")
     if not head:
-        named = os.environ.get("BENCH_COMMIT", "").strip()
-        return f"{named}+copy" if named else "unknown"
+        return "unknown"
     return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 

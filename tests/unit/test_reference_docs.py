@@ -375,14 +375,6 @@ def test_a_quick_record_run_stops_before_it_starts():
     bench_record.refuse_quick(_args())  # a real run goes on
 
 
-def test_a_copy_outside_git_is_named_by_bench_commit(tmp_path, monkeypatch):
-    monkeypatch.delenv("BENCH_COMMIT", raising=False)
-    assert bench_record.commit(tmp_path) == "unknown"  # no .git here, and nobody named the commit
-    monkeypatch.setenv("BENCH_COMMIT", "34c7fd1")
-    assert bench_record.commit(tmp_path) == "34c7fd1+copy"
-    assert bench_record.commit(ROOT) != "34c7fd1+copy"  # inside git the checkout itself says
-
-
 def _result(bench: str, config: dict, ratio: float, date: str) -> dict:
     return {
         "bench": bench, "configuration": config, "figures": {"x": 1.0}, "ratio": ratio, "goal": ">= 0.9",
