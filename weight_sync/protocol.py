@@ -327,6 +327,21 @@ def read_layout(layout: Sequence[Mapping[str, Any] | TensorSpec]) -> list[Tensor
     return [s if isinstance(s, TensorSpec) else TensorSpec.model_validate(s) for s in layout]
 
 
+class KeptLayout:
+    """A receiver's last layout, read: a push announcing the same layout as the one before (every push of a
+    run does) gets the same specs back, unread (validating 290 specs took 1.1 ms on one slow core, comparing
+    two layouts 0.02 ms), and what a receiver keeps per layout can tell them apart by identity."""
+
+    def __init__(self) -> None:
+        self._raw: list[Any] | None = None
+        self._specs: list[TensorSpec] = []
+
+    def read(self, layout: Sequence[Mapping[str, Any] | TensorSpec]) -> list[TensorSpec]:
+        if self._raw is None or self._raw != list(layout):
+            self._raw, self._specs = list(layout), read_layout(layout)
+        return self._specs
+
+
 # Runtime ----------------------------------------------------------------------------------------------------
 
 

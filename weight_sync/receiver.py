@@ -49,11 +49,11 @@ from weight_sync.direct_load import (
     plan_direct_load,
 )
 from weight_sync.protocol import (
+    KeptLayout,
     bucket_byte_sizes,
     cuda_uuid,
     layout_key,
     nccl_version,
-    read_layout,
     specs_by_bucket,
     unpack_bucket,
     vllm_version,
@@ -64,6 +64,7 @@ from weight_sync.transport_shm import ShmReceiver
 log = logging.getLogger(__name__)
 
 WEIGHTS_IN_PLACE_ENV = "ASYNCGRPO_CPU_WEIGHTS_IN_PLACE"  # "1": generator.cpu_weights_in_place
+RECORD_WAIT_SLICE = timedelta(seconds=1)  # a receiver's store timeout over IPC and shared memory
 
 
 class _PublishedBucket:
@@ -162,6 +163,7 @@ class WeightReceiverExtension(_EnginePolicy):
     _shm: ShmReceiver | None = None  # the learner's shared-memory segments, mapped push after push
     _ipc: IpcReceiver | None = None  # the learner's tensors opened over CUDA IPC, kept while it resends them
     _weight_timeout_s: float = 300.0
+    _layout: KeptLayout | None = None  # the last layout received, read
     _stack_scratch: StackScratch | None = None  # kept push to push on the CPU (see StackScratch)
     _joins: dict[str, StackScratch] | None = None  # where deferring pushes join stacked layers (see _deferring)
 
@@ -208,8 +210,8 @@ class WeightReceiverExtension(_EnginePolicy):
         if transport == "shm" and worker_rank != 0:
             raise RuntimeError("shared-memory pushes reach CPU engines, which run one worker")
         rank, timeout = first_rank + worker_rank, timedelta(seconds=timeout_s)
-        if transport in ("ipc", "shm"):
-            self._weight_store.set_timeout(timeout)
+        if transport in ("ipc", "shm"):  # reads wait for the learner's records in slices (see _published)
+            self._weight_store.set_timeout(RECORD_WAIT_SLICE)
         elif transport == "gloo":
             members = (f"{host}:{port}", rank, world_size)
             kept, self._gloo = self._gloo, None  # member_group reuses it or tears it down
@@ -263,7 +265,9 @@ class WeightReceiverExtension(_EnginePolicy):
         if self._weight_store is None:
             raise RuntimeError("weight_channel_open must be called before weight_channel_receive")
         model = self.model_runner.get_model()
-        specs = read_layout(layout)
+        if self._layout is None:
+            self._layout = KeptLayout()
+        specs = self._layout.read(layout)
         self._joins = (self._joins if self._joins is not None else {}) if self._deferring() else None
         if self._weight_transport == "ipc":
             return self._receive_ipc(model, specs)
@@ -350,14 +354,14 @@ class WeightReceiverExtension(_EnginePolicy):
         return receive_bucket(self._weight_group, nbytes, self.device, buffer)
 
     def _published(self, key: str) -> bytes:
-        """The record the learner publishes under ``key`` once the bucket is ready (IPC, shared memory). Waits
-        in short slices, so that a push the learner gave up on (it sets ``abort``, with the reason) ends here
-        at once instead of after ``weight_timeout_s``."""
+        """The record the learner publishes under ``key`` once the bucket is ready (IPC, shared memory). A read
+        waits for its key in slices of the store's timeout (:data:`RECORD_WAIT_SLICE`, set when the push
+        opened; one request, where a wait and then a read took two), so that a push the learner gave up on (it
+        sets ``abort``, with the reason) ends here at once instead of after ``weight_timeout_s``."""
         store = self._weight_store
         deadline = time.monotonic() + self._weight_timeout_s
         while True:
             try:
-                store.wait([key], timedelta(seconds=1))
                 return store.get(key)
             except torch.distributed.DistStoreError:
                 if store.check([PUSH_ABORT_KEY]):
