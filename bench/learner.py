@@ -432,7 +432,14 @@ def report(args, shape, config, model, groups, tokens, trainer, precision, best,
     if args.record:
         speeds = {f"{loop}_tokens_per_s": tokens / best[loop][0] for loop in ("bare", "ours")}
         figures = {**speeds, "old_logprobs_s": old_logprobs}
-        record("learner", figures, args, ratio=best["bare"][0] / best["ours"][0], goal=">= 0.90")
+        batch = _batch_shape(args)  # the GPU batch replaces the batch options: record what ran
+        measured = argparse.Namespace(
+            **{
+                **vars(args),
+                **{k: getattr(batch, k) for k in ("groups", "group_size", "prompt", "micro_batch_size")},
+            }
+        )
+        record("learner", figures, measured, ratio=best["bare"][0] / best["ours"][0], goal=">= 0.90")
 
 
 def _token_budget(value: str) -> int | str:
