@@ -1,7 +1,9 @@
 """Async vs sync: the same run (model, data, steps) with and without overlap of generation and training.
 
 Both modes run the whole pipeline through the launcher, the generator pinned to core 0 and the learner to
-core 1 (so they can overlap at all on this 2-core machine):
+core 1 (so they can overlap at all on this 2-core machine), and everything else on core 0 too: the scorer, the
+launcher and a Redis the bench starts (``--unpinned-rest``: the launcher unpinned, on the Redis at
+``$REDIS_URL`` or the local default, as the earlier runs were):
 
 * sync:  ``max_staleness = 0``: the learner admits one batch, waits for it, trains, pushes, admits the next;
   the generator idles while the learner trains and vice versa.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -41,7 +44,7 @@ import tomli_w  # noqa: E402
 from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
 from bench.vs_trl import training_records  # noqa: E402
 from tests.support.launcher import run_pipeline  # noqa: E402
-from tests.support.redis_server import free_port  # noqa: E402
+from tests.support.redis_server import free_port, start_redis  # noqa: E402
 
 # Every completion is sampled to this length (min = max tokens), so both runs do the same work each step: left
 # to end where the model ends them, the two runs' completions drifted apart (867 vs 929 tokens a step in one
@@ -118,11 +121,14 @@ def phase_ideal(t_gen: float, t_train: float) -> float:
     return (t_gen + t_train) / max(t_gen, t_train)
 
 
-def run_mode(model: Path, mode: str, steps: int, groups: int, context: int) -> dict[str, float]:
+def run_mode(
+    model: Path, mode: str, steps: int, groups: int, context: int, rest: tuple[dict[str, str] | None, str | None]
+) -> dict[str, float]:
+    """One run; ``rest``: the launcher's environment and cores (None: this process's)."""
     with tempfile.TemporaryDirectory(prefix=f"bench-{mode}-") as scratch:
         tmp = Path(scratch)
         config = _config(tmp, model, mode, steps, groups, context)
-        result = run_pipeline(config, timeout_s=3600)
+        result = run_pipeline(config, timeout_s=3600, env=rest[0], cpus=rest[1])
         if result.returncode != 0:
             logs = "".join(f"\n--- {log.name}\n{log.read_text()[-2000:]}" for log in (tmp / "logs").glob("*.log"))
             raise RuntimeError(f"{mode} run failed:\n{(result.stdout + result.stderr)[-3000:]}{logs}")
@@ -152,8 +158,19 @@ def main(args) -> None:
 
         model = prepare_smollm2()
         context = 1024
-    sync = run_mode(model, "sync", args.steps, args.groups, context)
-    asyn = run_mode(model, "async", args.steps, args.groups, context)
+    server = None
+    rest: tuple[dict[str, str] | None, str | None] = (None, None)
+    if not args.unpinned_rest:  # off the learner's core: its Redis, the launcher (the scorer is pinned by config)
+        server = start_redis()
+        if server.process is not None:
+            os.sched_setaffinity(server.process.pid, {0})
+        rest = ({**os.environ, "REDIS_URL": server.url}, "0")
+    try:
+        sync = run_mode(model, "sync", args.steps, args.groups, context, rest)
+        asyn = run_mode(model, "async", args.steps, args.groups, context, rest)
+    finally:
+        if server is not None:
+            server.stop()
     # Alone: the sync run's phases, each running while the other side idles.
     t_gen, t_train = sync["wait"], sync["train"]
     ideal = phase_ideal(t_gen, t_train)
@@ -165,7 +182,8 @@ def main(args) -> None:
     speedup = sync["seconds_per_step"] / asyn["seconds_per_step"]
     print(
         f"async vs sync: {args.model} model, {args.groups} groups x G=8 per step, {args.steps} steps, "
-        "generator on core 0, learner on core 1"
+        "generator on core 0, learner on core 1, "
+        + ("launcher and Redis unpinned" if args.unpinned_rest else "scorer, launcher and Redis on core 0")
     )
     print(
         f"{'mode':<6} {'s/step':>7} {'wait s':>7} {'sampling s':>11} {'train+push s':>13} {'push s':>7} "
@@ -215,6 +233,12 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny model, 4 steps (smoke test)")
+    parser.add_argument(
+        "--unpinned-rest",
+        action="store_true",
+        help="leave the launcher unpinned and use the Redis at $REDIS_URL (else the local default) instead of "
+        "one the bench starts on core 0",
+    )
     add_record_flag(parser)
     arguments = parser.parse_args()
     refuse_quick(arguments)

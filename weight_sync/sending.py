@@ -41,14 +41,14 @@ class BucketPush:
 def send(push: BucketPush, device: torch.device, timeout: timedelta, ipc_exports: IpcExports | None) -> int:
     plan, store = push.plan, push.store
     sent = 0
-    if plan.ipc and ipc_exports is None:
-        raise ValueError("IPC pushes are sent from a CUDA learner")
-    if plan.ipc and ipc_exports is not None:  # receivers copy from the learner's tensors while the buckets go
+    if plan.ipc:  # receivers copy from the learner's tensors themselves while the buckets go to the rest
+        if ipc_exports is None:
+            raise ValueError("IPC pushes are sent from a CUDA learner")
         sent += publish_ipc(store, ipc_exports, push.named)
     if plan.ranks or plan.shm:
         sent += _send_buckets(push, device, timeout)
-    if plan.ipc and ipc_exports is not None:
-        wait_ipc(store, ipc_exports, plan.ipc, timeout)
+    if plan.ipc:
+        wait_ipc(store, plan.ipc, timeout)
     return sent
 
 

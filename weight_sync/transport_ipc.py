@@ -5,10 +5,8 @@ refuses two ranks on one GPU). One copy in all, the receiver's, which also casts
 Per push: one :class:`~shared.records.CudaIpcWeights` record (every tensor's IPC handle - the fields of
 torch's ``reduce_tensor``, as bytes and ints, never a pickle - with its name, dtype and shape) under
 ``ipc/weights`` in the push's store namespace, then a wait for ``ipc/done/<generator>`` from every IPC
-receiver: ``ok`` with the IPC handle of an event the receiver recorded after its copies, or its error. A
-receiver answers as soon as its copies are queued, and the learner waits on that event for them to finish,
-so the answer's trip overlaps the copy. The learner's weights must not change until then: the learner awaits
-the push before its next optimizer step.
+receiver (``"ok"`` once its copies are done, or its error), read in one ``multi_get``. The learner's weights
+must not change until then: the learner awaits the push before its next optimizer step.
 
 Handles are made once and kept (:class:`IpcExports`): while the pushed tensors are the same memory (the
 learner's parameters, updated in place), the next push publishes the same record, and a receiver
@@ -98,15 +96,6 @@ class IpcExports:
         self._staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (source, its contiguous copy)
         self.made = 0  # records made (a new one whenever the pushed memory changed)
         self.nbytes = 0  # bytes the kept record names
-        self._events: dict[str, tuple[bytes, torch.cuda.Event]] = {}  # receiver -> its copy event, opened
-
-    def copy_event(self, receiver: str, handle: bytes) -> torch.cuda.Event:
-        """The receiver's copy event from its IPC handle, opened once while the receiver keeps the event."""
-        kept = self._events.get(receiver)
-        if kept is None or kept[0] != handle:
-            kept = (handle, torch.cuda.Event.from_ipc_handle(self.device, handle))
-            self._events[receiver] = kept
-        return kept[1]
 
     def wire(self, named: Sequence[tuple[str, torch.Tensor]]) -> bytes:
         """The encoded record for ``named``: the kept one while they are the same memory, else a new one."""
@@ -143,7 +132,7 @@ class IpcExports:
 
     def clear(self) -> None:
         """Drop the kept record and references (their memory is freed once no receiver holds it either)."""
-        self._key, self._wire, self._kept, self._staged, self._events = None, b"", [], [], {}
+        self._key, self._wire, self._kept, self._staged = None, b"", [], []
         self.nbytes = 0
         torch.cuda.ipc_collect()
 
@@ -158,54 +147,29 @@ def publish_ipc(store: Any, exports: IpcExports, named: Sequence[tuple[str, torc
     return exports.nbytes
 
 
-def done_answer(event_handle: bytes) -> bytes:
-    """A receiver's answer once its copies are queued: ``ok`` and its copy event's IPC handle (hex)."""
-    return IPC_DONE_OK + b" " + event_handle.hex().encode()
+def _answers(store: Any, keys: list[str], timeout: timedelta) -> list[bytes]:
+    """The values under ``keys`` once all are set, within ``timeout``. ``multi_get`` waits for its keys itself
+    (one request fewer than a wait and then the reads), but only for the store's own timeout (the join
+    timeout), so it runs in such slices; the last slice is an explicit wait for what is left of ``timeout``."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= store.timeout.total_seconds():
+            store.wait(keys, timedelta(seconds=max(remaining, 0.001)))
+            return store.multi_get(keys)
+        try:
+            return store.multi_get(keys)
+        except torch.distributed.DistStoreError:  # a timeout (a broken connection is a DistNetworkError)
+            continue
 
 
-def read_done_answers(receivers: Sequence[str], answers: Sequence[bytes]) -> dict[str, bytes]:
-    """Each receiver's copy-event handle from its answer; RuntimeError naming every receiver that answered
-    with an error (an error is ``<exception type>: <message>``, which never starts with ``ok`` and a space)."""
-    handles, failed = {}, {}
-    for gid, answer in zip(receivers, answers, strict=True):
-        status, _, handle = answer.partition(b" ")
-        if status == IPC_DONE_OK and handle:
-            try:
-                handles[gid] = bytes.fromhex(handle.decode("ascii"))
-                continue
-            except ValueError:
-                pass
-        failed[gid] = answer
+def wait_ipc(store: Any, receivers: Sequence[str], timeout: timedelta) -> None:
+    """Wait until every IPC receiver has copied the weights; RuntimeError naming those that failed."""
+    answers = _answers(store, [ipc_done_key(gid) for gid in receivers], timeout)
+    failed = {gid: answer for gid, answer in zip(receivers, answers, strict=True) if answer != IPC_DONE_OK}
     if failed:
         detail = "; ".join(f"{gid}: {answer.decode(errors='replace')}" for gid, answer in failed.items())
         raise RuntimeError(f"IPC receivers could not load the weights: {detail}")
-    return handles
-
-
-def _answers(store: Any, keys: list[str], timeout: timedelta) -> list[bytes]:
-    """The values under ``keys`` once all are set: ``multi_get`` waits for them itself (one request fewer
-    than a wait and then the reads), in slices of the store's own timeout until ``timeout`` has passed."""
-    deadline = time.monotonic() + timeout.total_seconds()
-    while True:
-        try:
-            return store.multi_get(keys)
-        except torch.distributed.DistStoreError:
-            if time.monotonic() > deadline:
-                raise
-
-
-def wait_ipc(store: Any, exports: IpcExports, receivers: Sequence[str], timeout: timedelta) -> None:
-    """Wait until every IPC receiver has copied the weights (its answer, then its copy event); RuntimeError
-    naming those that failed, or a copy that did not finish within ``timeout``."""
-    deadline = time.monotonic() + timeout.total_seconds()
-    handles = read_done_answers(receivers, _answers(store, [ipc_done_key(gid) for gid in receivers], timeout))
-    for gid, handle in handles.items():
-        event = exports.copy_event(gid, handle)
-        # Polled, not synchronized on: an event whose process died may never complete, and the push must end.
-        while not event.query():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"IPC receiver {gid} queued its copy but it did not finish within {timeout}")
-            time.sleep(0)  # lets the training thread run
     torch.cuda.ipc_collect()  # memory of an earlier record, once no receiver holds it any more
 
 
@@ -245,8 +209,6 @@ class IpcReceiver:
         self.device = device
         self.opened: tuple[bytes, Pairs] | None = None  # kept while the learner resends the same record
         self.copies: tuple | None = None  # (record, specs, params, their data pointers, the copy plan)
-        self.event: torch.cuda.Event | None = None  # recorded after each push's copies; the learner waits on it
-        self.answer = b""  # done_answer for that event
 
     def forget(self) -> None:
         """Let go of the learner's memory kept open (the next push is not over IPC)."""
@@ -261,29 +223,23 @@ class IpcReceiver:
         direct_loader: Callable[[], DirectLoader | None],
         layerwise: Callable[[Pairs], None],
     ) -> dict[str, float]:
-        """Copy the learner's tensors into the model; answer ``ipc/done/<receiver_id>`` with ``ok`` and the
-        copy event's handle as soon as the copies are queued (the learner waits on the event), or with the error
-        (which is raised here too), so the learner stops waiting either way. Returns once the copies are done."""
+        """Copy the learner's tensors into the model; answer ``ipc/done/<receiver_id>`` with ``ok``, or with the
+        error (which is raised here too), so the learner stops waiting either way."""
         start = time.perf_counter()
         done = ipc_done_key(receiver_id)
-        stream = torch.cuda.current_stream(self.device)
         try:
             wire = published(IPC_WEIGHTS_KEY)
             waiting = time.perf_counter() - start
             pairs = self.tensors(wire, specs)
             direct = self._load(wire, specs, pairs, direct_loader, layerwise)
-            if self.event is None:
-                self.event = torch.cuda.Event(interprocess=True)
-                self.answer = done_answer(self.event.ipc_handle())
-            self.event.record(stream)
+            torch.cuda.current_stream(self.device).synchronize()
         except BaseException as exc:
             try:
                 store.set(done, f"{type(exc).__name__}: {exc}"[:500].encode())
             except Exception:
                 log.exception("could not tell the learner that this IPC push failed")
             raise
-        store.set(done, self.answer)
-        stream.synchronize()  # the engine's next step runs after the copies anyway; this times them
+        store.set(done, IPC_DONE_OK)
         return {
             "bytes": float(sum(t.numel() * t.element_size() for _, t in pairs)),
             "seconds": time.perf_counter() - start,

@@ -10,10 +10,14 @@ from pathlib import Path
 from tests.support.processes import ROOT
 
 
-def run_pipeline(config: Path, timeout_s: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the launcher on ``config`` to its end (``env``: the whole environment, default this one's)."""
+def run_pipeline(
+    config: Path, timeout_s: float, env: dict[str, str] | None = None, cpus: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run the launcher on ``config`` to its end (``env``: the whole environment, default this one's; ``cpus``:
+    the launcher's own cores, ``taskset -c`` syntax; the services it starts take the cores their settings name)."""
+    command = [sys.executable, "-m", "services.launcher", "run", "--config", str(config)]
     return subprocess.run(
-        [sys.executable, "-m", "services.launcher", "run", "--config", str(config)],
+        ["taskset", "-c", cpus, *command] if cpus else command,
         cwd=ROOT,
         env=env,
         capture_output=True,
