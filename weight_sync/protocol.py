@@ -338,8 +338,9 @@ class KeptLayout:
         self._specs: list[TensorSpec] = []
 
     def read(self, layout: Sequence[Mapping[str, Any] | TensorSpec]) -> list[TensorSpec]:
-        if self._raw is None or self._raw != list(layout):
-            self._raw, self._specs = list(layout), read_layout(layout)
+        raw = list(layout)
+        if raw != self._raw:
+            self._raw, self._specs = raw, read_layout(raw)
         return self._specs
 
 

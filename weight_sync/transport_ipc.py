@@ -29,7 +29,7 @@ import torch
 
 from shared.codec import decode, encode
 from shared.records import IPC_DONE_OK, IPC_WEIGHTS_KEY, CudaIpcTensor, CudaIpcWeights, TensorSpec, ipc_done_key
-from weight_sync.protocol import DTYPES, cuda_uuid, dtype_name, layout_key
+from weight_sync.protocol import DTYPES, cuda_uuid, dtype_name
 
 if TYPE_CHECKING:
     from weight_sync.direct_load import DirectLoader
@@ -291,14 +291,10 @@ class IpcReceiver:
 
     def copy_plan(self, wire: bytes, specs, pairs: Pairs, direct_loader) -> CopyPlan | None:
         """:meth:`DirectLoader.in_place_copies` for this push, kept while the record, the layout (the same
-        specs: the receiver keeps a repeated layout's) and the parameters' memory stay the same."""
+        specs object: :class:`~weight_sync.protocol.KeptLayout` gives an unchanged layout's specs back, and
+        new ones only for a changed layout) and the parameters' memory stay the same."""
         kept = self.copies
-        if (
-            kept is not None
-            and kept[0] == wire
-            and (kept[1] is specs or layout_key(kept[1]) == layout_key(specs))
-            and [p.data_ptr() for p in kept[2]] == kept[3]
-        ):
+        if kept is not None and kept[0] == wire and kept[1] is specs and [p.data_ptr() for p in kept[2]] == kept[3]:
             return kept[4]
         self.copies = None
         direct = direct_loader()
@@ -313,9 +309,9 @@ class IpcReceiver:
 
 # A tensor of at least this many bytes is copied on its own (a device-to-device copy at full speed), the
 # rest together in one multi-tensor kernel. Measured on an H200 (tests/gpu/ipc_timeline.py, the pushed
-# tensors copied in one process): 8 tensors of 268 MB took 1.20 ms in one multi-tensor copy, 1.05 ms one copy_ each (1.01 ms as one
-# contiguous copy); 8 of 67 MB 0.31 ms either way; 144 of 4 MB 0.40 ms together but 1.95 ms one by one, each
-# copy_ costing its own launch.
+# tensors copied in one process): 8 tensors of 268 MB took 1.20 ms in one multi-tensor copy, 1.05 ms one
+# copy_ each (1.01 ms as one contiguous copy); 8 of 67 MB 0.31 ms either way; 144 of 4 MB 0.40 ms together
+# but 1.95 ms one by one, each copy_ costing its own launch.
 SEPARATE_COPY_BYTES = 128 << 20
 
 

@@ -28,36 +28,30 @@ def stamp(label: str) -> None:
     STAMPS.append((label, time.perf_counter()))
 
 
+def stamped(function, label):
+    """``function`` with a stamp ``label>`` before each call and ``label<`` after it."""
+
+    def call(*a, **k):
+        stamp(f"{label}>")
+        try:
+            return function(*a, **k)
+        finally:
+            stamp(f"{label}<")
+
+    return call
+
+
 class StoreProxy:
     def __init__(self, store, tag):
         self._s, self._tag = store, tag
 
     def __getattr__(self, name):
         attr = getattr(self._s, name)
-        if not callable(attr):
-            return attr
-
-        def call(*a, **k):
-            stamp(f"{self._tag}.store.{name}>")
-            try:
-                return attr(*a, **k)
-            finally:
-                stamp(f"{self._tag}.store.{name}<")
-
-        return call
+        return stamped(attr, f"{self._tag}.store.{name}") if callable(attr) else attr
 
 
 def wrap(owner, name, tag):
-    original = getattr(owner, name)
-
-    def call(*a, **k):
-        stamp(f"{tag}.{name}>")
-        try:
-            return original(*a, **k)
-        finally:
-            stamp(f"{tag}.{name}<")
-
-    setattr(owner, name, call)
+    setattr(owner, name, stamped(getattr(owner, name), f"{tag}.{name}"))
 
 
 class ConnProxy:
@@ -141,21 +135,11 @@ def main():
         wrap(pusher, "send_buckets", "S")
         original_pub, original_wait = sending.publish_ipc, sending.wait_ipc
 
-        def pub(store, exports, named, original=original_pub):
-            stamp("S.publish>")
-            try:
-                return original(StoreProxy(store, "S"), exports, named)
-            finally:
-                stamp("S.publish<")
-
-        def wait(store, *rest, original=original_wait):
-            stamp("S.wait_ipc>")
-            try:
-                return original(StoreProxy(store, "S"), *rest)
-            finally:
-                stamp("S.wait_ipc<")
-
-        sending.publish_ipc, sending.wait_ipc = pub, wait
+        # The store each is given is stamped too.
+        sending.publish_ipc = stamped(
+            lambda store, *rest, f=original_pub: f(StoreProxy(store, "S"), *rest), "S.publish"
+        )
+        sending.wait_ipc = stamped(lambda store, *rest, f=original_wait: f(StoreProxy(store, "S"), *rest), "S.wait_ipc")
         receiver = start(hidden, layers)
         model = standin.build_model(seed=1, hidden=hidden, layers=layers, device="cuda")
         nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
