@@ -4,6 +4,8 @@ Per batch (TRL's semantics for ``num_iterations`` = mu):
 
 1. ``old_logprobs``: the current weights' logprobs of the completions, without gradient, in training-sized
    micro-batches. They are the proximal policy of the clipped ratio and stay fixed for all mu iterations.
+   (``old_logprobs = "reuse"``: the training forward's, detached; ``"behaviour"``: the generator's, and step 3
+   has nothing to weight.)
 2. ``ref_logprobs`` from the frozen initial model when beta > 0.
 3. Importance weights pi_old / pi_behaviour (the generator's logprobs), truncated or masked.
 4. mu times: the loss over micro-batches with gradient accumulation, clipping, an AdamW step and a
@@ -21,7 +23,7 @@ Steps 1-3 give a :class:`PreparedBatch`, fixed for the mu iterations; each itera
 Entropy (:mod:`services.learner.logprobs.entropy`) comes from the same forward as the logprobs and is logged as
 ``entropy``. With ``top_entropy_quantile`` < 1 the threshold is the quantile of the active tokens' entropies
 over the whole batch (every rank's rows) under the policy the step starts from, taken in the no-grad pass of
-step 1 (a no-grad pass of its own with ``old_logprobs = "reuse"``); all ``num_iterations`` reuse it. The
+step 1 (a no-grad pass of its own with ``"reuse"`` or ``"behaviour"``); all ``num_iterations`` reuse it. The
 adaptive entropy controller (TRL's) updates ``entropy_coef`` after each optimizer step from the batch's
 entropy over the tokens the loss acts on.
 
@@ -87,8 +89,8 @@ class PreparedBatch:
     """What :meth:`Trainer.prepare` computes without gradient for this rank's B_r rows of a batch; fixed for
     all ``num_iterations`` optimizer steps on it."""
 
-    old_logprobs: torch.Tensor | None  # [B_r, T]; None with old_logprobs = "reuse" (the training forward's)
-    importance_weights: torch.Tensor | None  # [B_r, T]; None without importance correction or with "reuse"
+    old_logprobs: torch.Tensor | None  # [B_r, T]; None with "reuse" (the training forward's) or "behaviour"
+    importance_weights: torch.Tensor | None  # [B_r, T]; None without importance correction, "reuse" or "behaviour"
     ref_logprobs: torch.Tensor | None  # [B_r, T] when beta > 0
     normalisers: BatchNormalisers  # the whole batch's counts (and entropy threshold) every loss is divided by
     seconds_old_logprobs: float  # wall time of the old-logprob and entropy pass
@@ -267,6 +269,7 @@ class Trainer:
 
         With ``old_logprobs = "reuse"`` the old logprobs (and the importance weights that need them) come
         from the training forward instead: with one iteration the weights are the same, so are the numbers.
+        With ``"behaviour"`` they are the generator's, taken per micro-batch, and there are no weights.
         """
         s = self.settings
         started = time.perf_counter()
@@ -292,10 +295,15 @@ class Trainer:
         self, logprobs: torch.Tensor, mb: TrainBatch, rows: slice, prepared: PreparedBatch
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A micro-batch's old logprobs [b, T] and importance weights [b, T] (or None): the prepared ones at
-        ``rows``, or with ``old_logprobs = "reuse"`` those of the training forward ``logprobs``."""
+        ``rows``, with ``old_logprobs = "behaviour"`` the generator's, or with ``"reuse"`` those of the training
+        forward ``logprobs``."""
         if prepared.old_logprobs is not None:
             weights = prepared.importance_weights
             return prepared.old_logprobs[rows], None if weights is None else weights[rows]
+        if self.settings.old_logprobs == "behaviour":  # pi_old = pi_behaviour: every importance weight is 1
+            # Off the loss mask (padding, tool results) the ratio is 1, whatever the record holds there.
+            sampled = mb.behaviour_logprobs.to(device=logprobs.device, dtype=logprobs.dtype)
+            return torch.where(mb.loss_mask.bool(), sampled, logprobs.detach()), None
         old = logprobs.detach()
         return old, _importance_weights(old, mb, self.settings) if self.settings.importance_correction else None
 

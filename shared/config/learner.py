@@ -248,10 +248,12 @@ class UpdateSettings(BaseModel):
         description="Dynamic sampling cap: zero-std groups one step may skip and wait to replace; past it the step "
         "trains on what it has (dynamic_sampling/capped). None: no cap.",
     )
-    old_logprobs: Literal["recompute", "reuse"] = Field(
+    old_logprobs: Literal["recompute", "reuse", "behaviour"] = Field(
         "recompute",
         description="recompute: a no-grad pass before the update; reuse: with num_iterations = 1 the training "
-        "forward's detached logprobs are the same numbers (TRL does this), saving a forward pass.",
+        "forward's detached logprobs are the same numbers (TRL does this), saving a forward pass; behaviour: the "
+        "generator's sampled logprobs, so the clipped ratio is measured from the policy that sampled each token "
+        "and needs no importance weights (no extra pass; docs/concepts/algorithm.md, Old logprobs).",
     )
 
     # Optimizer.

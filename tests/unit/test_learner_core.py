@@ -3,6 +3,8 @@ the synchronous GRPO step computed directly on the batch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -193,6 +195,34 @@ def test_reusing_the_training_forward_gives_the_recomputed_old_logprobs_gradient
     assert_grads_close(grads["reuse"], grads["recompute"], rel=1e-6)
     with pytest.raises(ValueError, match="needs num_iterations = 1"):
         _settings(tiny, old_logprobs="reuse", num_iterations=2)
+
+
+def test_behaviour_old_logprobs_clip_the_ratio_against_the_sampled_logprobs(tiny):
+    """``old_logprobs = "behaviour"``: no extra pass, no importance weights, and the gradient of the loss with the
+    generator's logprobs as the old ones (the recompute path handed them explicitly), not the reuse gradient."""
+    grads, prepared = {}, {}
+    for mode in ("recompute", "reuse", "behaviour"):
+        model, _ = load_policy(_settings(tiny), str(tiny))
+        model.double()
+        batch = _batch(_groups(model, seed=4))
+        shift = torch.randn(batch.behaviour_logprobs.shape, generator=torch.Generator().manual_seed(0))
+        batch = dataclasses.replace(batch, behaviour_logprobs=batch.behaviour_logprobs + 0.3 * shift)  # a stale sampler
+        trainer = Trainer(model, _settings(tiny, old_logprobs=mode, epsilon_low=0.05, epsilon_high=0.05))
+        model.zero_grad()
+        prepared[mode] = trainer.prepare(batch)
+        if mode == "recompute":  # the definition: the sampled logprobs as old, no importance weights
+            prepared[mode] = dataclasses.replace(
+                prepared[mode], old_logprobs=batch.behaviour_logprobs.double(), importance_weights=None
+            )
+        step = trainer.accumulate_gradients(batch, prepared[mode])
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if mode == "behaviour":
+            assert prepared[mode].old_logprobs is None and step.importance_weights is None
+            assert step.metrics["clip_ratio/region_mean"] > 0  # some tokens left the band around the sampled policy
+    assert_grads_close(grads["behaviour"], grads["recompute"], rel=1e-9)
+    largest = max(float((grads["behaviour"][n] - grads["reuse"][n]).abs().max()) for n in grads["reuse"])
+    assert largest > 1e-6  # the old policy differs from the training forward's, so does the gradient
+    _settings(tiny, old_logprobs="behaviour", num_iterations=2)  # the old policy stays the sampler's: allowed
 
 
 def test_shared_prompt_forward_equals_the_padded_forward_values_and_gradients(tiny):
