@@ -35,7 +35,7 @@ from shared.allowed_hosts import LOOPBACK, HostAllowList
 from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
 from shared.config.data import DataSettings, parse_split
 from shared.config.objective import Objective
-from shared.config.sampling import SamplingSettings
+from shared.config.sampling import SamplingSettings, behaviour_logprobs_problem
 
 log = logging.getLogger(__name__)
 
@@ -252,8 +252,7 @@ class UpdateSettings(BaseModel):
         "recompute",
         description="recompute: a no-grad pass before the update; reuse: with num_iterations = 1 the training "
         "forward's detached logprobs are the same numbers (TRL does this), saving a forward pass; behaviour: the "
-        "generator's sampled logprobs, so the clipped ratio is measured from the policy that sampled each token "
-        "and needs no importance weights (no extra pass; docs/concepts/algorithm.md, Old logprobs).",
+        "generator's, so the ratio is clipped around the policy that sampled (no importance weights, no pass).",
     )
 
     # Optimizer.
@@ -456,6 +455,8 @@ class LearnerSettings(
             raise ValueError(context_problem)
         if self.old_logprobs == "reuse" and self.num_iterations > 1:
             raise ValueError("old_logprobs = 'reuse' needs num_iterations = 1 (later iterations need the old policy)")
+        if self.old_logprobs == "behaviour" and self.distribution_filters():
+            raise ValueError(behaviour_logprobs_problem(self.distribution_filters()))
         if self.min_completion_length > self.max_completion_length:
             raise ValueError(
                 f"min_completion_length ({self.min_completion_length}) exceeds max_completion_length "

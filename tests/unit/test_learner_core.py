@@ -223,6 +223,11 @@ def test_behaviour_old_logprobs_clip_the_ratio_against_the_sampled_logprobs(tiny
     largest = max(float((grads["behaviour"][n] - grads["reuse"][n]).abs().max()) for n in grads["reuse"])
     assert largest > 1e-6  # the old policy differs from the training forward's, so does the gradient
     _settings(tiny, old_logprobs="behaviour", num_iterations=2)  # the old policy stays the sampler's: allowed
+    filters = {"top_p": 0.9, "top_k": 20, "min_p": 0.1, "repetition_penalty": 1.1, "min_completion_length": 2}
+    for name, value in filters.items():  # the sampler's logprobs would be of another distribution than the learner's
+        with pytest.raises(ValidationError, match=f"'behaviour' .* with {name} = {value} they are a filtered"):
+            _settings(tiny, old_logprobs="behaviour", **{name: value})
+        _settings(tiny, old_logprobs="reuse", **{name: value})  # a capped importance weight there: allowed
 
 
 def test_shared_prompt_forward_equals_the_padded_forward_values_and_gradients(tiny):
