@@ -4,6 +4,8 @@ training step, on the GPU in float32 against the CPU's float64 per-sequence refe
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -50,3 +52,20 @@ def test_a_training_step_on_cuda_counts_the_sampled_tokens_only(tiny):
     (metrics,) = trainer.train(batch)
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values() if isinstance(v, float)), metrics
     assert metrics["entropy"] == pytest.approx(float(entropies[batch.loss_mask.bool().cuda()].mean()), rel=1e-4)
+
+
+def test_behaviour_old_logprobs_on_cuda_give_the_cpu_gradient(tiny):
+    """``old_logprobs = "behaviour"`` on the GPU: the generator's logprobs (trajectory rows with tool results off
+    the loss mask among them) as the old policy give the CPU's gradient, both in float64."""
+    cpu_model, settings = _model(tiny, num_iterations=1, old_logprobs="behaviour")
+    batch = _batch(_groups(cpu_model, seed=5))
+    grads = {}
+    for device in ("cpu", "cuda"):
+        model = copy.deepcopy(cpu_model).to(device)
+        trainer = Trainer(model, settings.model_copy(update={"device": device, "compute_dtype": "float32"}))
+        on_device = batch.to(trainer.device)
+        model.zero_grad()
+        step = trainer.accumulate_gradients(on_device, trainer.prepare(on_device))
+        assert step.importance_weights is None
+        grads[device] = {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
+    assert_grads_close(grads["cuda"], grads["cpu"], rel=1e-6)
