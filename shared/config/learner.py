@@ -35,7 +35,7 @@ from shared.allowed_hosts import LOOPBACK, HostAllowList
 from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
 from shared.config.data import DataSettings, parse_split
 from shared.config.objective import Objective
-from shared.config.sampling import SamplingSettings, behaviour_logprobs_problem
+from shared.config.sampling import SamplingSettings
 
 log = logging.getLogger(__name__)
 
@@ -455,8 +455,8 @@ class LearnerSettings(
             raise ValueError(context_problem)
         if self.old_logprobs == "reuse" and self.num_iterations > 1:
             raise ValueError("old_logprobs = 'reuse' needs num_iterations = 1 (later iterations need the old policy)")
-        if self.old_logprobs == "behaviour" and self.distribution_filters():
-            raise ValueError(behaviour_logprobs_problem(self.distribution_filters()))
+        if self.old_logprobs == "behaviour" and (problem := self.behaviour_logprobs_problem()):
+            raise ValueError(problem)
         if self.min_completion_length > self.max_completion_length:
             raise ValueError(
                 f"min_completion_length ({self.min_completion_length}) exceeds max_completion_length "

@@ -33,23 +33,23 @@ class SamplingSettings(BaseModel):
     )
     model_context: int = Field(0, ge=0, description="Model context (0: read from the model's config).")
 
-    def distribution_filters(self) -> list[str]:
-        """The settings that make the generator sample (and report logprobs of) another distribution than the
-        learner's softmax at ``temperature``: top-p, top-k, min-p, repetition penalty, a minimum length."""
-        filters = {
+    def behaviour_logprobs_problem(self) -> str | None:
+        """Why ``old_logprobs = "behaviour"`` cannot be used with these settings, or None: a filter that makes the
+        generator sample (and report logprobs of) another distribution than the learner's softmax at
+        ``temperature`` (top-p, top-k, min-p, repetition penalty, a minimum length)."""
+        on = {
             "top_p": self.top_p < 1.0,
             "top_k": self.top_k != -1,
             "min_p": self.min_p > 0.0,
             "repetition_penalty": self.repetition_penalty != 1.0,
             "min_completion_length": self.min_completion_length > 0,
         }
-        return [f"{name} = {getattr(self, name)}" for name, on in filters.items() if on]
-
-
-def behaviour_logprobs_problem(filters: list[str]) -> str:
-    """Why ``old_logprobs = "behaviour"`` is refused beside the sampling ``filters`` that are on."""
-    return (
-        f"old_logprobs = 'behaviour' puts the generator's logprobs in the clipped ratio, and with {', '.join(filters)} "
-        "they are a filtered distribution's, which the learner does not compute (the ratio would be off 1 on every "
-        "token); turn the filter off, or use 'recompute' or 'reuse' (there the gap is a capped importance weight)"
-    )
+        filters = [f"{name} = {getattr(self, name)}" for name, active in on.items() if active]
+        if not filters:
+            return None
+        return (
+            f"old_logprobs = 'behaviour' puts the generator's logprobs in the clipped ratio, and with "
+            f"{', '.join(filters)} they are a filtered distribution's, which the learner does not compute (the ratio "
+            "would be off 1 on every token); turn the filter off, or use 'recompute' or 'reuse' (there the gap is a "
+            "capped importance weight)"
+        )
