@@ -20,7 +20,10 @@ measured speedup is what the overlap itself costs. Both phases' work grows with 
 runs sample every completion to the same length (``min_completion_length = max_completion_length``): each step
 of either run samples and trains the same number of completion tokens (printed, and each phase's slowdown per
 token beside it). The learning is not the demo's (a completion forced past its ``</answer>`` fails the
-format reward): only the work per step is compared. The last line is measured / ideal from phases alone (goal >= 0.95).
+format reward): only the work per step is compared. Then ``bench/interference.py`` measures what the two
+cores lose running at once (a cache-resident matmul, a copy through memory), printed beside what the phases
+lost: the copy's loss is what the machine's shared memory bandwidth costs a memory-bound phase, whatever runs
+it. The last line is measured / ideal from phases alone (goal >= 0.95).
 
     python bench/async_vs_sync.py [--model smollm2|tiny] [--steps 12] [--quick]
 """
@@ -41,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import tomli_w  # noqa: E402
 
+from bench import interference  # noqa: E402
 from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
 from bench.vs_trl import training_records  # noqa: E402
 from tests.support.launcher import run_pipeline  # noqa: E402
@@ -217,6 +221,12 @@ def main(args) -> None:
         f"sampling {asyn['sampling'] / sync['sampling'] / tokens:.2f}x, train + push "
         f"{t_train_beside / t_train / tokens:.2f}x their time alone"
     )
+    # What the machine itself loses running both cores at once, measured on the cores the phases ran on.
+    sharing = interference.measure([0, 1], seconds=0.5 if args.quick else 3.0)
+    print(
+        f"{interference.describe(sharing)}; the phases side by side kept {sync['sampling'] / asyn['sampling']:.2f} "
+        f"(sampling) and {t_train / t_train_beside:.2f} (train + push) of their speed alone"
+    )
     print(f"ratio measured/ideal: {speedup / ideal:.2f}  (goal >= 0.95, ideal from phases alone)")
     if args.record:
         figures = {"sync_s_per_step": sync["seconds_per_step"], "async_s_per_step": asyn["seconds_per_step"]}
@@ -224,6 +234,7 @@ def main(args) -> None:
         figures |= {"t_gen_beside_s": t_gen_beside, "t_train_beside_s": t_train_beside}
         figures |= {"ideal_speedup_beside": ideal_beside, "push_s": sync["push"], "push_beside_s": asyn["push"]}
         figures |= {"completion_tokens_sync": sync["tokens"], "completion_tokens_async": asyn["tokens"]}
+        figures |= {f"{kind}_together_over_alone": value for kind, value in sharing.items()}
         record("async_vs_sync", figures, args, ratio=speedup / ideal, goal=">= 0.95")
 
 

@@ -24,6 +24,7 @@ BENCHES = {
 NOT_BENCHES = {
     "record.py": "the results file's writer, imported by every bench",
     "profiling.py": "bench/learner.py's --profile (torch.profiler tables), run by its test below",
+    "interference.py": "what two cores lose running at once, measured by async_vs_sync.py (its --quick too)",
     "trl_side.py": "TRL's side of vs_trl.py, run in .venv-bench",
     "trl_async_side.py": "TRL's asynchronous trainer's side of vs_trl.py, run in .venv-bench",
     "held_out.py": "vs_trl.py's judge of every system's final weights (run by vs_trl.py --quick on a tiny model)",
@@ -55,4 +56,6 @@ def test_bench_quick_prints_its_ratio(script, tmp_path):
     for loop in ("bare", "ours") if profile else ():
         table = (tmp_path / f"{loop}.txt").read_text()
         assert table.startswith(f"{loop}: wall ") and "aten::mm" in table, table[:2000]
+    if script == "async_vs_sync.py":  # bench/interference.py's line, measured on the phases' cores
+        assert "a cache-resident matmul keeps" in result.stdout, result.stdout[-2000:]
     print(f"\n{script}: {last}")
