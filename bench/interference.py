@@ -11,8 +11,8 @@ Two kernels bound the cases a pipeline's processes fall between:
 ``together / alone`` is the throughput of both cores at once over the sum of their throughputs alone: 1.0
 means the cores do not slow each other; 0.75 means a quarter of the work is lost to sharing. For
 ``bench/async_vs_sync.py``: a CPU generator's sampling reads the whole model at every decode step, so it is
-closer to ``copy`` than to ``matmul``, and what the two phases lose side by side is bounded below by nothing
-software does about threads or polling when ``copy`` loses as much.
+closer to ``copy`` than to ``matmul``; when the phases lose no more side by side than ``copy`` does, the loss
+is within what the hardware's sharing can explain, and no change to threads or polling is shown to remove it.
 
     python bench/interference.py [--cores 0 1] [--seconds 3]
 """
@@ -29,11 +29,12 @@ from pathlib import Path
 
 KINDS = ("matmul", "copy")
 MATMUL_SIZE = 128  # 3 x 64 KiB of float32: resident in any core's L2
-MIN_COPY_BYTES = 64 * 2**20
+MIN_COPY_BYTES = 64 * 2**20  # past the last-level cache of a CPU whose sysfs does not say (and of most that do)
 
 
 def copy_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
-    """Bytes per copy buffer: twice the largest cache this CPU reports, at least ``MIN_COPY_BYTES``."""
+    """Bytes per copy buffer: twice the largest cache the CPU reports (core 0's view: the last-level cache is
+    the one the cores share), at least ``MIN_COPY_BYTES``."""
     largest = 0
     for index in cache_dir.glob("index*"):
         try:
@@ -76,14 +77,18 @@ def _kernel(kind: str, buffer_bytes: int):
 
 
 def _worker(core: int, kind: str, seconds: float, buffer_bytes: int, start, results) -> None:
-    import torch
+    try:
+        import torch
 
-    os.sched_setaffinity(0, {core})
-    torch.set_num_threads(1)
-    operation, unit = _kernel(kind, buffer_bytes)
-    for _ in range(3):  # first touch of the buffers, kernels' first calls
-        operation()
-    start.wait(timeout=120)  # a worker that failed to start breaks the barrier for the others
+        os.sched_setaffinity(0, {core})
+        torch.set_num_threads(1)
+        operation, unit = _kernel(kind, buffer_bytes)
+        for _ in range(3):  # first touch of the buffers, kernels' first calls
+            operation()
+    except BaseException:
+        start.abort()  # the other workers' wait fails at once instead of at its timeout
+        raise
+    start.wait(timeout=120)
     done, began = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - began) < seconds:
         operation()
@@ -96,19 +101,25 @@ def throughputs(cores: Sequence[int], kind: str, seconds: float, buffer_bytes: i
     context = multiprocessing.get_context("spawn")  # no inherited torch threads or locks
     start, results = context.Barrier(len(cores)), context.Queue()
     workers = [
-        context.Process(target=_worker, args=(core, kind, seconds, buffer_bytes, start, results)) for core in cores
+        context.Process(target=_worker, args=(core, kind, seconds, buffer_bytes, start, results), daemon=True)
+        for core in cores
     ]
     for worker in workers:
         worker.start()
     got: dict[int, float] = {}
-    try:
-        for _ in workers:
-            core, rate = results.get(timeout=seconds + 180)
+    deadline = time.monotonic() + seconds + 180
+    while len(got) < len(cores) and time.monotonic() < deadline:
+        try:
+            core, rate = results.get(timeout=1.0)
             got[core] = rate
-    except queue.Empty:
-        pass  # reported below with the workers' exit codes
+        except queue.Empty:
+            if any(worker.exitcode not in (None, 0) for worker in workers):
+                break  # a worker died: the others cannot report either (their barrier is broken)
     for worker in workers:
         worker.join(timeout=30)
+        if worker.is_alive():
+            worker.terminate()
+            worker.join()
     if len(got) != len(cores):
         codes = {core: worker.exitcode for core, worker in zip(cores, workers, strict=True)}
         raise RuntimeError(f"the {kind} workers on cores {list(cores)} reported {sorted(got)}; exit codes {codes}")

@@ -4,6 +4,7 @@ refusals; the measurement itself runs in bench/async_vs_sync.py's --quick (tests
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -48,11 +49,22 @@ def test_together_over_alone() -> None:
 def test_measure_refuses_one_core_and_cores_it_may_not_use() -> None:
     with pytest.raises(ValueError, match="two cores or more"):
         interference.measure([0])
-    outside = max(os.sched_getaffinity(0)) + 1
-    with pytest.raises(ValueError, match=f"cores \\[{outside}\\]"):
-        interference.measure([0, outside])
+    usable = os.sched_getaffinity(0)
+    outside = max(usable) + 1
+    with pytest.raises(ValueError, match=f"cores \\[{outside}\\] are not among"):
+        interference.measure([min(usable), outside])
 
 
 def test_describe_names_both_kernels() -> None:
     line = interference.describe({"matmul": 0.98, "copy": 0.7})
     assert "matmul keeps 0.98 of its speed alone" in line and "copy through memory 0.70" in line
+
+
+def test_a_worker_that_fails_is_reported_with_its_exit_code_not_waited_for() -> None:
+    core = min(os.sched_getaffinity(0))
+    started = time.monotonic()
+    with pytest.raises(
+        RuntimeError, match=rf"nope workers on cores \[{core}\] reported \[\]; exit codes \{{{core}: 1\}}"
+    ):
+        interference.throughputs([core], "nope", 0.1, 1024)  # no such kernel: the worker raises before the barrier
+    assert time.monotonic() - started < 60  # the parent notices the exit, not its 180 s deadline
