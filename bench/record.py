@@ -80,7 +80,11 @@ def _gpu_name() -> str | None:
 
 
 def commit(root: Path = ROOT) -> str:
-    """``git rev-parse --short HEAD``, with ``+dirty`` when the working tree has changes; "unknown" outside git."""
+    """``git rev-parse --short HEAD``, with ``+dirty`` when the working tree has changes; "unknown" outside git.
+
+    Rows added to the results file are not changes to what ran: without that exception a bench that records two
+    rows (weight_push: one per generator count), or a second bench before the first's row is committed, would
+    mark its rows dirty on account of the earlier ones."""
 
     def git(*args: str) -> str:
         result = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
@@ -89,7 +93,8 @@ def commit(root: Path = ROOT) -> str:
     head = git("rev-parse", "--short", "HEAD")
     if not head:
         return "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    changes = git("status", "--porcelain", "--untracked-files=no", "--", ".", f":(exclude){RESULTS.relative_to(ROOT)}")
+    return head + ("+dirty" if changes else "")
 
 
 def entry(

@@ -12,6 +12,7 @@ import json
 import math
 import re
 import socket
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -352,6 +353,26 @@ def test_record_appends_one_line_with_its_provenance(tmp_path):
     assert re.fullmatch(r"[0-9a-f]{4,}(\+dirty)?|unknown", first["commit"])
     assert first["machine"]["cores"] >= 1 and first["machine"]["cpu"]
     assert ref.read_results(path) == lines
+
+
+def test_rows_already_in_the_results_file_do_not_make_the_next_record_dirty(tmp_path):
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)  # fmt: skip
+
+    results = tmp_path / bench_record.RESULTS.relative_to(ROOT)
+    results.parent.mkdir()
+    results.write_text("")
+    (tmp_path / "bench.py").write_text("print(1)\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "start")
+    head = bench_record.commit(tmp_path)
+    assert re.fullmatch(r"[0-9a-f]{4,}", head)
+    results.write_text('{"bench": "weight_push"}\n')  # the first of a bench's two rows, not committed yet
+    assert bench_record.commit(tmp_path) == head
+    (tmp_path / "bench.py").write_text("print(2)\n")  # what runs changed: dirty
+    assert bench_record.commit(tmp_path) == f"{head}+dirty"
 
 
 @pytest.mark.parametrize(
