@@ -360,7 +360,7 @@ def test_rows_already_in_the_results_file_do_not_make_the_next_record_dirty(tmp_
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
                        capture_output=True)  # fmt: skip
 
-    results = tmp_path / bench_record.RESULTS.relative_to(ROOT)
+    results = tmp_path / bench_record.RESULTS.relative_to(bench_record.ROOT)
     results.parent.mkdir()
     results.write_text("")
     (tmp_path / "bench.py").write_text("print(1)\n")
