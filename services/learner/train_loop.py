@@ -9,7 +9,8 @@ Per optimizer step:
 2. **Assemble** ``groups_per_step`` groups from the scored stream. Groups older than ``max_staleness``
    versions, groups the scorer marked (zero-std, with dynamic sampling), and groups already trained before
    a restart are acknowledged and counted, not trained.
-3. **Train** (in a worker thread, so admission, heartbeats and HTTP keep running).
+3. **Train** (in a worker thread, so heartbeats and HTTP keep running; admission runs in step 1, between
+   batches: while a batch trains its groups still count as in flight).
 4. **Push** weights every ``sync_every`` steps to every live generator.
 5. **Checkpoint** every ``checkpoint_every`` steps; only then are the trained groups acknowledged, so a
    learner killed between checkpoints gets them back (its consumer name is stable) and trains them again
