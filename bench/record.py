@@ -2,8 +2,9 @@
 
 One JSON line per run: the bench, its configuration (the command line's options), the figures it printed, the
 ratio against its goal, and where it ran (CPU model, cores, GPU), when (UTC) and on which commit (``+dirty`` when
-the working tree had changes). ``python tools/docs_reference.py --write`` turns the latest line of each (bench,
-configuration) into the page's table. A ``--quick`` run is a smoke test, not a measurement: it is refused.
+a tracked file other than the results file had changes). ``python tools/docs_reference.py --write`` turns the
+latest line of each (bench, configuration) into the page's table. A ``--quick`` run is a smoke test, not a
+measurement: it is refused.
 """
 
 from __future__ import annotations
