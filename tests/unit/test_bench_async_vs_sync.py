@@ -26,3 +26,20 @@ def test_sampling_per_batch_leaves_the_first_batch_out():
 def test_the_ideal_speedup_of_perfect_overlap():
     assert bench.phase_ideal(4.0, 6.0) == pytest.approx(10.0 / 6.0)
     assert bench.phase_ideal(3.0, 3.0) == 2.0
+
+
+def _step(time: float, step: float, wait: float, train: float, push: float) -> dict[str, float]:
+    return {"time": time, "seconds/step": step, "seconds/wait": wait, "seconds/train_wall": train, "seconds/sync": push}
+
+
+def test_seconds_per_step_leaves_out_the_final_checkpoint_and_keeps_the_last_push():
+    records = [
+        _step(100.0, 9.0, 3.0, 5.0, 1.0),  # step 1: start-up's, left out
+        _step(106.0, 6.0, 0.5, 5.0, 0.5),
+        _step(112.0, 6.0, 0.5, 5.0, 0.5),
+        _step(122.0, 10.0, 0.5, 5.0, 0.5),  # ends with a 4 s checkpoint after its push
+    ]
+    assert bench.seconds_per_step(records) == pytest.approx((122.0 - 4.0 - 100.0) / 3)
+    assert bench.seconds_per_step(records[:3]) == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="at least 2 training steps"):
+        bench.seconds_per_step(records[:1])
