@@ -11,7 +11,7 @@ launcher and a Redis the bench starts (``--unpinned-rest``: the launcher unpinne
 
 Seconds per step are taken from the learner's metrics (steps 2..N, so start-up is excluded; the last step's own
 training and push count, the run's final checkpoint after them does not: the phases below leave it out too, and it
-is no step's work; at 12 steps it was 0.35 s of every step, both modes alike). From the sync
+is no step's work; at 12 steps about 0.37 s of every step of a sync run on an AVX-512 BF16 EPYC). From the sync
 run's phase times, T_gen = time the learner waited for a batch and T_train = its training + weight-push
 time, the ideal speedup is (T_gen + T_train) / max(T_gen, T_train). The same phases measured side by side in
 the async run (the learner's train + push beside a sampling generator; the generator's busy sampling time per
@@ -107,7 +107,8 @@ def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int, context:
 
 def seconds_per_step(records: Sequence[dict]) -> float:
     """Mean seconds per step over steps 2..N of a run's training records: from the end of step 1 to the end of
-    step N's training and weight push, what followed them in step N (the run's final checkpoint) left out."""
+    step N's training and weight push, what followed them in step N (the run's final checkpoint) left out, and
+    with it the last step's milliseconds of bookkeeping between its wait and its training."""
     if len(records) < 2:
         raise ValueError(f"seconds per step needs at least 2 training steps, got {len(records)}")
     last = records[-1]
