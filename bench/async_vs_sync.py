@@ -48,7 +48,7 @@ import tomli_w  # noqa: E402
 
 from bench import interference  # noqa: E402
 from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
-from bench.vs_trl import training_records  # noqa: E402
+from bench.vs_trl import phases_end, training_records  # noqa: E402
 from tests.support.launcher import run_pipeline  # noqa: E402
 from tests.support.redis_server import free_port, start_redis  # noqa: E402
 
@@ -111,9 +111,8 @@ def seconds_per_step(records: Sequence[dict]) -> float:
     with it the last step's milliseconds of bookkeeping between its wait and its training."""
     if len(records) < 2:
         raise ValueError(f"seconds per step needs at least 2 training steps, got {len(records)}")
-    last = records[-1]
-    after_push = last["seconds/step"] - last["seconds/wait"] - last["seconds/train_wall"] - last["seconds/sync"]
-    return (last["time"] - after_push - records[0]["time"]) / (len(records) - 1)
+    end = phases_end(records[-1], ("seconds/wait", "seconds/train_wall", "seconds/sync"))
+    return (end - records[0]["time"]) / (len(records) - 1)
 
 
 def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:

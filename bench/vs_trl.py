@@ -89,9 +89,14 @@ def training_window(steps: Sequence[dict[str, Any]], batches: Sequence[dict[str,
     starts = [t for batch in batches for t in batch["sampling_started_at"]]
     if not starts:
         raise ValueError("batches.jsonl names no sampling start: no group was trained")
-    last = steps[-1]
-    after_training = last["seconds/step"] - last["seconds/wait"] - last["seconds/train_wall"]
-    return min(starts), last["time"] - after_training
+    return min(starts), phases_end(steps[-1], ("seconds/wait", "seconds/train_wall"))
+
+
+def phases_end(record: dict[str, Any], phases: Sequence[str]) -> float:
+    """When ``record``'s step finished ``phases``, the first of its phases in their order (wait, training
+    ``seconds/train_wall``, push ``seconds/sync``; then checkpoint and evaluation): the record's time less what
+    the step did after them (the step's milliseconds of bookkeeping before training counted with the rest)."""
+    return record["time"] - (record["seconds/step"] - sum(record[phase] for phase in phases))
 
 
 def final_reward(rewards: Sequence[float]) -> float:
