@@ -124,6 +124,7 @@ class GeneratorTelemetry:
                 "generator/heartbeat_errors": self.heartbeat_errors,
                 "generator/gpu_lease_errors": self.lease.keeper.errors if self.lease.keeper else 0,
                 "stream/prompts/claimed": stream.claimed,
+                "stream/prompts/recovered": stream.recovered,
                 "stream/prompts/dead_lettered": stream.dead_lettered,
                 "stream/prompts/malformed": stream.malformed,
                 "stream/prompts/duplicates": stream.duplicates,

@@ -170,6 +170,7 @@ class ScoringLoop:
             stream = self.consumer.stats
             out = self.stats.counters() | {
                 "stream/rollouts/claimed": stream.claimed,
+                "stream/rollouts/recovered": stream.recovered,
                 "stream/rollouts/dead_lettered": stream.dead_lettered,
                 "stream/rollouts/duplicates": stream.duplicates,
             }

@@ -9,8 +9,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
@@ -23,8 +24,10 @@ from shared.streams.producer import Output, outputs_per_producer
 
 log = logging.getLogger(__name__)
 
+_PENDING_PAGE = 1000  # pending entries listed per XPENDING call when looking for lost deliveries
 Commit = tuple[Delivery, Sequence[Output]]  # a delivery and the records its processing writes downstream
 _Raw = list[tuple[str, dict | None]]  # entries as Redis returns them: (entry id, fields)
+Source = Literal["own", "lost", "claimed", "new"]  # own pending, lost deliveries, claimed from the dead, new
 
 
 @dataclass
@@ -34,6 +37,7 @@ class StreamStats:
     delivered: int = 0
     redelivered: int = 0
     claimed: int = 0
+    recovered: int = 0  # left pending under our name by a failed read, read again (StreamConsumer.recover_lost)
     committed: int = 0
     duplicates: int = 0
     dead_lettered: int = 0
@@ -47,11 +51,23 @@ class _ConsumerState:
     in_flight: dict[str, Delivery] = field(default_factory=dict)
     last_error: dict[str, str] = field(default_factory=dict)
 
+    def held(self) -> set[str]:
+        """The entries handed out and not finished: in flight, or released for a retry."""
+        return set(self.in_flight) | set(self.last_error)
+
 
 @dataclass
 class _GroupReader:
     """Where a consumer's next entries come from, in Redis: its own pending entries (left by its previous
-    life), entries idle past ``claim_idle_ms`` under a dead consumer's name, and new entries."""
+    life), deliveries of this life whose reply was lost, entries idle past ``claim_idle_ms`` under a dead
+    consumer's name, and new entries.
+
+    A read that fails may have been carried out: Redis delivered the entries (they are pending under our
+    name, and with AOF they outlive a restart) and the reply never arrived (the connection or the server went
+    down before it was sent), or it arrived and what the consumer does next with Redis (delivery counts,
+    applied marks) failed before it handed them out. Such entries are nobody's work until ``claim_idle_ms``
+    has passed, so a failed read marks a search for them (``lost_check_due``), done before the next read.
+    """
 
     client: aioredis.Redis
     stream: str
@@ -61,10 +77,24 @@ class _GroupReader:
     pending_cursor: str | None = "0"  # None once our own pending entries have been re-read
     claim_cursor: str = "0-0"
     next_claim_at: float = 0.0
+    lost_check_due: bool = False  # a read failed: some of our pending entries may never have reached us
+    lost: list[tuple[str, int]] = field(default_factory=list)  # (id, idle ms): pending as ours, not held
 
     @property
     def claim_due(self) -> bool:
         return time.monotonic() >= self.next_claim_at
+
+    async def next(self, count: int, block_ms: int, held: Callable[[], Collection[str]]) -> tuple[_Raw, Source]:
+        """The next entries and where they came from, in the order above."""
+        if raw := await self.own_pending(count):
+            return raw, "own"
+        if self.lost_check_due:
+            await self.find_lost(held())
+        if self.lost and (raw := await self.claim_lost(count)):
+            return raw, "lost"
+        if self.claim_due and (raw := await self.claim_idle(count)):
+            return raw, "claimed"
+        return await self.new(count, block_ms), "new"
 
     async def own_pending(self, count: int) -> _Raw:
         if self.pending_cursor is None:
@@ -74,23 +104,60 @@ class _GroupReader:
         self.pending_cursor = entries[-1][0] if entries else None
         return entries
 
+    async def find_lost(self, held: Collection[str]) -> None:
+        """Set ``lost`` to the entries pending under our name that are not in ``held`` (ids only, paged)."""
+        lost, start = [], "-"
+        while True:
+            page: list[dict[str, Any]] = await self.client.xpending_range(
+                self.stream, self.group, min=start, max="+", count=_PENDING_PAGE, consumername=self.consumer
+            )
+            ids = [text(entry["message_id"]) for entry in page]
+            idle = [int(entry["time_since_delivered"]) for entry in page]
+            lost += [(entry_id, ms) for entry_id, ms in zip(ids, idle, strict=True) if entry_id not in held]
+            if len(page) < _PENDING_PAGE:
+                break
+            start = "(" + ids[-1]
+        self.lost, self.lost_check_due = lost, False
+
+    async def claim_lost(self, count: int) -> _Raw:
+        """The first ``count`` lost entries, delivered to us again (XCLAIM). The claim asks for the idle time
+        seen when they were found, so an entry another consumer has claimed since (its idle time restarted)
+        stays its; entries deleted meanwhile are dropped from the pending list by Redis and not returned."""
+        wanted, self.lost = self.lost[:count], self.lost[count:]
+        try:
+            entries: list[Any] = await self.client.xclaim(
+                self.stream, self.group, self.consumer, min(idle for _, idle in wanted), [i for i, _ in wanted]
+            )
+        except BaseException:  # the claim may have been carried out (idle times restarted): look again
+            self.lost, self.lost_check_due = [], True
+            raise
+        return [(text(entry_id), fields) for entry_id, fields in entries if fields]
+
     async def claim_idle(self, count: int) -> _Raw:
         self.next_claim_at = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
-        next_cursor, entries, *_ = await self.client.xautoclaim(
-            self.stream,
-            self.group,
-            self.consumer,
-            min_idle_time=self.claim_idle_ms,
-            start_id=self.claim_cursor,
-            count=count,
-        )
+        try:
+            next_cursor, entries, *_ = await self.client.xautoclaim(
+                self.stream,
+                self.group,
+                self.consumer,
+                min_idle_time=self.claim_idle_ms,
+                start_id=self.claim_cursor,
+                count=count,
+            )
+        except BaseException:
+            self.lost_check_due = True
+            raise
         self.claim_cursor = text(next_cursor)
         return [(text(entry_id), fields) for entry_id, fields in entries if fields]
 
     async def new(self, count: int, block_ms: int) -> _Raw:
-        reply = await self.client.xreadgroup(
-            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms or None
-        )
+        try:
+            reply = await self.client.xreadgroup(
+                self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms or None
+            )
+        except BaseException:
+            self.lost_check_due = True
+            raise
         return read_entries(reply)
 
     async def delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
@@ -146,30 +213,47 @@ class StreamConsumer:
     # Reading -------------------------------------------------------------------------------------------
 
     async def read(self, count: int | None = None, block_ms: int | None = None) -> list[Delivery]:
-        """Next deliveries: own pending entries first, then entries claimed from dead consumers, then new.
+        """Next deliveries: own pending entries first, then lost deliveries (:meth:`recover_lost`), then
+        entries claimed from dead consumers, then new.
 
         Entries past ``max_deliveries`` go to the dead-letter stream; entries whose record was already
         applied are acknowledged and skipped. May return an empty list after blocking ``block_ms``.
         """
         count = count or self.batch_size
-        raw = await self._reader.own_pending(count)
-        redelivered = bool(raw)
-        if not raw and self._reader.claim_due:
-            raw = await self._reader.claim_idle(count)
-            redelivered = True
-            if raw:
-                self.stats.claimed += len(raw)
-                log.info("claimed %d idle entries of %s from dead consumers", len(raw), self.stream)
-        if not raw:
-            raw = await self._reader.new(count, self.block_ms if block_ms is None else block_ms)
-            redelivered = False
+        block_ms = self.block_ms if block_ms is None else block_ms
+        raw, source = await self._reader.next(count, block_ms, self._state.held)
         if not raw:
             return []
+        if source == "lost":
+            self.stats.recovered += len(raw)
+            log.warning("read again %d entries of %s a failed read left with %s", len(raw), self.stream, self.consumer)
+        elif source == "claimed":
+            self.stats.claimed += len(raw)
+            log.info("claimed %d idle entries of %s from dead consumers", len(raw), self.stream)
+        try:
+            return await self._deliver(raw, redelivered=source != "new")
+        except BaseException:
+            # Read from Redis, never handed out: as lost as a reply that never came, found and read again.
+            for entry_id, _ in raw:
+                self._state.in_flight.pop(entry_id, None)
+            self._reader.lost_check_due = True
+            raise
+
+    async def _deliver(self, raw: _Raw, redelivered: bool) -> list[Delivery]:
         counts = await self._reader.delivery_counts([entry_id for entry_id, _ in raw]) if redelivered else {}
         deliveries = []
         for entry_id, fields in raw:
             deliveries.append(await self._to_delivery(entry_id, fields, counts.get(entry_id, 1)))
         return await self._drop_applied([d for d in deliveries if d is not None])
+
+    async def recover_lost(self) -> int:
+        """How many entries are pending under this consumer's name without it holding them (delivered or
+        released): deliveries a failed read never handed out. The next reads return them. A failed read looks for
+        them by itself; a caller that must know nothing is missing (the learner, before it takes the data as
+        run out) asks here, since a connection that failed and was retried inside the client raises nothing.
+        """
+        await self._reader.find_lost(self._state.held())
+        return len(self._reader.lost)
 
     async def _to_delivery(self, entry_id: str, fields: dict | None, deliveries: int) -> Delivery | None:
         if deliveries > 1:

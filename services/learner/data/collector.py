@@ -5,7 +5,9 @@ A group is dropped, acknowledged and counted rather than trained (:func:`drop_re
 before a restart, when the scorer marked it (zero-std, with dynamic sampling), when it was sampled by weights
 a crashed learner pushed after its last checkpoint, or when it is stale
 (:func:`~services.learner.data.staleness.is_stale`). Dynamic sampling's cap (:func:`replacement_cap_reached`)
-bounds how long a step waits for replacements of the zero-std groups it skipped.
+bounds how long a step waits for replacements of the zero-std groups it skipped. The data has run out
+(``drained``) only when nothing is in flight and no delivery to the learner was lost on the way
+(:meth:`~shared.streams.StreamConsumer.recover_lost`).
 """
 
 from __future__ import annotations
@@ -111,8 +113,7 @@ class BatchCollector:
             await self.admission.admit(len(self.buffer))
             await self._read(wanted - len(self.buffer))
             await self.while_waiting()
-            drained = self.feeder.exhausted and len(self.buffer) < wanted
-            if drained and await self.admission.measure_in_flight(len(self.buffer)) == len(self.buffer):
+            if await self._drained(wanted):
                 self.drained = True
                 break
         if stop.is_set() or not self.buffer:
@@ -123,6 +124,20 @@ class BatchCollector:
         }
         batch, self.buffer = self.buffer[:wanted], self.buffer[wanted:]
         return batch
+
+    async def _drained(self, wanted: int) -> bool:
+        """Every row admitted, fewer than ``wanted`` groups buffered, and nothing else in flight: no backlog,
+        and no scored group left pending under the learner's name by a failed read (a restart or a dropped
+        connection at the wrong moment), which the in-flight count leaves out (the learner's pending entries
+        are its trained, not yet acknowledged groups). Such groups are read again by the next reads."""
+        if not self.feeder.exhausted or len(self.buffer) >= wanted:
+            return False
+        if await self.admission.measure_in_flight(len(self.buffer)) != len(self.buffer):
+            return False
+        lost = await self.redis.run(self.consumer.recover_lost, "looking for lost deliveries of scored groups")
+        if lost:
+            log.warning("%d scored groups were left pending by a failed read; reading them again", lost)
+        return not lost
 
     async def _read(self, count: int) -> None:
         """Read up to ``count`` scored groups: each is buffered for training, or dropped with its reason."""
