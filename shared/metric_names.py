@@ -136,6 +136,7 @@ _COUNTERS = (
         )
     ),
     _m("counters/eval_orphans", "evaluation groups that came back after their round ended", _L, EVAL),
+    _m("stream/scored/recovered", "scored groups a failed read left pending, read again (cumulative)", _L, STEP),
 )
 
 _TRAJECTORIES = (
@@ -199,7 +200,7 @@ _SCORER = (
     _m("rewards/<function>/breaker_open", "1 while its circuit breaker is open", SCORER, GAUGE),
     _m("rewards/<function>/hung_threads", "threads still running abandoned calls", SCORER, GAUGE),
     _m("stream/rollouts/claimed", "rollouts claimed from a dead consumer", SCORER, COUNTER),
-    _m("stream/rollouts/recovered", "rollouts delivered whose reply was lost, read again", SCORER, COUNTER),
+    _m("stream/rollouts/recovered", "rollouts a failed read left pending, read again", SCORER, COUNTER),
     _m("stream/rollouts/dead_lettered", "rollouts moved to the dead-letter stream", SCORER, COUNTER),
     _m("stream/rollouts/duplicates", "rollouts delivered twice and skipped", SCORER, COUNTER),
 )
@@ -231,7 +232,7 @@ _GENERATOR = (
     _m("generator/policy_version", "the policy version the engine holds", GENERATOR, GAUGE),
     _m("generator/weights_ok", "0 after a failed weight update, until the next one succeeds", GENERATOR, GAUGE),
     _m("stream/prompts/claimed", "prompt tasks claimed from a dead consumer", GENERATOR, COUNTER),
-    _m("stream/prompts/recovered", "prompt tasks delivered whose reply was lost, read again", GENERATOR, COUNTER),
+    _m("stream/prompts/recovered", "prompt tasks a failed read left pending, read again", GENERATOR, COUNTER),
     _m("stream/prompts/dead_lettered", "prompt tasks moved to the dead-letter stream", GENERATOR, COUNTER),
     _m("stream/prompts/malformed", "prompt tasks that could not be decoded", GENERATOR, COUNTER),
     _m("stream/prompts/duplicates", "prompt tasks delivered twice and skipped", GENERATOR, COUNTER),

@@ -37,7 +37,7 @@ _VARIABLE = "\0"  # stands for the variable part of a key name while its pattern
 # Redis 7.0 does not know: a rule naming it would stop the server).
 CONNECTION = ("ping", "select")  # select: the database number of REDIS_URL
 TRANSACTION = ("multi", "exec", "discard", "watch", "unwatch")  # commits are MULTI/EXEC under WATCH
-CONSUMER = ("xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xpending", "xack", "exists", "set", "xadd")
+CONSUMER = ("xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xpending", "xack", "exists", "set", "xadd", "eval")
 PRODUCER = ("xadd", "xinfo|groups", "xlen", "xtrim", "xpending")  # the backlog bound reads and trims
 BACKLOG = ("xinfo|groups", "xlen")  # what a group has not finished
 
@@ -77,7 +77,7 @@ def pattern(name: str) -> str:
 def _consumer(keys: Keys, stream: str, group: str, reader: str) -> tuple[KeyGrant, ...]:
     """A consumer group's stream and its applied markers (both read and written by a commit)."""
     return (
-        KeyGrant(pattern(stream), "RW", f"reads {reader} as group `{group}`: XREADGROUP, XAUTOCLAIM, XACK"),
+        KeyGrant(pattern(stream), "RW", f"reads {reader} as group `{group}`: XREADGROUP, XAUTOCLAIM, XACK, EVAL"),
         KeyGrant(pattern(keys.applied(stream, group, _VARIABLE)), "RW", "applied markers: EXISTS, SET under WATCH"),
     )
 

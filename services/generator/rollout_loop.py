@@ -108,8 +108,8 @@ class RolloutLoop:
             raise self.fatal
 
     def _finished(self, task: asyncio.Task) -> None:
-        """A prompt's task is done; a failure nobody handled is logged and counted (its prompt stays pending and
-        is delivered again after ``claim_idle_ms``)."""
+        """A prompt's task is done; a failure nobody handled is logged and counted (its prompt, released by
+        :meth:`_handle`, is delivered again after ``claim_idle_ms``)."""
         self._tasks.discard(task)
         if task.cancelled() or task.exception() is None:
             return
@@ -122,6 +122,15 @@ class RolloutLoop:
         waiters[0].cancel()
 
     async def _handle(self, delivery: Delivery, received_at: float) -> None:
+        """Sample and write one prompt's group. A failure nobody handled releases the prompt: held, it would
+        be kept alive as in flight for good, never delivered again."""
+        try:
+            await self._handle_prompt(delivery, received_at)
+        except Exception as exc:
+            await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
+            raise
+
+    async def _handle_prompt(self, delivery: Delivery, received_at: float) -> None:
         task = await decode_or_reject(self.consumer, self.redis, delivery, PromptTask, "a prompt")
         if task is None:
             self.stats.rejected += 1

@@ -337,4 +337,5 @@ class LearnerLoop:
                 "train_tokens_per_second": metrics["completion_tokens"] / max(result["seconds/train"], 1e-9),
             }
             record.update({f"counters/{k}": v for k, v in self.counters.as_dict().items()})
+            record["stream/scored/recovered"] = self.consumer.stats.recovered
             self.sink.write(step, record)

@@ -8,8 +8,9 @@ Guarantees, each tested in ``tests/integration/test_streams.py``:
 * **Recovery.** A consumer first re-reads its own pending entries (a restart under a stable name). Entries
   idle longer than ``claim_idle_ms`` - their consumer died - are taken over with ``XAUTOCLAIM``. A live
   consumer keeps its in-flight entries fresh (``XCLAIM ... JUSTID``), so slow work is not stolen. A read
-  that fails may have been carried out (a reply lost as Redis or the link went down); the next read takes
-  back what is pending under the consumer's name and not held by it (:meth:`StreamConsumer.recover_lost`).
+  that fails may have been carried out (a reply lost as Redis or the link went down); after it, and every
+  few seconds, a read takes back what is pending under the consumer's name and not held by it
+  (:meth:`StreamConsumer.recover_lost`).
 * **Poison entries.** An entry delivered more than ``max_deliveries`` times, or one the service rejects,
   moves to the dead-letter stream with its reason and original payload. A malformed entry (its fields are
   not exactly a UTF-8 record id and a payload: anyone who can write to Redis can add arbitrary bytes) moves

@@ -25,9 +25,34 @@ from shared.streams.producer import Output, outputs_per_producer
 log = logging.getLogger(__name__)
 
 _PENDING_PAGE = 1000  # pending entries listed per XPENDING call when looking for lost deliveries
+_LOST_CHECK_S = 5.0  # how often a reader looks for lost deliveries when no read failed (ids only: cheap)
+# Claims each id (ARGV[3:]) for consumer ARGV[2] of group ARGV[1] only while it is pending under that consumer,
+# keeping its delivery count; returns the claimed entries as XCLAIM does.
+_CLAIM_IF_OURS = """
+local claimed = {}
+for i = 3, #ARGV do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1, ARGV[2])
+  if pending[1] then
+    local entry = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'RETRYCOUNT', pending[1][4])
+    if entry[1] then claimed[#claimed + 1] = entry[1] end
+  end
+end
+return claimed
+"""
 Commit = tuple[Delivery, Sequence[Output]]  # a delivery and the records its processing writes downstream
 _Raw = list[tuple[str, dict | None]]  # entries as Redis returns them: (entry id, fields)
 Source = Literal["own", "lost", "claimed", "new"]  # own pending, lost deliveries, claimed from the dead, new
+
+
+def _id_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id ("ms-seq", or "0") as a sortable pair."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _fields(flat: list) -> dict:
+    """An entry's fields as a script returns them (name, value, name, value, ...) as XCLAIM's dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 @dataclass
@@ -59,14 +84,18 @@ class _ConsumerState:
 @dataclass
 class _GroupReader:
     """Where a consumer's next entries come from, in Redis: its own pending entries (left by its previous
-    life), deliveries of this life whose reply was lost, entries idle past ``claim_idle_ms`` under a dead
-    consumer's name, and new entries.
+    life), lost deliveries, entries idle past ``claim_idle_ms`` under a dead consumer's name, and new entries.
 
     A read that fails may have been carried out: Redis delivered the entries (they are pending under our
     name, and with AOF they outlive a restart) and the reply never arrived (the connection or the server went
     down before it was sent), or it arrived and what the consumer does next with Redis (delivery counts,
-    applied marks) failed before it handed them out. Such entries are nobody's work until ``claim_idle_ms``
-    has passed, so a failed read marks a search for them (``lost_check_due``), done before the next read.
+    applied marks) failed before it handed them out. The client may also have retried the connection inside
+    itself and returned other entries, raising nothing. Such entries are nobody's work until
+    ``claim_idle_ms`` has passed (10 minutes for the learner), so the reader looks for them - entries pending
+    under our name that the consumer does not hold - after a failed read and every ``_LOST_CHECK_S``.
+
+    One read at a time per consumer (every service reads from one loop): entries a concurrent read had
+    just been given would look lost.
     """
 
     client: aioredis.Redis
@@ -78,7 +107,8 @@ class _GroupReader:
     claim_cursor: str = "0-0"
     next_claim_at: float = 0.0
     lost_check_due: bool = False  # a read failed: some of our pending entries may never have reached us
-    lost: list[tuple[str, int]] = field(default_factory=list)  # (id, idle ms): pending as ours, not held
+    next_lost_check_at: float = 0.0
+    lost: list[str] = field(default_factory=list)  # ids pending under our name, not held when last looked
 
     @property
     def claim_due(self) -> bool:
@@ -88,7 +118,7 @@ class _GroupReader:
         """The next entries and where they came from, in the order above."""
         if raw := await self.own_pending(count):
             return raw, "own"
-        if self.lost_check_due:
+        if self.lost_check_due or time.monotonic() >= self.next_lost_check_at:
             await self.find_lost(held())
         if self.lost and (raw := await self.claim_lost(count)):
             return raw, "lost"
@@ -105,33 +135,37 @@ class _GroupReader:
         return entries
 
     async def find_lost(self, held: Collection[str]) -> None:
-        """Set ``lost`` to the entries pending under our name that are not in ``held`` (ids only, paged)."""
+        """Set ``lost`` to the entries pending under our name that are not in ``held`` (ids only, paged), and
+        that our own pending entries' re-read, while under way, will not hand out anyway."""
         lost, start = [], "-"
         while True:
             page: list[dict[str, Any]] = await self.client.xpending_range(
                 self.stream, self.group, min=start, max="+", count=_PENDING_PAGE, consumername=self.consumer
             )
             ids = [text(entry["message_id"]) for entry in page]
-            idle = [int(entry["time_since_delivered"]) for entry in page]
-            lost += [(entry_id, ms) for entry_id, ms in zip(ids, idle, strict=True) if entry_id not in held]
+            lost += [entry_id for entry_id in ids if entry_id not in held and not self._rereads(entry_id)]
             if len(page) < _PENDING_PAGE:
                 break
             start = "(" + ids[-1]
         self.lost, self.lost_check_due = lost, False
+        self.next_lost_check_at = time.monotonic() + _LOST_CHECK_S
+
+    def _rereads(self, entry_id: str) -> bool:
+        """Whether the re-read of our own pending entries, under way, is yet to hand out ``entry_id``."""
+        return self.pending_cursor is not None and _id_order(entry_id) > _id_order(self.pending_cursor)
 
     async def claim_lost(self, count: int) -> _Raw:
-        """The first ``count`` lost entries, delivered to us again (XCLAIM). The claim asks for the idle time
-        seen when they were found, so an entry another consumer has claimed since (its idle time restarted)
-        stays its; entries deleted meanwhile are dropped from the pending list by Redis and not returned."""
+        """The first ``count`` lost entries, handed to us again: each taken (XCLAIM) only if it is still pending
+        under our name, in one script, so an entry another consumer claimed or finished since stays theirs; its
+        delivery count is kept (no work was done on it). Entries deleted from the stream meanwhile are dropped
+        from the pending list by Redis and not returned."""
         wanted, self.lost = self.lost[:count], self.lost[count:]
         try:
-            entries: list[Any] = await self.client.xclaim(
-                self.stream, self.group, self.consumer, min(idle for _, idle in wanted), [i for i, _ in wanted]
-            )
-        except BaseException:  # the claim may have been carried out (idle times restarted): look again
-            self.lost, self.lost_check_due = [], True
+            reply = await self.client.eval(_CLAIM_IF_OURS, 1, self.stream, self.group, self.consumer, *wanted)
+        except BaseException:  # they are still pending under our name: found again
+            self.lost_check_due = True
             raise
-        return [(text(entry_id), fields) for entry_id, fields in entries if fields]
+        return [(text(entry_id), _fields(flat)) for entry_id, flat in reply]
 
     async def claim_idle(self, count: int) -> _Raw:
         self.next_claim_at = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
@@ -230,12 +264,14 @@ class StreamConsumer:
         elif source == "claimed":
             self.stats.claimed += len(raw)
             log.info("claimed %d idle entries of %s from dead consumers", len(raw), self.stream)
+        held_before = self._state.held()
         try:
             return await self._deliver(raw, redelivered=source != "new")
         except BaseException:
             # Read from Redis, never handed out: as lost as a reply that never came, found and read again.
             for entry_id, _ in raw:
-                self._state.in_flight.pop(entry_id, None)
+                if entry_id not in held_before:
+                    self._state.in_flight.pop(entry_id, None)
             self._reader.lost_check_due = True
             raise
 
@@ -248,10 +284,9 @@ class StreamConsumer:
 
     async def recover_lost(self) -> int:
         """How many entries are pending under this consumer's name without it holding them (delivered or
-        released): deliveries a failed read never handed out. The next reads return them. A failed read looks for
-        them by itself; a caller that must know nothing is missing (the learner, before it takes the data as
-        run out) asks here, since a connection that failed and was retried inside the client raises nothing.
-        """
+        released): deliveries a failed read never handed out. The next reads return them. Reads look for them
+        after a failure and every few seconds; a caller that must know now that nothing is missing (the
+        learner, before it takes its data as run out) asks here. Not while a read of this consumer runs."""
         await self._reader.find_lost(self._state.held())
         return len(self._reader.lost)
 

@@ -285,13 +285,13 @@ async def _lose_one_reply(client, keys: Keys, when) -> str:
 
 async def test_a_scored_group_whose_reply_was_lost_is_trained(tiny, tmp_path, redis_client, redis_url, keys):
     """CI's one failure of 2026-11-28 (the restart test above: "step 9 of 10, the data ran out (20 admitted:
-        18 trained)"): a Redis restart can carry out the learner's read and lose its reply, leaving groups
-        pending under the learner's name and never seen. The learner claims entries only after 10 minutes and
-        counts its own pending entries out of what is in flight (they are its trained, unacknowledged groups),
-        so it took the data as run out without them. Here one reply is lost near the end of the data, every
-        time: the learner finds the group and reads it again, so every admitted group is trained or dropped with
-    its reason (the group may by then be too stale to train); without it the last step trained one group of two
-    and the lost one had no fate."""
+    18 trained)"): a Redis restart can carry out the learner's read and lose its reply, leaving groups pending
+    under the learner's name and never seen. The learner claims entries only after 10 minutes and counts its
+    own pending entries out of what is in flight (they are its trained, unacknowledged groups), so it took the
+    data as run out without them. Here one reply is lost after step 3, every time: the learner finds the group
+    (it looks every 5 s, and before it takes its data as run out) and reads it again, so every admitted group
+    is trained or dropped with its reason (by then it may be too stale to train). Before, the last step trained
+    one group of two and the lost one had no fate."""
     data = {"source": "builtin:arithmetic", "builtin_size": STEPS * GROUPS_PER_STEP, "epochs": 1}
     settings = _in_process_settings(
         tiny, tmp_path, redis_url, keys, max_steps=STEPS, max_staleness=1, min_generators=0, data=data, lr=1e-3
@@ -301,7 +301,7 @@ async def test_a_scored_group_whose_reply_was_lost_is_trained(tiny, tmp_path, re
     async with httpx.AsyncClient() as http:
         loop, _ = await build_learner(settings, redis_client, http, CollectorRegistry())
         fake = asyncio.create_task(run_fake_pipeline(redis_client, keys, stop))
-        lost = asyncio.create_task(_lose_one_reply(redis_client, keys, lambda: loop.trainer.step >= STEPS - 3))
+        lost = asyncio.create_task(_lose_one_reply(redis_client, keys, lambda: loop.trainer.step >= 3))
         try:
             ended = await asyncio.wait_for(loop.run(stop, resumed=False), timeout=120)
         finally:

@@ -99,12 +99,16 @@ async def _generator_works(generator, keys: Keys) -> None:
     await second.dead_letter(claimed[2], "a prompt this test gives up on")
 
 
-async def _scorer_works(scorer, keys: Keys) -> None:
+async def _scorer_works(scorer, admin, keys: Keys) -> None:
     scored = StreamProducer(scorer, keys.scored, max_backlog=8)
     evaluated = StreamProducer(scorer, keys.evaluated)
     consumer = _consumer(scorer, keys, keys.rollouts, Keys.SCORERS, "scorer-0")
     await consumer.start()
-    first, second = await consumer.read(count=2)
+    [first] = await consumer.read(count=1)
+    await admin.xreadgroup(Keys.SCORERS, "scorer-0", {keys.rollouts: ">"}, count=1)  # a reply that got lost
+    assert await consumer.recover_lost() == 1  # XPENDING
+    [second] = await consumer.read(count=1)  # EVAL: XPENDING, XCLAIM
+    assert consumer.stats.recovered == 1
     assert await consumer.commit(first, [Output(scored, first.record_id, b"scored")])
     assert await consumer.commit(second, [Output(evaluated, second.record_id, b"evaluated")])
 
@@ -126,7 +130,7 @@ async def test_every_service_does_its_whole_job_as_its_own_user(users):
     keys, clients, admin = users
     await _learner_admits(clients["learner"], keys, ["t1", "t2", "t3"])
     await _generator_works(clients["generator"], keys)
-    await _scorer_works(clients["scorer"], keys)
+    await _scorer_works(clients["scorer"], admin, keys)
     await _learner_works(clients["learner"], admin, keys)
     await deregister(clients["generator"], keys, "gen-0")
     assert await admin.hlen(keys.generators) == 0

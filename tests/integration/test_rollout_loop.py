@@ -48,11 +48,12 @@ async def _run(redis_client, keys: Keys, engine: ScriptedEngine, until) -> Rollo
     loop = RolloutLoop(engine, consumer, StreamProducer(redis_client, keys.rollouts), "gen-0", max_in_flight=2)
     stop = asyncio.Event()
     running = asyncio.create_task(loop.run(stop))
+    keepalive = asyncio.create_task(consumer.run_keepalive(stop))  # as the service runs it
     deadline = time.monotonic() + 20
     while not await until(loop) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     stop.set()
-    await asyncio.wait_for(running, 10)
+    await asyncio.wait_for(asyncio.gather(running, keepalive), 10)
     return loop
 
 

@@ -13,6 +13,7 @@ import time
 import pytest
 from redis.exceptions import ResponseError
 
+import shared.streams.consumer as consumer_module
 from shared.redis_conn import TRANSIENT_ERRORS, RedisRetry, make_client
 from shared.streams import Output, StreamConsumer, StreamProducer, stream_backlog, trim_processed
 from shared.streams.entries import text
@@ -322,7 +323,7 @@ async def test_a_read_whose_reply_was_lost_is_read_again(redis_client, redis_url
         link.cut = False
         again = await consumer.read(count=3)
         assert [d.record_id for d in again] == ids
-        assert [d.deliveries for d in again] == [2, 2, 2]
+        assert [d.deliveries for d in again] == [1, 1, 1]  # the lost delivery is not counted
         assert consumer.stats.recovered == 3
         sink = StreamProducer(redis_client, sink_stream)
         assert await consumer.commit_many([(d, [Output(sink, d.record_id, d.payload)]) for d in again]) == [True] * 3
@@ -426,22 +427,52 @@ async def test_recover_lost_counts_what_the_consumer_does_not_hold_and_reads_onl
     never handed out twice; a lost entry another consumer claimed meanwhile stays that consumer's."""
     source = f"{keys.prefix}:in"
     ids = await _fill(redis_client, source, 6)
+    entry_ids = [entry_id for entry_id, _ in await redis_client.xrange(source)]
     consumer = _consumer(redis_client, keys, source, "me", claim_idle_ms=60_000)
     await consumer.start()
     held = await consumer.read(count=2)
     await consumer.release(held[1], "failed for now")
     # Three deliveries to "me" whose reply "me" never saw: the state a lost reply leaves in Redis.
     await redis_client.xreadgroup("workers", "me", {source: ">"}, count=3)
-    await asyncio.sleep(0.05)
-    assert await consumer.recover_lost() == 3  # found idle for 50 ms or more
-    await redis_client.xclaim(source, "workers", "other", 0, [ids_entry := (await redis_client.xrange(source))[4][0]])
+    assert await consumer.recover_lost() == 3
+    await redis_client.xclaim(source, "workers", "other", 0, [entry_ids[4]])
     recovered = await consumer.read(count=10)
     assert [d.record_id for d in recovered] == ids[2:4], "a held entry was handed out again, or another's taken"
+    assert [d.deliveries for d in recovered] == [1, 1], "a delivery nobody worked on was counted"
     assert consumer.stats.recovered == 2
-    pending = await redis_client.xpending_range(source, "workers", min=ids_entry, max=ids_entry, count=1)
+    pending = await redis_client.xpending_range(source, "workers", min=entry_ids[4], max=entry_ids[4], count=1)
     assert pending[0]["consumer"] == b"other"
     assert await consumer.recover_lost() == 0
     assert [d.record_id for d in await consumer.read(count=10, block_ms=1)] == [ids[5]]
+
+
+async def test_reads_look_for_lost_deliveries_by_themselves(redis_client, keys, monkeypatch):
+    """Without a failed read and without asking: every ``_LOST_CHECK_S`` a read looks (here at once)."""
+    monkeypatch.setattr(consumer_module, "_LOST_CHECK_S", 0.0)
+    source = f"{keys.prefix}:in"
+    consumer = _consumer(redis_client, keys, source, "me", claim_idle_ms=60_000)
+    await consumer.start()
+    assert await consumer.read(block_ms=1) == []
+    ids = await _fill(redis_client, source, 2)
+    await redis_client.xreadgroup("workers", "me", {source: ">"}, count=2)
+    assert [d.record_id for d in await consumer.read(count=10, block_ms=1)] == ids
+    assert consumer.stats.recovered == 2
+
+
+async def test_own_pending_entries_being_reread_are_not_taken_for_lost(redis_client, keys):
+    """A restarted consumer re-reading its own pending entries: those the re-read has yet to hand out are
+    not lost (taking them as lost would hand them out twice)."""
+    source = f"{keys.prefix}:in"
+    ids = await _fill(redis_client, source, 4)
+    first = _consumer(redis_client, keys, source, "stable-name", claim_idle_ms=60_000)
+    await first.start()
+    assert len(await first.read(count=4)) == 4
+    second = _consumer(redis_client, keys, source, "stable-name", claim_idle_ms=60_000)
+    assert [d.record_id for d in await second.read(count=2)] == ids[:2]
+    assert await second.recover_lost() == 0
+    assert [d.record_id for d in await second.read(count=10)] == ids[2:]
+    assert await second.read(count=10, block_ms=1) == []
+    assert second.stats.recovered == 0
 
 
 async def test_same_record_id_on_two_streams_is_applied_on_each(redis_client, keys):
