@@ -123,6 +123,8 @@ class _GroupReader:
         if self.lost and (raw := await self.claim_lost(count)):
             return raw, "lost"
         if self.claim_due and (raw := await self.claim_idle(count)):
+            claimed = {entry_id for entry_id, _ in raw}
+            self.lost = [entry_id for entry_id in self.lost if entry_id not in claimed]  # handed out once only
             return raw, "claimed"
         return await self.new(count, block_ms), "new"
 
@@ -157,8 +159,9 @@ class _GroupReader:
     async def claim_lost(self, count: int) -> _Raw:
         """The first ``count`` lost entries, handed to us again: each taken (XCLAIM) only if it is still pending
         under our name, in one script, so an entry another consumer claimed or finished since stays theirs; its
-        delivery count is kept (no work was done on it). Entries deleted from the stream meanwhile are dropped
-        from the pending list by Redis and not returned."""
+        delivery count is kept (no work was done on it: a hand-out that keeps failing is a Redis that keeps
+        failing, which ``max_deliveries`` is not for). Entries deleted from the stream meanwhile are dropped from
+        the pending list by Redis and not returned."""
         wanted, self.lost = self.lost[:count], self.lost[count:]
         try:
             reply = await self.client.eval(_CLAIM_IF_OURS, 1, self.stream, self.group, self.consumer, *wanted)
@@ -264,13 +267,14 @@ class StreamConsumer:
         elif source == "claimed":
             self.stats.claimed += len(raw)
             log.info("claimed %d idle entries of %s from dead consumers", len(raw), self.stream)
-        held_before = self._state.held()
+        in_flight_before = {entry_id for entry_id, _ in raw if entry_id in self._state.in_flight}
         try:
             return await self._deliver(raw, redelivered=source != "new")
         except BaseException:
-            # Read from Redis, never handed out: as lost as a reply that never came, found and read again.
+            # Read from Redis, never handed out: as lost as a reply that never came, found and read again (or,
+            # released before, retried after claim_idle_ms). What was in flight before this read stays so.
             for entry_id, _ in raw:
-                if entry_id not in held_before:
+                if entry_id not in in_flight_before:
                     self._state.in_flight.pop(entry_id, None)
             self._reader.lost_check_due = True
             raise

@@ -421,6 +421,59 @@ async def test_a_consumer_loses_nothing_across_redis_restarts(keys):
     assert len(received) > 100
 
 
+async def test_a_released_entry_whose_hand_out_failed_is_retried_not_kept_alive(redis_client, redis_url, keys):
+    """Released, claimed back after ``claim_idle_ms``, and the read failing before handing it out: it is
+    released still, so it comes back again; kept as in flight, keepalive would have hidden it for good."""
+    source = f"{keys.prefix}:in"
+    link = await FlakyLink(redis_url).start()
+    client = make_client(link.url)
+    stop = asyncio.Event()
+    consumer = _consumer(client, keys, source, "me", claim_idle_ms=100)
+    keepalive = asyncio.create_task(consumer.run_keepalive(stop))
+    try:
+        await consumer.start()
+        [record_id] = await _fill(redis_client, source, 1)
+        [delivery] = await consumer.read(count=1)
+        await consumer.release(delivery, "failed for now")
+        await asyncio.sleep(0.15)
+        link.cut_after(replies=2)  # the claim and its delivery counts go through, the applied marks do not
+        with pytest.raises(TRANSIENT_ERRORS):
+            await consumer.read(count=1)
+        link.cut = False
+        await asyncio.sleep(0.3)  # keepalive's rounds: what it holds as in flight is never idle past 100 ms
+        deadline = time.monotonic() + 5
+        again: list = []
+        while not again:
+            assert time.monotonic() < deadline, "the released entry never came back"
+            again = await consumer.read(count=1, block_ms=20)
+        assert [d.record_id for d in again] == [record_id]
+    finally:
+        stop.set()
+        await keepalive
+        await client.aclose()
+        await link.close()
+
+
+async def test_an_entry_claimed_idle_is_not_also_taken_back_as_lost(redis_client, keys):
+    """Two lost entries found; the first is finished meanwhile (acknowledged elsewhere), so a read with room
+    for one takes back nothing and claims the second, idle past ``claim_idle_ms``: it is handed out once, not
+    again as lost."""
+    source = f"{keys.prefix}:in"
+    consumer = _consumer(redis_client, keys, source, "me", claim_idle_ms=100)
+    await consumer.start()
+    assert await consumer.read(block_ms=1) == []
+    await _fill(redis_client, source, 2)
+    entry_ids = [entry_id for entry_id, _ in await redis_client.xrange(source)]
+    await redis_client.xreadgroup("workers", "me", {source: ">"}, count=2)  # two replies lost
+    assert await consumer.recover_lost() == 2
+    await redis_client.xack(source, "workers", entry_ids[0])
+    await asyncio.sleep(0.15)
+    handed = [d.entry_id for d in await consumer.read(count=1, block_ms=1)]
+    handed += [d.entry_id for d in await consumer.read(count=1, block_ms=1)]
+    assert handed == [entry_ids[1].decode()]
+    assert consumer.stats.claimed == 1 and consumer.stats.recovered == 0
+
+
 async def test_recover_lost_counts_what_the_consumer_does_not_hold_and_reads_only_that(redis_client, keys):
     """A lost reply that raised nothing (the client retried the connection inside itself) is found on asking:
     pending under our name and not held. What the consumer holds (in flight, or released for a retry) is
