@@ -92,7 +92,8 @@ class _GroupReader:
     applied marks) failed before it handed them out. The client may also have retried the connection inside
     itself and returned other entries, raising nothing. Such entries are nobody's work until
     ``claim_idle_ms`` has passed (10 minutes for the learner), so the reader looks for them - entries pending
-    under our name that the consumer does not hold - after a failed read and every ``_LOST_CHECK_S``.
+    under our name that the consumer does not hold - after a failed read (``lost_check_due``, which
+    :meth:`StreamConsumer.read` sets) and every ``_LOST_CHECK_S``.
 
     One read at a time per consumer (every service reads from one loop): entries a concurrent read had
     just been given would look lost.
@@ -163,38 +164,26 @@ class _GroupReader:
         failing, which ``max_deliveries`` is not for). Entries deleted from the stream meanwhile are dropped from
         the pending list by Redis and not returned."""
         wanted, self.lost = self.lost[:count], self.lost[count:]
-        try:
-            reply = await self.client.eval(_CLAIM_IF_OURS, 1, self.stream, self.group, self.consumer, *wanted)
-        except BaseException:  # they are still pending under our name: found again
-            self.lost_check_due = True
-            raise
+        reply = await self.client.eval(_CLAIM_IF_OURS, 1, self.stream, self.group, self.consumer, *wanted)
         return [(text(entry_id), _fields(flat)) for entry_id, flat in reply]
 
     async def claim_idle(self, count: int) -> _Raw:
         self.next_claim_at = time.monotonic() + max(self.claim_idle_ms / 4000, 0.05)
-        try:
-            next_cursor, entries, *_ = await self.client.xautoclaim(
-                self.stream,
-                self.group,
-                self.consumer,
-                min_idle_time=self.claim_idle_ms,
-                start_id=self.claim_cursor,
-                count=count,
-            )
-        except BaseException:
-            self.lost_check_due = True
-            raise
+        next_cursor, entries, *_ = await self.client.xautoclaim(
+            self.stream,
+            self.group,
+            self.consumer,
+            min_idle_time=self.claim_idle_ms,
+            start_id=self.claim_cursor,
+            count=count,
+        )
         self.claim_cursor = text(next_cursor)
         return [(text(entry_id), fields) for entry_id, fields in entries if fields]
 
     async def new(self, count: int, block_ms: int) -> _Raw:
-        try:
-            reply = await self.client.xreadgroup(
-                self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms or None
-            )
-        except BaseException:
-            self.lost_check_due = True
-            raise
+        reply = await self.client.xreadgroup(
+            self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms or None
+        )
         return read_entries(reply)
 
     async def delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
@@ -258,29 +247,30 @@ class StreamConsumer:
         """
         count = count or self.batch_size
         block_ms = self.block_ms if block_ms is None else block_ms
-        raw, source = await self._reader.next(count, block_ms, self._state.held)
-        if not raw:
-            return []
-        if source == "lost":
-            self.stats.recovered += len(raw)
-            log.warning("read again %d entries of %s a failed read left with %s", len(raw), self.stream, self.consumer)
-        elif source == "claimed":
-            self.stats.claimed += len(raw)
-            log.info("claimed %d idle entries of %s from dead consumers", len(raw), self.stream)
-        in_flight_before = {entry_id for entry_id, _ in raw if entry_id in self._state.in_flight}
+        raw: _Raw = []
+        in_flight_before: set[str] = set()
         try:
-            return await self._deliver(raw, redelivered=source != "new")
+            raw, source = await self._reader.next(count, block_ms, self._state.held)
+            in_flight_before = {entry_id for entry_id, _ in raw if entry_id in self._state.in_flight}
+            return await self._deliver(raw, source)
         except BaseException:
-            # Read from Redis, never handed out: as lost as a reply that never came, found and read again (or,
-            # released before, retried after claim_idle_ms). What was in flight before this read stays so.
+            # A failed read may have been carried out: what Redis delivered and never reached us, or reached us
+            # and was never handed out, is found and read again (an entry released before is retried after
+            # claim_idle_ms). What was in flight before this read stays so.
             for entry_id, _ in raw:
                 if entry_id not in in_flight_before:
                     self._state.in_flight.pop(entry_id, None)
             self._reader.lost_check_due = True
             raise
 
-    async def _deliver(self, raw: _Raw, redelivered: bool) -> list[Delivery]:
-        counts = await self._reader.delivery_counts([entry_id for entry_id, _ in raw]) if redelivered else {}
+    async def _deliver(self, raw: _Raw, source: Source) -> list[Delivery]:
+        if source == "lost":
+            self.stats.recovered += len(raw)
+            log.warning("read again %d entries of %s a failed read left with %s", len(raw), self.stream, self.consumer)
+        elif source == "claimed":
+            self.stats.claimed += len(raw)
+            log.info("claimed %d idle entries of %s from dead consumers", len(raw), self.stream)
+        counts = await self._reader.delivery_counts([entry_id for entry_id, _ in raw]) if source != "new" else {}
         deliveries = []
         for entry_id, fields in raw:
             deliveries.append(await self._to_delivery(entry_id, fields, counts.get(entry_id, 1)))
