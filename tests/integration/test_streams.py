@@ -31,6 +31,22 @@ def _consumer(client, keys, stream, name, **kwargs) -> StreamConsumer:
     return StreamConsumer(client, keys, stream, "workers", name, **options)
 
 
+@pytest.fixture
+async def link(redis_url):
+    """A link to the test's Redis that the test can cut (``tests/support/flaky_link.py``)."""
+    flaky = await FlakyLink(redis_url).start()
+    yield flaky
+    await flaky.close()
+
+
+@pytest.fixture
+async def linked_client(link):
+    """A client that reaches Redis through ``link``."""
+    client = make_client(link.url)
+    yield client
+    await client.aclose()
+
+
 async def _fill(client, stream, n, prefix="r") -> list[str]:
     producer = StreamProducer(client, stream)
     ids = [f"{prefix}{i}" for i in range(n)]
@@ -301,64 +317,52 @@ async def test_keepalive_stops_live_work_from_being_claimed(redis_client, keys):
     assert other.stats.claimed == 0
 
 
-async def test_a_read_whose_reply_was_lost_is_read_again(redis_client, redis_url, keys):
+async def test_a_read_whose_reply_was_lost_is_read_again(redis_client, link, linked_client, keys):
     """Redis delivered the entries (they are pending under our name) and the reply never came: the next read
     returns them, not only the claim that would hand them back after ``claim_idle_ms``. Without it a
     restart of Redis at that moment left them nobody's work; the learner (claiming after 10 minutes) took
     its data as run out without them."""
     source, sink_stream = f"{keys.prefix}:in", f"{keys.prefix}:out"
-    link = await FlakyLink(redis_url).start()
-    client = make_client(link.url)
-    try:
-        consumer = _consumer(client, keys, source, "me", claim_idle_ms=60_000)
-        await consumer.start()
-        assert await consumer.read(block_ms=1) == []  # its own pending entries (none) and a claim: done
-        ids = await _fill(redis_client, source, 3)
-        link.cut = True
-        with pytest.raises(TRANSIENT_ERRORS):
-            await consumer.read(count=3)
-        assert link.replies_dropped >= 1
-        pending = await redis_client.xpending_range(source, "workers", min="-", max="+", count=10)
-        assert [p["consumer"] for p in pending] == [b"me"] * 3, "Redis did not carry out the read"
-        link.cut = False
-        again = await consumer.read(count=3)
-        assert [d.record_id for d in again] == ids
-        assert [d.deliveries for d in again] == [1, 1, 1]  # the lost delivery is not counted
-        assert consumer.stats.recovered == 3
-        sink = StreamProducer(redis_client, sink_stream)
-        assert await consumer.commit_many([(d, [Output(sink, d.record_id, d.payload)]) for d in again]) == [True] * 3
-        assert await consumer.read(count=3, block_ms=1) == []
-        assert (await redis_client.xpending(source, "workers"))["pending"] == 0
-        assert await _record_ids(redis_client, sink_stream) == ids
-    finally:
-        await client.aclose()
-        await link.close()
+    consumer = _consumer(linked_client, keys, source, "me", claim_idle_ms=60_000)
+    await consumer.start()
+    assert await consumer.read(block_ms=1) == []  # its own pending entries (none) and a claim: done
+    ids = await _fill(redis_client, source, 3)
+    link.cut = True
+    with pytest.raises(TRANSIENT_ERRORS):
+        await consumer.read(count=3)
+    assert link.replies_dropped >= 1
+    pending = await redis_client.xpending_range(source, "workers", min="-", max="+", count=10)
+    assert [p["consumer"] for p in pending] == [b"me"] * 3, "Redis did not carry out the read"
+    link.cut = False
+    again = await consumer.read(count=3)
+    assert [d.record_id for d in again] == ids
+    assert [d.deliveries for d in again] == [1, 1, 1]  # the lost delivery is not counted
+    assert consumer.stats.recovered == 3
+    sink = StreamProducer(redis_client, sink_stream)
+    assert await consumer.commit_many([(d, [Output(sink, d.record_id, d.payload)]) for d in again]) == [True] * 3
+    assert await consumer.read(count=3, block_ms=1) == []
+    assert (await redis_client.xpending(source, "workers"))["pending"] == 0
+    assert await _record_ids(redis_client, sink_stream) == ids
 
 
-async def test_entries_read_but_never_handed_out_are_read_again(redis_client, redis_url, keys):
+async def test_entries_read_but_never_handed_out_are_read_again(redis_client, link, linked_client, keys):
     """The reply came; what the consumer asks Redis next (are the records applied already?) failed, so the
     read raised without handing the entries out. They were kept as in flight and kept alive: never handed
     out, never claimed by anyone (across Redis restarts, the commonest of the two ways of losing entries:
     see the next test)."""
     source = f"{keys.prefix}:in"
-    link = await FlakyLink(redis_url).start()
-    client = make_client(link.url)
-    try:
-        consumer = _consumer(client, keys, source, "me", claim_idle_ms=60_000)
-        await consumer.start()
-        assert await consumer.read(block_ms=1) == []
-        ids = await _fill(redis_client, source, 3)
-        link.cut_after(replies=1)  # the entries' reply goes through, the applied marks' does not
-        with pytest.raises(TRANSIENT_ERRORS):
-            await consumer.read(count=3)
-        assert consumer.in_flight == 0
-        link.cut = False
-        again = await consumer.read(count=3)
-        assert [d.record_id for d in again] == ids
-        assert consumer.stats.recovered == 3
-    finally:
-        await client.aclose()
-        await link.close()
+    consumer = _consumer(linked_client, keys, source, "me", claim_idle_ms=60_000)
+    await consumer.start()
+    assert await consumer.read(block_ms=1) == []
+    ids = await _fill(redis_client, source, 3)
+    link.cut_after(replies=1)  # the entries' reply goes through, the applied marks' does not
+    with pytest.raises(TRANSIENT_ERRORS):
+        await consumer.read(count=3)
+    assert consumer.in_flight == 0
+    link.cut = False
+    again = await consumer.read(count=3)
+    assert [d.record_id for d in again] == ids
+    assert consumer.stats.recovered == 3
 
 
 async def test_a_consumer_loses_nothing_across_redis_restarts(keys):
@@ -421,14 +425,14 @@ async def test_a_consumer_loses_nothing_across_redis_restarts(keys):
     assert len(received) > 100
 
 
-async def test_a_released_entry_whose_hand_out_failed_is_retried_not_kept_alive(redis_client, redis_url, keys):
+async def test_a_released_entry_whose_hand_out_failed_is_retried_not_kept_alive(
+    redis_client, link, linked_client, keys
+):
     """Released, claimed back after ``claim_idle_ms``, and the read failing before handing it out: it is
     released still, so it comes back again; kept as in flight, keepalive would have hidden it for good."""
     source = f"{keys.prefix}:in"
-    link = await FlakyLink(redis_url).start()
-    client = make_client(link.url)
     stop = asyncio.Event()
-    consumer = _consumer(client, keys, source, "me", claim_idle_ms=100)
+    consumer = _consumer(linked_client, keys, source, "me", claim_idle_ms=100)
     keepalive = asyncio.create_task(consumer.run_keepalive(stop))
     try:
         await consumer.start()
@@ -450,8 +454,6 @@ async def test_a_released_entry_whose_hand_out_failed_is_retried_not_kept_alive(
     finally:
         stop.set()
         await keepalive
-        await client.aclose()
-        await link.close()
 
 
 async def test_an_entry_claimed_idle_is_not_also_taken_back_as_lost(redis_client, keys):
