@@ -68,12 +68,17 @@ class Counters:
         else:
             self.weight_push_failures += 1
 
+    def fates(self) -> dict[str, int]:
+        """The admitted groups by what became of them: {"trained": 8, "stale_dropped": 1992, ...}, every fate."""
+        return {
+            name.removeprefix("groups_"): n
+            for name, n in self.as_dict().items()
+            if name.startswith("groups_") and name != "groups_admitted"
+        }
+
     def group_fates(self) -> str:
         """What became of the admitted groups: "2000 admitted: 8 trained, 1992 stale_dropped"."""
-        counts = self.as_dict()
-        fates = [f"{counts['groups_trained']} trained"] + [
-            f"{n} {name.removeprefix('groups_')}"
-            for name, n in counts.items()
-            if n and name.startswith("groups_") and name not in ("groups_admitted", "groups_trained")
-        ]
-        return f"{counts['groups_admitted']} admitted: {', '.join(fates)}"
+        fates = self.fates()
+        trained = fates.pop("trained")
+        shown = [f"{trained} trained"] + [f"{n} {name}" for name, n in fates.items() if n]
+        return f"{self.groups_admitted} admitted: {', '.join(shown)}"
