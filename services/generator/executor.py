@@ -1,15 +1,18 @@
 """The executor a CPU engine runs its worker with: vLLM's multiprocess executor, except that its engine core
-waits for the worker's answer to a weight push by sleeping instead of spinning.
+waits for the worker's answer to a weight push by blocking on its notification instead of spinning.
 
 vLLM's engine core talks to its worker process through shared-memory queues, and a reader keeps polling a
-queue (``sched_yield`` in a loop) for a second after it last read from it. On the CPU the launcher gives a
+queue (``sched_yield`` in a loop) for a second after it last read from it, and only then waits for the writer's
+notification (a zmq message the writer sends after every message). On the CPU the launcher gives a
 generator's processes one set of cores; on a one-core generator the engine core's polling shares the core
 with the worker, and while the worker receives a push over gloo, whose thread sleeps and wakes for each
 chunk a socket brings, the polling stretched the receive: the engine core took 55 % of the core during
 pushes, and a push to 2 generators took 0.43 s instead of 0.26 s (``bench/weight_push.py --transport gloo``,
-2-core AMD EPYC). While a ``weight_channel_*`` call runs, the engine core here polls with a short sleep
-between looks (:data:`POLL_S`) instead: at most that much later to see the answer, next to nothing of the
-core. Every other call (sampling steps included: the polling is what makes a step's hand-off quick, and a
+2-core AMD EPYC). While a ``weight_channel_*`` call runs, the engine core here waits for that notification
+from the start instead, for at most :data:`POLL_S` before it looks again (the writer's publisher drops a
+notification while an older one is still unread, so one can be missed): it wakes when the answer comes and
+otherwise takes next to nothing of the core. A queue without the notification socket sleeps ``POLL_S``
+between looks. Every other call (sampling steps included: the polling is what makes a step's hand-off quick, and a
 sleeping poll made sampling 13 % slower) waits as vLLM does.
 
 vLLM chooses an executor per engine (``distributed_executor_backend``, which takes an ``Executor``
@@ -25,14 +28,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import zmq
 from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.0005  # the engine core's sleep between looks at the worker's answer while a weight call runs
+POLL_S = 0.005  # the longest the engine core waits for a notification before it looks at the worker's answer again
 QUIET_PREFIX = "weight_channel_"  # the weight push's worker calls (weight_sync.receiver)
 
 
@@ -43,20 +47,16 @@ def sleeps_while_waiting(method: object, non_block: bool) -> bool:
 
 @contextlib.contextmanager
 def sleeping_polls(queues: Sequence[Any], poll_s: float = POLL_S) -> Iterator[bool]:
-    """While inside, each of ``queues`` (vLLM ``MessageQueue`` readers) polls for a message with a sleep of
-    ``poll_s`` between looks instead of yielding the core. Yields False, changing nothing, where a queue lacks
-    the poll this replaces."""
+    """While inside, each of ``queues`` (vLLM ``MessageQueue`` readers) waits for a message by waiting for its
+    writer's notification, at most ``poll_s`` at a time (:func:`notified_or_slept`), instead of yielding the
+    core in a loop. Yields False, changing nothing, where a queue lacks the poll this replaces."""
     conditions = [getattr(queue, "_spin_condition", None) for queue in queues]
     if not conditions or any(c is None or not callable(getattr(c, "wait", None)) for c in conditions):
         yield False
         return
-
-    def wait(timeout_ms: int | None = None) -> None:
-        time.sleep(poll_s)
-
     before = [vars(condition).get("wait") for condition in conditions]  # None: the class's method
     for condition in conditions:
-        condition.wait = wait  # an instance attribute, over the class's method
+        condition.wait = notified_or_slept(condition, poll_s)  # an instance attribute, over the class's method
     try:
         yield True
     finally:
@@ -65,6 +65,22 @@ def sleeping_polls(queues: Sequence[Any], poll_s: float = POLL_S) -> Iterator[bo
                 del condition.wait
             else:
                 condition.wait = earlier
+
+
+def notified_or_slept(condition: Any, poll_s: float) -> Callable[..., None]:
+    """A ``wait`` for vLLM's ``SpinCondition`` ``condition`` that blocks until its writer's notification
+    arrives (taking it) or ``poll_s`` has passed; one that sleeps ``poll_s`` where the condition has no
+    notification socket to wait on."""
+    poller, notified = getattr(condition, "poller", None), getattr(condition, "local_notify_socket", None)
+    if poller is None or notified is None:
+        return lambda timeout_ms=None: time.sleep(poll_s)
+    poll_ms = max(1, round(poll_s * 1000))
+
+    def wait(timeout_ms: int | None = None) -> None:
+        if notified in dict(poller.poll(timeout=poll_ms)):
+            notified.recv(flags=zmq.NOBLOCK, copy=False)
+
+    return wait
 
 
 class WeightPushExecutor(MultiprocExecutor):
