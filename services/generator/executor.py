@@ -9,11 +9,14 @@ with the worker, and while the worker receives a push over gloo, whose thread sl
 chunk a socket brings, the polling stretched the receive: the engine core took 55 % of the core during
 pushes, and a push to 2 generators took 0.43 s instead of 0.26 s (``bench/weight_push.py --transport gloo``,
 2-core AMD EPYC). While a ``weight_channel_*`` call runs, the engine core here waits for that notification
-from the start instead, for at most :data:`POLL_S` before it looks again (the writer's publisher drops a
-notification while an older one is still unread, so one can be missed): it wakes when the answer comes and
-otherwise takes next to nothing of the core. A queue without the notification socket sleeps ``POLL_S``
-between looks. Every other call (sampling steps included: the polling is what makes a step's hand-off quick, and a
-sleeping poll made sampling 13 % slower) waits as vLLM does.
+from the start instead, for at most :data:`POLL_S` before it looks again (the writer's publisher keeps one
+notification in its queue and drops the next while that one has not left, so one can be missed): it wakes when
+the answer comes and otherwise takes next to nothing of the core. A queue without the notification socket sleeps
+``POLL_S`` between looks. Every other call (sampling steps included: the polling is what makes a step's hand-off
+quick, and a sleeping poll made sampling 13 % slower) waits as vLLM does, except that a sampling step still
+pending when ``weight_channel_open`` is called (with asynchronous scheduling vLLM resolves earlier futures
+first) is waited for the quiet way too: at most ``POLL_S`` later, once per push, before the pause. vLLM's optional
+spin-loop extension (``VLLM_USE_SPINLOOP_EXT``, off by default) spins before every wait and is left as it is.
 
 vLLM chooses an executor per engine (``distributed_executor_backend``, which takes an ``Executor``
 subclass); a CPU engine runs the multiprocess one whatever is asked (vLLM's CPU platform needs the process
@@ -40,13 +43,14 @@ POLL_S = 0.005  # the longest the engine core waits for a notification before it
 QUIET_PREFIX = "weight_channel_"  # the weight push's worker calls (weight_sync.receiver)
 
 
-def sleeps_while_waiting(method: object, non_block: bool) -> bool:
-    """Whether a ``collective_rpc`` of ``method`` waits by sleeping: a blocking weight push call."""
+def waits_quietly(method: object, non_block: bool) -> bool:
+    """Whether a ``collective_rpc`` of ``method`` waits quietly (:func:`quiet_waits`): a blocking weight push
+    call."""
     return isinstance(method, str) and method.startswith(QUIET_PREFIX) and not non_block
 
 
 @contextlib.contextmanager
-def sleeping_polls(queues: Sequence[Any], poll_s: float = POLL_S) -> Iterator[bool]:
+def quiet_waits(queues: Sequence[Any], poll_s: float = POLL_S) -> Iterator[bool]:
     """While inside, each of ``queues`` (vLLM ``MessageQueue`` readers) waits for a message by waiting for its
     writer's notification, at most ``poll_s`` at a time (:func:`notified_or_slept`), instead of yielding the
     core in a loop. Yields False, changing nothing, where a queue lacks the poll this replaces."""
@@ -84,19 +88,20 @@ def notified_or_slept(condition: Any, poll_s: float) -> Callable[..., None]:
 
 
 class WeightPushExecutor(MultiprocExecutor):
-    """vLLM's multiprocess executor whose engine core sleeps between looks while a weight call runs."""
+    """vLLM's multiprocess executor whose engine core waits quietly for the worker while a weight call runs."""
 
     _warned = False
 
     def collective_rpc(self, method: Any, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None,
                        non_block: bool = False, **rest: Any) -> Any:  # fmt: skip
-        if not sleeps_while_waiting(method, non_block):
+        if not waits_quietly(method, non_block):
             return super().collective_rpc(method, timeout, args, kwargs, non_block, **rest)
-        with sleeping_polls(getattr(self, "response_mqs", ())) as sleeping:
-            if not sleeping and not WeightPushExecutor._warned:
+        with quiet_waits(getattr(self, "response_mqs", ())) as quiet:
+            if not quiet and not WeightPushExecutor._warned:
                 WeightPushExecutor._warned = True
                 log.warning(
-                    "this vLLM's executor has no queue poll to replace: the engine core busy-polls while it "
-                    "waits for weight pushes (slower pushes on a one-core generator)"
+                    "the engine core's queues to its workers have no poll to replace (another vLLM, or workers on "
+                    "other nodes): it busy-polls while it waits for weight pushes (slower pushes on a one-core "
+                    "generator)"
                 )
             return super().collective_rpc(method, timeout, args, kwargs, non_block, **rest)

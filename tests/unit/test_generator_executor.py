@@ -21,8 +21,8 @@ from services.generator.executor import (  # noqa: E402
     POLL_S,
     WeightPushExecutor,
     notified_or_slept,
-    sleeping_polls,
-    sleeps_while_waiting,
+    quiet_waits,
+    waits_quietly,
 )
 
 
@@ -56,8 +56,8 @@ def _wait_cpu_seconds(
     def read() -> None:
         started, cpu = time.perf_counter(), time.thread_time()
         if quiet:
-            with sleeping_polls([reader], poll_s) as sleeping:
-                assert sleeping
+            with quiet_waits([reader], poll_s) as installed:
+                assert installed
                 out["got"] = reader.dequeue(timeout=5)
         else:
             out["got"] = reader.dequeue(timeout=5)
@@ -92,6 +92,48 @@ def test_the_wait_wakes_at_the_writer_s_notification_not_at_the_end_of_its_poll(
     assert cpu < 0.05, f"{cpu:.3f} s of CPU blocked on the notification"
 
 
+def test_a_shutdown_ends_a_quiet_wait_at_once(queue_pair):
+    writer, reader = queue_pair
+    writer.enqueue("first")
+    assert reader.dequeue(timeout=5) == "first"
+    threading.Timer(0.2, reader.shutdown).start()
+    started = time.perf_counter()
+    with quiet_waits([reader], poll_s=3.0), pytest.raises(RuntimeError, match="cancelled"):
+        reader.dequeue(timeout=10)
+    assert time.perf_counter() - started < 0.2 + 0.5  # the cancel wakes the wait, not the end of its 3-s poll
+
+
+def test_a_quiet_wait_still_times_out(queue_pair):
+    writer, reader = queue_pair
+    writer.enqueue("first")
+    assert reader.dequeue(timeout=5) == "first"
+    started = time.perf_counter()
+    with quiet_waits([reader]), pytest.raises(TimeoutError):
+        reader.dequeue(timeout=0.3)
+    assert 0.29 < time.perf_counter() - started < 0.3 + 0.2
+
+
+@pytest.mark.parametrize(("method", "quiet"), [("weight_channel_receive", True), ("execute_model", False)])
+def test_the_executor_waits_quietly_for_weight_calls_only_and_puts_vllm_s_wait_back(
+    queue_pair, monkeypatch, method, quiet
+):
+    _, reader = queue_pair
+    condition = reader._spin_condition
+    seen = []
+
+    def vllm_s(self, method, timeout=None, args=(), kwargs=None, non_block=False, **rest):
+        seen.append("wait" in vars(condition))
+        raise RuntimeError("the worker failed")
+
+    monkeypatch.setattr(MultiprocExecutor, "collective_rpc", vllm_s)
+    executor = WeightPushExecutor.__new__(WeightPushExecutor)  # no engine: only its queues matter here
+    executor.response_mqs = [reader]
+    with pytest.raises(RuntimeError, match="the worker failed"):
+        executor.collective_rpc(method)
+    assert seen == [quiet]
+    assert "wait" not in vars(condition)  # vLLM's own wait again, after the call raised
+
+
 def test_a_condition_without_a_notification_socket_sleeps_between_looks():
     class Plain:
         def wait(self, timeout_ms=None):
@@ -106,17 +148,17 @@ def test_a_condition_without_a_notification_socket_sleeps_between_looks():
 def test_the_queue_s_own_poll_comes_back_afterwards(queue_pair):
     _, reader = queue_pair
     condition = reader._spin_condition
-    with sleeping_polls([reader]):
+    with quiet_waits([reader]):
         assert "wait" in vars(condition)
     assert "wait" not in vars(condition) and condition.wait.__func__ is type(condition).wait
 
 
-def test_nested_sleeping_polls_put_back_what_was_there(queue_pair):
+def test_nested_quiet_waits_put_back_what_was_there(queue_pair):
     _, reader = queue_pair
     condition = reader._spin_condition
-    with sleeping_polls([reader], poll_s=0.001):
+    with quiet_waits([reader], poll_s=0.001):
         outer = condition.wait
-        with sleeping_polls([reader]):
+        with quiet_waits([reader]):
             assert condition.wait is not outer
         assert condition.wait is outer
     assert "wait" not in vars(condition)
@@ -127,8 +169,8 @@ def test_a_queue_without_the_poll_is_left_as_it_is():
         pass
 
     other = Other()
-    with sleeping_polls([other]) as sleeping:
-        assert not sleeping
+    with quiet_waits([other]) as quiet:
+        assert not quiet
     assert vars(other) == {}
 
 
@@ -144,7 +186,7 @@ def test_a_queue_without_the_poll_is_left_as_it_is():
     ],
 )
 def test_which_calls_wait_by_sleeping(method, non_block, sleeps):
-    assert sleeps_while_waiting(method, non_block) is sleeps
+    assert waits_quietly(method, non_block) is sleeps
 
 
 def test_the_cpu_engine_s_executor_calls_vllm_s_as_vllm_declares_it():
