@@ -27,7 +27,10 @@ cores lose running at once (a cache-resident matmul, a copy through memory), pri
 lost: the copy's loss is at most what the machine's shared memory bandwidth costs a memory-bound phase,
 whatever runs it. The last line is measured / ideal from phases alone (goal >= 0.95).
 
-    python bench/async_vs_sync.py [--model smollm2|tiny] [--steps 12] [--quick]
+A push lands while the async run samples: ``--in-flight-at-push keep`` keeps the requests' KV instead of
+recomputing them (``generator.in_flight_at_push``).
+
+    python bench/async_vs_sync.py [--model smollm2|tiny] [--steps 12] [--in-flight-at-push recompute|keep] [--quick]
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import tomli_w  # noqa: E402
 from bench import interference  # noqa: E402
 from bench.record import add_record_flag, record, refuse_quick  # noqa: E402
 from bench.vs_trl import phases_end, training_records  # noqa: E402
+from shared.config.generator import GeneratorSettings  # noqa: E402
 from tests.support.launcher import run_pipeline  # noqa: E402
 from tests.support.redis_server import free_port, start_redis  # noqa: E402
 
@@ -60,7 +64,7 @@ COMPLETION_TOKENS = 64
 GENERATOR_CORE, LEARNER_CORE = 0, 1
 
 
-def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int, context: int) -> Path:
+def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int, context: int, in_flight: str) -> Path:
     document = {
         "launcher": {
             "generators": 1,
@@ -70,7 +74,13 @@ def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int, context:
             "log_dir": str(tmp / "logs"),
             "first_generator_port": free_port(),
         },
-        "generator": {"model": str(model), "dtype": "float32", "max_model_len": context, "kv_cache_gib": 2},
+        "generator": {
+            "model": str(model),
+            "dtype": "float32",
+            "max_model_len": context,
+            "kv_cache_gib": 2,
+            "in_flight_at_push": in_flight,
+        },
         "scorer": {"rewards": [{"name": "hard_format", "weight": 0.8}, {"name": "mark", "weight": 0.2}], "port": 0},
         "learner": {
             "model": str(model),
@@ -140,12 +150,19 @@ def phase_ideal(t_gen: float, t_train: float) -> float:
 
 
 def run_mode(
-    model: Path, mode: str, steps: int, groups: int, context: int, rest: tuple[dict[str, str] | None, str | None]
+    model: Path,
+    mode: str,
+    steps: int,
+    groups: int,
+    context: int,
+    rest: tuple[dict[str, str] | None, str | None],
+    in_flight: str,
 ) -> dict[str, float]:
-    """One run; ``rest``: the launcher's environment and cores (None: this process's)."""
+    """One run; ``rest``: the launcher's environment and cores (None: this process's); ``in_flight``: the
+    generator's ``in_flight_at_push``."""
     with tempfile.TemporaryDirectory(prefix=f"bench-{mode}-") as scratch:
         tmp = Path(scratch)
-        config = _config(tmp, model, mode, steps, groups, context)
+        config = _config(tmp, model, mode, steps, groups, context, in_flight)
         result = run_pipeline(config, timeout_s=3600, env=rest[0], cpus=rest[1])
         if result.returncode != 0:
             logs = "".join(f"\n--- {log.name}\n{log.read_text()[-2000:]}" for log in (tmp / "logs").glob("*.log"))
@@ -190,8 +207,8 @@ def main(args) -> None:
             os.sched_setaffinity(server.process.pid, {GENERATOR_CORE})
         rest = ({**os.environ, "REDIS_URL": server.url}, str(GENERATOR_CORE))
     try:
-        sync = run_mode(model, "sync", args.steps, args.groups, context, rest)
-        asyn = run_mode(model, "async", args.steps, args.groups, context, rest)
+        sync = run_mode(model, "sync", args.steps, args.groups, context, rest, args.in_flight_at_push)
+        asyn = run_mode(model, "async", args.steps, args.groups, context, rest, args.in_flight_at_push)
     finally:
         if server is not None:
             server.stop()
@@ -208,6 +225,7 @@ def main(args) -> None:
         f"async vs sync: {args.model} model, {args.groups} groups x G=8 per step, {args.steps} steps, "
         "generator on core 0, learner on core 1, "
         + ("launcher and Redis unpinned" if args.unpinned_rest else "scorer, launcher and Redis on core 0")
+        + f"; in-flight requests at a push: {args.in_flight_at_push}"
     )
     print(
         f"{'mode':<6} {'s/step':>7} {'wait s':>7} {'sampling s':>11} {'train+push s':>13} {'push s':>7} "
@@ -269,6 +287,13 @@ if __name__ == "__main__":
         action="store_true",
         help="leave the launcher unpinned and use the Redis at $REDIS_URL (else the local default) instead of "
         "one the bench starts on core 0",
+    )
+    parser.add_argument(
+        "--in-flight-at-push",
+        choices=["recompute", "keep"],
+        default=GeneratorSettings.model_fields["in_flight_at_push"].default,
+        help="what a push does to the requests sampling when it lands (generator.in_flight_at_push; default: its "
+        "default); a sync run's pushes land while nothing samples",
     )
     add_record_flag(parser)
     arguments = parser.parse_args()

@@ -20,7 +20,8 @@ Protocol (the generator side is :mod:`weight_sync.receiver`; the bytes are :mod:
    buckets: one ``CudaIpcWeights`` record in the store hands them the learner's tensors where they lie, and
    they copy them into their parameters (:mod:`weight_sync.transport_ipc`); the push waits until they are
    done.
-   Each generator pauses, receives, loads, resets its prefix cache and resumes, then answers the POST.
+   Each generator pauses, receives, loads, recomputes or keeps its in-flight requests (its
+   ``in_flight_at_push``), salts its prefix cache anew and resumes, then answers the POST.
 4. When every POST answered 200 the push succeeded; a generator that failed or was refused is reported (the
    caller retries with the replicas that are live then - replicas that joined or left are handled that way).
 

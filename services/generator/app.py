@@ -70,8 +70,10 @@ class WeightUpdateResult(BaseModel):
     load_seconds: float = Field(0.0, description="part of transfer spent loading into the engine")
     deferred_handles: int = Field(0, description="CPU kernel handles left to the engine's first step after the push")
     close_seconds: float = Field(0.0, description="leaving the push's group")
-    reset_seconds: float = 0.0
+    reset_seconds: float = Field(0.0, description="preempting the in-flight requests for their recompute")
     resume_seconds: float = 0.0
+    in_flight_requests: int = Field(0, description="prompts sampling when the push paused the engine")
+    in_flight_at_push: str = Field("", description="what the push did to them: recompute or keep")
     transport: str = Field("", description="gloo, nccl, ipc or shm")
     direct_load: bool = Field(False, description="copied straight into the parameters (else layerwise reload)")
     in_place_bytes: float = Field(

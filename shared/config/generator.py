@@ -45,6 +45,16 @@ class GeneratorSettings(ServiceSettings):
         "(docs/benchmarks.md). A multi-turn trajectory's next turn also recomputes the tokens after its last full "
         "block, so smaller blocks recompute less per turn (the CPU backend wants a multiple of 32).",
     )
+    in_flight_at_push: Literal["recompute", "keep"] = Field(
+        "recompute",
+        description="What a weight push does to the requests sampling when it lands. recompute: preempt them and "
+        "recompute their KV cache under the new weights (vLLM's reset_prefix_cache(reset_running_requests=True)); "
+        "keep: keep the KV computed so far, the rest of each is sampled by the new weights reading it (prime-rl and "
+        "PipelineRL do so), which spares the recompute (docs/concepts/algorithm.md). Either way a request's tokens "
+        "are stamped with the version at its start (the oldest that sampled any) and its behaviour logprobs are those "
+        "it was sampled with, and a request begun under one load of weights never reads prefix-cache blocks "
+        "computed under another (each load salts the cache anew: vLLM's cache_salt).",
+    )
     max_prompts_in_flight: int = Field(
         16, ge=1, description="Prompts read from the stream and sampling at once (each is G sequences)."
     )

@@ -17,15 +17,21 @@ from shared.codec import decode, encode
 from shared.records import ChatMessage, PromptTask, Rollout, SamplingSpec, WeightVersionAnnouncement
 from shared.registry import RegistryStats, live_generators
 from shared.streams import StreamProducer
+from tests.support.generator_service import (
+    ENGINE_START_S,
+    TOKEN,
+    auth,
+    engine_requests,
+    generator_environment,
+    reference_logprobs,
+    registered_replica,
+)
 from tests.support.processes import start_service, wait_http_ok
 from tests.support.redis_server import free_port
 from tests.support.tiny_model import build_tiny_llama
 from weight_sync.sender import WeightPusher
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
-
-TOKEN = "test-token-" + "x" * 32
-ENGINE_START_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -39,26 +45,11 @@ def prefix():
     return f"test-gen-{int(time.time() * 1000) % 10**8}"
 
 
-def _environment(model: Path, port: int, generator_id: str, redis_url: str, prefix: str) -> dict[str, str]:
-    """A generator of the tiny model on core 0, float32, in ``prefix``'s streams."""
-    return {
-        "GENERATOR_MODEL": str(model),
-        "GENERATOR_PORT": str(port),
-        "GENERATOR_GENERATOR_ID": generator_id,
-        "GENERATOR_MAX_MODEL_LEN": "512",
-        "GENERATOR_DTYPE": "float32",
-        "GENERATOR_OMP_CPUS": "0",
-        "REDIS_URL": redis_url,
-        "STREAM_PREFIX": prefix,
-        "API_TOKEN": TOKEN,
-    }
-
-
 @pytest.fixture(scope="module")
 def generator(models, redis_url, prefix):
     port = free_port()
     env = {
-        **_environment(models[0], port, "g1", redis_url, prefix),
+        **generator_environment(models[0], port, "g1", redis_url, prefix),
         "GENERATOR_PUBLIC_URL": f"http://127.0.0.1:{port}",
         # Pushes land in place here (parameters are views of the receive buffers); the replica tests and the
         # demo run the default, vLLM's prepacked kernels rebuilt after each push.
@@ -86,7 +77,7 @@ async def test_a_generator_stopped_while_vllm_loads_never_joins(models, redis_ur
     """SIGTERM while the engine loads (on its thread): the load finishes, then the replica ends without
     registering, taking prompts or saying it is ready, and exits 0."""
     port = free_port()
-    env = _environment(models[0], port, "g-stopped", redis_url, keys.prefix)
+    env = generator_environment(models[0], port, "g-stopped", redis_url, keys.prefix)
     service = start_service("generator-stopped", "services.generator", env)
     try:
         await asyncio.to_thread(service.wait_for_line, "HTTP on port", ENGINE_START_S)
@@ -99,37 +90,6 @@ async def test_a_generator_stopped_while_vllm_loads_never_joins(models, redis_ur
     assert "engine ready" in output and "ready on port" not in output, output[-4000:]
     assert await live_generators(redis_client, keys, RegistryStats()) == []
     assert await redis_client.exists(keys.prompts) == 0  # no consumer group was made on the prompt stream
-
-
-def _auth() -> dict[str, str]:
-    return {"Authorization": f"Bearer {TOKEN}"}
-
-
-async def _engine_requests(http, url) -> float:
-    """The generator's prompts sampling in the engine now (its Prometheus gauge)."""
-    for line in (await http.get(f"{url}/metrics")).text.splitlines():
-        if line.startswith("asyncgrpo_generator_engine_requests "):
-            return float(line.split()[-1])
-    return 0.0
-
-
-async def _registration(redis_client, keys):
-    """g1's registration (its first heartbeat follows the ready line, after the engine described itself)."""
-    deadline = time.monotonic() + 60
-    while not (registered := await live_generators(redis_client, keys, RegistryStats())):
-        assert time.monotonic() < deadline, "g1 never registered"
-        await asyncio.sleep(0.2)
-    [registration] = registered
-    return registration
-
-
-def _reference_logprobs(model_dir, prompt_ids, completion_ids, temperature) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    return logprobs.gather(1, torch.tensor(completion_ids, dtype=torch.long).unsqueeze(1)).squeeze(1)
 
 
 async def test_prompts_become_rollouts_with_exact_behaviour_logprobs(generator, models, redis_client, keys, prefix):
@@ -159,7 +119,7 @@ async def test_prompts_become_rollouts_with_exact_behaviour_logprobs(generator, 
         for completion in rollout.completions:
             assert completion.finish_reason in ("stop", "length")
             assert 1 <= len(completion.token_ids) <= 24
-            reference = _reference_logprobs(
+            reference = reference_logprobs(
                 models[0], rollout.prompt_token_ids.tolist(), completion.token_ids.tolist(), 0.7
             )
             worst = max(worst, float((reference - torch.from_numpy(completion.behaviour_logprobs.copy())).abs().max()))
@@ -174,7 +134,7 @@ def test_http_endpoints_and_auth(generator):
     ready = wait_http_ok(f"{generator.url}/ready", 30).json()
     assert ready["status"] == "ready" and ready["policy_version"] == 0
     body = {"prompts": ["hello", [{"role": "user", "content": "hi"}]], "n": 2, "sampling": {"max_tokens": 8}}
-    reply = httpx.post(f"{generator.url}/generate", json=body, headers=_auth(), timeout=60)
+    reply = httpx.post(f"{generator.url}/generate", json=body, headers=auth(), timeout=60)
     assert reply.status_code == 200, reply.text
     results = reply.json()["results"]
     assert len(results) == 2 and all(len(r["completions"]) == 2 for r in results)
@@ -193,7 +153,7 @@ def test_http_endpoints_and_auth(generator):
         "asyncgrpo_generator_policy_version",
     ):
         assert name in metrics
-    schema = httpx.get(f"{generator.url}/openapi.json", headers=_auth()).json()
+    schema = httpx.get(f"{generator.url}/openapi.json", headers=auth()).json()
     for path in ("/health", "/ready", "/metrics", "/generate", "/pause", "/resume", "/weights/update"):
         assert path in schema["paths"], path
 
@@ -202,7 +162,7 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
     from shared.keys import Keys
 
     keys = Keys(prefix)
-    registration = await _registration(redis_client, keys)
+    registration = await registered_replica(redis_client, keys)
     assert registration.generator_id == "g1"
     # What the learner plans the push from: CPU (gloo), the engine's dtype, and the versions it runs.
     assert registration.device_uuids == () and registration.engine_dtype == "float32"
@@ -217,9 +177,9 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
         "sampling": {"max_tokens": 480, "min_tokens": 480, "temperature": 1.0},
     }
     async with httpx.AsyncClient(timeout=300) as http:
-        in_flight = asyncio.create_task(http.post(f"{generator.url}/generate", json=long_body, headers=_auth()))
+        in_flight = asyncio.create_task(http.post(f"{generator.url}/generate", json=long_body, headers=auth()))
         deadline = time.monotonic() + 120
-        while not in_flight.done() and await _engine_requests(http, generator.url) < 1:
+        while not in_flight.done() and await engine_requests(http, generator.url) < 1:
             assert time.monotonic() < deadline, "the requests never reached the engine"
             await asyncio.sleep(0.05)
         report = await pusher.push(list(model_b.named_parameters()), 1, [registration], http)
@@ -244,7 +204,7 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
             "prompts": [[{"role": "user", "content": "hello there"}]],
             "sampling": {"temperature": 0, "max_tokens": 40},
         }
-        reply = (await http.post(f"{generator.url}/generate", json=greedy, headers=_auth())).json()
+        reply = (await http.post(f"{generator.url}/generate", json=greedy, headers=auth())).json()
     result = reply["results"][0]
     assert reply["policy_version"] == 1
     prompt_ids = result["prompt_token_ids"]
@@ -261,7 +221,7 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
     async with httpx.AsyncClient(timeout=300) as http:
         await pusher.push(list(model_a.named_parameters()), 2, [registration], http)
         await redis_client.set(keys.weights, encode(WeightVersionAnnouncement(policy_version=2)))
-        reply = (await http.post(f"{generator.url}/generate", json=greedy, headers=_auth())).json()
+        reply = (await http.post(f"{generator.url}/generate", json=greedy, headers=auth())).json()
     assert reply["policy_version"] == 2
     result = reply["results"][0]
     expected = model_a.generate(torch.tensor([prompt_ids]), max_new_tokens=40, do_sample=False)[0, len(prompt_ids) :]
@@ -301,7 +261,7 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
                     report = await shm_pusher.push(list(model.named_parameters()), version, [registration], http)
                     segment_names.append([s.path.name for s in shm_pusher._send_buffers[2].segments])
                 await redis_client.set(keys.weights, encode(WeightVersionAnnouncement(policy_version=version)))
-                reply = (await http.post(f"{generator.url}/generate", json=greedy, headers=_auth())).json()
+                reply = (await http.post(f"{generator.url}/generate", json=greedy, headers=auth())).json()
             assert reply["policy_version"] == version
             expected = model.generate(torch.tensor([prompt_ids]), max_new_tokens=40, do_sample=False)
             got = reply["results"][0]["completions"][0]["token_ids"]
@@ -319,7 +279,7 @@ async def test_a_generator_with_other_versions_is_refused_before_any_group(gener
     from shared.keys import Keys
     from weight_sync.sender import WeightPushError
 
-    registration = await _registration(redis_client, Keys(prefix))
+    registration = await registered_replica(redis_client, Keys(prefix))
     async with httpx.AsyncClient(timeout=60) as http:  # the served version (the registration may lag a heartbeat)
         served = (await http.get(f"{generator.url}/ready")).json()["policy_version"]
     other = registration.versions.model_copy(update={"vllm": "0.11.0"})
@@ -343,16 +303,16 @@ def test_the_cpu_engine_processes_start_with_the_malloc_settings(generator):
 
 
 def test_pause_and_resume_with_the_token(generator):
-    assert httpx.post(f"{generator.url}/pause", headers=_auth()).json()["status"] == "paused"
-    assert httpx.post(f"{generator.url}/resume", headers=_auth()).json()["status"] == "running"
+    assert httpx.post(f"{generator.url}/pause", headers=auth()).json()["status"] == "paused"
+    assert httpx.post(f"{generator.url}/resume", headers=auth()).json()["status"] == "running"
     too_big = {"prompts": ["x"] * 4, "n": 8, "sampling": {"max_tokens": 300}}
-    reply = httpx.post(f"{generator.url}/generate", json=too_big, headers=_auth())
+    reply = httpx.post(f"{generator.url}/generate", json=too_big, headers=auth())
     assert reply.status_code == 422 and "limit is 8192" in reply.text
 
 
 def test_bad_weight_announcement_is_refused_before_touching_the_engine(generator):
     body = {"policy_version": 99, "rendezvous": "127.0.0.1:1", "namespace": "x", "ranks": {"g1": 1}, "world_size": 2}
-    reply = httpx.post(f"{generator.url}/weights/update", json=body, headers=_auth(), timeout=30)
+    reply = httpx.post(f"{generator.url}/weights/update", json=body, headers=auth(), timeout=30)
     assert reply.status_code == 422 and "not reachable" in reply.text
     assert httpx.get(f"{generator.url}/ready").json()["status"] == "ready"
 
@@ -361,7 +321,7 @@ def test_fuzzed_requests_never_make_a_server_error(generator):
     """Runs last: schemathesis against the real generator's OpenAPI document."""
     import schemathesis
 
-    schema = schemathesis.openapi.from_url(f"{generator.url}/openapi.json", headers=_auth())
+    schema = schemathesis.openapi.from_url(f"{generator.url}/openapi.json", headers=auth())
     schema.config.base_url = generator.url
     try:
         _fuzz(schema, generator)
@@ -377,6 +337,6 @@ def _fuzz(schema, generator):
     for name, counts in anonymous.items():
         if name.startswith("POST"):
             assert set(counts) == {401}, (name, counts)
-    authorised = fuzz_operations(schema, headers=_auth(), max_examples=15, skip=("/shutdown", "/pause", "/resume"))
+    authorised = fuzz_operations(schema, headers=auth(), max_examples=15, skip=("/shutdown", "/pause", "/resume"))
     print("\nstatus codes per operation (authorised):", authorised)
     assert httpx.get(f"{generator.url}/ready").status_code in (200, 503)

@@ -70,8 +70,9 @@ async def store_port():
     await server.wait_closed()
 
 
-def _engine(llm: FakeLLM) -> Engine:
-    return Engine(GeneratorSettings(model="tiny"), llm, tokenizer=None, policy_version=2)
+def _engine(llm: FakeLLM, in_flight_at_push: str = "recompute") -> Engine:
+    settings = GeneratorSettings(model="tiny", in_flight_at_push=in_flight_at_push)
+    return Engine(settings, llm, tokenizer=None, policy_version=2)
 
 
 def _announcement(port: int, version: int = 3) -> WeightVersionAnnouncement:
@@ -93,6 +94,7 @@ async def test_update_joins_pauses_receives_closes_resets_and_resumes(store_port
         "resume_generation",
     ]
     assert engine.policy_version == 3 and engine.weights_ok and not llm.paused and not llm.channel_open
+    assert result["in_flight_at_push"] == "recompute" and result["in_flight_requests"] == 0
     assert result["bytes"] == 64.0 and result["transport"] == "gloo" and result["direct_load"]
     assert set(result) >= {
         "join_seconds",
@@ -102,6 +104,31 @@ async def test_update_joins_pauses_receives_closes_resets_and_resumes(store_port
         "reset_seconds",
         "resume_seconds",
     }
+
+
+async def test_keeping_in_flight_requests_resets_nothing_and_salts_the_cache_anew(store_port):
+    llm = FakeLLM()
+    engine = _engine(llm, in_flight_at_push="keep")
+    engine.active_requests = 3  # prompts sampling when the push pauses the engine
+    salt = engine.cache_salt
+    result = await engine.update_weights(_announcement(store_port), "g1")
+    assert "reset_prefix_cache" not in llm.calls and llm.calls[-1] == "resume_generation"
+    assert result["in_flight_at_push"] == "keep" and result["in_flight_requests"] == 3
+    assert engine.policy_version == 3 and engine.cache_salt != salt and not llm.paused
+
+
+async def test_each_load_of_weights_has_its_own_salt_and_a_failed_one_keeps_the_last(store_port):
+    llm = FakeLLM(fail="weight_channel_receive")
+    engine = _engine(llm)
+    salts = [engine.cache_salt]
+    with pytest.raises(WeightUpdateError):
+        await engine.update_weights(_announcement(store_port), "g1")
+    assert engine.cache_salt == salts[0] and engine.policy_version == 2  # sampling stays paused anyway
+    llm.fail = ""
+    for version in (3, 2, 3):  # a restarted learner's push goes back to a version seen before
+        await engine.update_weights(_announcement(store_port, version=version), "g1")
+        salts.append(engine.cache_salt)
+    assert len(set(salts)) == 4
 
 
 @pytest.mark.parametrize("fail", ["pause_scheduler", "weight_channel_receive", "reset_prefix_cache"])

@@ -1,0 +1,153 @@
+"""A weight push that lands while a request samples, in both modes of ``generator.in_flight_at_push``, with the
+real vLLM engine (CPU build), two tiny Llamas built here (A and B) and real Redis.
+
+What a mode does to a request's KV cache shows in its behaviour logprobs, checked against transformers under each
+model: the tokens before the push are A's; after it, under ``recompute``, B's exactly (its KV recomputed under
+B), and under ``keep`` neither model's (B reading the KV A computed). A request begun after a push reads no
+prefix-cache block computed before it (the cache's salt is new at each load): its logprobs are B's exactly even
+where the same prompt's blocks, computed under A, are still in the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from shared.keys import Keys
+from tests.support.generator_service import (
+    ENGINE_START_S,
+    TOKEN,
+    auth,
+    engine_requests,
+    generator_environment,
+    reference_logprobs,
+    registered_replica,
+)
+from tests.support.processes import start_service
+from tests.support.redis_server import free_port
+from tests.support.tiny_model import build_tiny_llama
+from weight_sync.sender import WeightPusher
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+EXACT = 1e-3  # vLLM's behaviour logprobs against transformers under the same weights and KV (float32)
+PROMPT = "".join(f"step {i}: the quick brown fox jumps over the lazy dog. " for i in range(3))  # 5 blocks of 32
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return build_tiny_llama(root / "A", seed=1), build_tiny_llama(root / "B", seed=2)
+
+
+@pytest.fixture(scope="module", params=["recompute", "keep"])
+def generator(request, models, redis_url):
+    port = free_port()
+    prefix = f"test-push-{request.param}-{int(time.time() * 1000) % 10**8}"
+    env = {
+        **generator_environment(models[0], port, "g1", redis_url, prefix),
+        "GENERATOR_PUBLIC_URL": f"http://127.0.0.1:{port}",
+        "GENERATOR_IN_FLIGHT_AT_PUSH": request.param,
+    }
+    service = start_service(f"generator-{request.param}", "services.generator", env)
+    service.port, service.mode, service.keys = port, request.param, Keys(prefix)
+    try:
+        service.wait_for_line("ready on port", ENGINE_START_S)
+        yield service
+    finally:
+        code = service.stop()
+        assert code == 0, service.output()[-4000:]
+
+
+class Pushes:
+    """The learner's side: pushes A or B to the one replica as the next version."""
+
+    def __init__(self, generator, models, registration, http: httpx.AsyncClient) -> None:
+        self.generator, self.http, self.registration = generator, http, registration
+        self.named = {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) for name, path in models}
+        self.pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token=TOKEN, bucket_bytes=256 << 10)
+
+    async def push(self, model: str) -> int:
+        served = (await self.http.get(f"{self.generator.url}/ready")).json()["policy_version"]
+        named = list(self.named[model].named_parameters())
+        await self.pusher.push(named, served + 1, [self.registration], self.http)
+        return served + 1
+
+
+@pytest.fixture
+async def pushes(generator, models, redis_client):
+    registration = await registered_replica(redis_client, generator.keys)
+    async with httpx.AsyncClient(timeout=300) as http:
+        yield Pushes(generator, zip("AB", models, strict=True), registration, http)
+
+
+async def _generate(http, url: str, max_tokens: int) -> dict:
+    """One completion of ``PROMPT`` at temperature 1; the end of text is masked (min_tokens = max_tokens)."""
+    body = {"prompts": [PROMPT], "sampling": {"max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 1.0}}
+    reply = await http.post(f"{url}/generate", json=body, headers=auth())
+    assert reply.status_code == 200, reply.text
+    return reply.json()["results"][0]
+
+
+def _gaps(model_dir, result: dict, end_of_text: int) -> torch.Tensor:
+    """|behaviour logprob - transformers' under ``model_dir``| per completion token, the end of text masked as
+    vLLM's min_tokens masks it."""
+    [completion] = result["completions"]
+    reference = reference_logprobs(
+        model_dir, result["prompt_token_ids"], completion["token_ids"], 1.0, banned=end_of_text
+    )
+    return (torch.tensor(completion["logprobs"]) - reference).abs()
+
+
+def _end_of_text(model_dir) -> int:
+    return AutoModelForCausalLM.from_pretrained(model_dir).config.eos_token_id
+
+
+async def test_a_push_mid_request_recomputes_its_kv_or_keeps_it(generator, models, pushes):
+    http, url = pushes.http, generator.url
+    await pushes.push("A")
+    await _generate(http, url, max_tokens=2)  # the first step after a push finishes its loading (CPU kernels)
+    sampling = asyncio.create_task(_generate(http, url, max_tokens=400))
+    deadline = time.monotonic() + 120
+    while await engine_requests(http, url) < 1:
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)  # some tokens sampled under A
+    assert (await http.post(f"{url}/pause", headers=auth())).status_code == 200  # the push lands mid-request
+    assert not sampling.done(), "the request ended before the pause: make it longer"
+    version = await pushes.push("B")
+    assert (await http.post(f"{url}/resume", headers=auth())).status_code == 200
+    result = await sampling
+    assert (result["policy_version"], result["finished_policy_version"]) == (version - 1, version)
+
+    end_of_text = _end_of_text(models[0])
+    under_a, under_b = _gaps(models[0], result, end_of_text), _gaps(models[1], result, end_of_text)
+    pushed_at = int((under_a > EXACT).nonzero()[0])  # the first token not sampled by A
+    print(
+        f"\n{generator.mode}: {pushed_at} of {len(under_a)} tokens sampled before the push; after it "
+        f"|behaviour - B| max {float(under_b[pushed_at:].max()):.2e}, median {float(under_b[pushed_at:].median()):.2e}"
+    )
+    assert 0 < pushed_at < len(under_a) - 50
+    assert float(under_a[:pushed_at].max()) < EXACT
+    if generator.mode == "recompute":  # every token after the push: B's, over KV B recomputed
+        assert float(under_b[pushed_at:].max()) < EXACT
+    else:  # B reading A's KV: B's own logprobs nowhere near
+        assert float(under_b[pushed_at:].median()) > 100 * EXACT
+    assert f"1 prompts in flight ({'kept' if generator.mode == 'keep' else 'recomputed'})" in generator.output()
+
+
+async def test_a_request_after_a_push_reads_no_block_cached_before_it(generator, models, pushes):
+    http, url = pushes.http, generator.url
+    end_of_text = _end_of_text(models[0])
+    await pushes.push("A")
+    under_a = _gaps(models[0], await _generate(http, url, max_tokens=8), end_of_text)
+    assert float(under_a.max()) < EXACT  # the prompt's blocks are now cached, computed under A
+    await pushes.push("B")
+    for _ in range(2):  # the second reads the blocks the first computed under B
+        under_b = _gaps(models[1], await _generate(http, url, max_tokens=8), end_of_text)
+        assert float(under_b.max()) < EXACT, under_b
