@@ -27,8 +27,10 @@ cores lose running at once (a cache-resident matmul, a copy through memory), pri
 lost: the copy's loss is at most what the machine's shared memory bandwidth costs a memory-bound phase,
 whatever runs it. The last line is measured / ideal from phases alone (goal >= 0.95).
 
-A push lands while the async run samples: ``--in-flight-at-push keep`` keeps the requests' KV instead of
-recomputing them (``generator.in_flight_at_push``).
+``--in-flight-at-push keep`` keeps the KV of requests sampling when a push lands instead of recomputing them
+(``generator.in_flight_at_push``); the bench prints how many pushes of each run landed while prompts were
+sampling (from the generator's log: when the learner is the longer phase the generator has sampled the next
+batch before the push, and the setting changes nothing).
 
     python bench/async_vs_sync.py [--model smollm2|tiny] [--steps 12] [--in-flight-at-push recompute|keep] [--quick]
 """
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -136,6 +139,15 @@ def busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
     return busy
 
 
+# The generator's log line for each push it took (services/generator/weight_update.py::update_report).
+_PUSH_LINE = re.compile(r"policy version \d+ loaded over .* (\d+) prompts in flight \((?:kept|recomputed)\)")
+
+
+def prompts_in_flight_at_pushes(log: str) -> list[int]:
+    """The prompts sampling when each push of a generator's log paused its engine, in order."""
+    return [int(match.group(1)) for match in _PUSH_LINE.finditer(log)]
+
+
 def sampling_per_batch(batches: Sequence[dict]) -> float:
     """The generator's busy seconds per trained batch (the first batch, sampled while the learner started, left
     out): the union of the batches' groups' sampling intervals over the number of batches."""
@@ -170,6 +182,7 @@ def run_mode(
         lines = (tmp / "logs" / "metrics.jsonl").read_text().splitlines()
         records = training_records([json.loads(line) for line in lines])
         batches = [json.loads(line) for line in (tmp / "logs" / "batches.jsonl").read_text().splitlines()]
+        in_flight = prompts_in_flight_at_pushes((tmp / "logs" / "generator-0.log").read_text())
     later = records[1:]
     return {
         "seconds_per_step": seconds_per_step(records),
@@ -179,6 +192,9 @@ def run_mode(
         "sampling": sampling_per_batch(batches),
         "staleness": statistics.mean(r["staleness/mean"] for r in records),
         "tokens": statistics.mean(r["completion_tokens"] for r in later),
+        "pushes": len(in_flight),
+        "pushes_while_sampling": sum(1 for prompts in in_flight if prompts),
+        "prompts_in_flight_at_pushes": statistics.mean(in_flight) if in_flight else 0.0,
     }
 
 
@@ -248,8 +264,10 @@ def main(args) -> None:
     )
     print(
         f"of the generator's {asyn['sampling'] - sync['sampling']:+.2f} s per batch beside the learner, up to "
-        f"{asyn['push']:.2f} s is the pause for the step's weight push, which lands while it samples (in the sync "
-        "run it lands while the generator idles, inside T_train)"
+        f"{asyn['push']:.2f} s is the pause for the step's weight push; pushes that landed while prompts were "
+        f"sampling: async run {asyn['pushes_while_sampling']} of {asyn['pushes']} "
+        f"({asyn['prompts_in_flight_at_pushes']:.1f} prompts in flight a push), sync run "
+        f"{sync['pushes_while_sampling']} of {sync['pushes']} (the generator's log)"
     )
     # Both runs sample every completion to COMPLETION_TOKENS, so this is 1.00 unless a completion was cut short
     # (the context): then the times per completion token tell the slowdown apart from the work.
@@ -272,6 +290,7 @@ def main(args) -> None:
         figures |= {"t_gen_beside_s": t_gen_beside, "t_train_beside_s": t_train_beside}
         figures |= {"ideal_speedup_beside": ideal_beside, "push_s": sync["push"], "push_beside_s": asyn["push"]}
         figures |= {"completion_tokens_sync": sync["tokens"], "completion_tokens_async": asyn["tokens"]}
+        figures |= {"pushes_async": asyn["pushes"], "pushes_while_sampling_async": asyn["pushes_while_sampling"]}
         figures |= {f"{kind}_together_over_alone": value for kind, value in sharing.items()}
         record("async_vs_sync", figures, args, ratio=speedup / ideal, goal=">= 0.95")
 

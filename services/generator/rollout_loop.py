@@ -158,8 +158,8 @@ class RolloutLoop:
             log.exception("prompt %s failed (delivery %d); it will be retried", delivery.record_id, delivery.deliveries)
             await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
             return
-        if group.finished_policy_version < group.policy_version:
-            reason = f"the weights went back from version {group.policy_version} to {group.finished_policy_version}"
+        if group.lowest_policy_version < group.policy_version:
+            reason = f"the weights went back from version {group.policy_version} to {group.lowest_policy_version}"
             await self._sample_again(delivery, reason)
             return
         await self._commit(delivery, task, group, received_at)

@@ -51,9 +51,10 @@ class GeneratorSettings(ServiceSettings):
         "recompute their KV cache under the new weights (vLLM's reset_prefix_cache(reset_running_requests=True)); "
         "keep: keep the KV computed so far, the rest of each is sampled by the new weights reading it (prime-rl and "
         "PipelineRL do so), which spares the recompute (docs/concepts/algorithm.md). Either way a request's tokens "
-        "are stamped with the version at its start (the oldest that sampled any) and its behaviour logprobs are those "
-        "it was sampled with, and a request begun under one load of weights never reads prefix-cache blocks "
-        "computed under another (each load salts the cache anew: vLLM's cache_salt).",
+        "are stamped with the version at its submission (at most the oldest that sampled any), its behaviour "
+        "logprobs are those it was sampled with, and it reads no KV computed under weights older than its stamp: "
+        "each load salts the prefix cache anew (vLLM's cache_salt), so a request submitted after a push meets no "
+        "block of one submitted before.",
     )
     max_prompts_in_flight: int = Field(
         16, ge=1, description="Prompts read from the stream and sampling at once (each is G sequences)."

@@ -19,6 +19,7 @@ BENCHES = {
     "vs_trl.py": "vs_trl quick (ours only):",
     "logprob_chunks.py": "ratio chunked/whole (training peak MB):",
     "generator.py": "ratio service/vllm (tokens/s):",
+    "push_mid_batch.py": "ratio with a push/without (batch s):",
 }
 # Scripts in bench/ that are not benchmarks: no ratio against a limit, so no --quick form.
 NOT_BENCHES = {

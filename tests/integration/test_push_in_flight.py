@@ -1,11 +1,12 @@
 """A weight push that lands while a request samples, in both modes of ``generator.in_flight_at_push``, with the
 real vLLM engine (CPU build), two tiny Llamas built here (A and B) and real Redis.
 
-What a mode does to a request's KV cache shows in its behaviour logprobs, checked against transformers under each
-model: the tokens before the push are A's; after it, under ``recompute``, B's exactly (its KV recomputed under
-B), and under ``keep`` neither model's (B reading the KV A computed). A request begun after a push reads no
-prefix-cache block computed before it (the cache's salt is new at each load): its logprobs are B's exactly even
-where the same prompt's blocks, computed under A, are still in the cache.
+What a mode does to a request's KV cache shows in its behaviour logprobs, checked against transformers: the tokens
+before the push are A's; after it, under ``recompute``, B's over the whole sequence (its KV recomputed under B),
+and under ``keep`` B's reading the KV A computed (transformers' cache of A continued by B), far from B's own. A
+request submitted after a push meets no prefix-cache block of one submitted before it (the cache's salt is new at
+each load): its logprobs are B's exactly while the same prompt's blocks, computed under A, are still in the cache
+(under ``keep``, which resets nothing, this fails without the salt).
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ from weight_sync.sender import WeightPusher
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 EXACT = 1e-3  # vLLM's behaviour logprobs against transformers under the same weights and KV (float32)
+CONTEXT = 2048
 PROMPT = "".join(f"step {i}: the quick brown fox jumps over the lazy dog. " for i in range(3))  # 5 blocks of 32
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return build_tiny_llama(root / "A", seed=1), build_tiny_llama(root / "B", seed=2)
+    return tuple(build_tiny_llama(root / name, seed=seed, max_positions=CONTEXT) for name, seed in (("A", 1), ("B", 2)))
 
 
 @pytest.fixture(scope="module", params=["recompute", "keep"])
@@ -53,6 +55,7 @@ def generator(request, models, redis_url):
         **generator_environment(models[0], port, "g1", redis_url, prefix),
         "GENERATOR_PUBLIC_URL": f"http://127.0.0.1:{port}",
         "GENERATOR_IN_FLIGHT_AT_PUSH": request.param,
+        "GENERATOR_MAX_MODEL_LEN": str(CONTEXT),
     }
     service = start_service(f"generator-{request.param}", "services.generator", env)
     service.port, service.mode, service.keys = port, request.param, Keys(prefix)
@@ -108,16 +111,31 @@ def _end_of_text(model_dir) -> int:
     return AutoModelForCausalLM.from_pretrained(model_dir).config.eos_token_id
 
 
+def _kept_gaps(models, result: dict, pushed_at: int, end_of_text: int) -> torch.Tensor:
+    """|behaviour logprob - B's reading A's KV| per token from ``pushed_at`` on: A computed the KV of the prompt
+    and of every token before the last one it sampled (vLLM's step computes the KV of its input token), B the
+    rest."""
+    a, b = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) for path in models)
+    [completion] = result["completions"]
+    tokens = completion["token_ids"]
+    with torch.no_grad():
+        cache = a(torch.tensor([result["prompt_token_ids"] + tokens[: pushed_at - 1]]), use_cache=True).past_key_values
+        logits = b(torch.tensor([tokens[pushed_at - 1 : -1]]), past_key_values=cache, use_cache=True).logits[0]
+    logits[:, end_of_text] = float("-inf")
+    reference = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens[pushed_at:]).unsqueeze(1)).squeeze(1)
+    return (torch.tensor(completion["logprobs"][pushed_at:]) - reference).abs()
+
+
 async def test_a_push_mid_request_recomputes_its_kv_or_keeps_it(generator, models, pushes):
     http, url = pushes.http, generator.url
     await pushes.push("A")
     await _generate(http, url, max_tokens=2)  # the first step after a push finishes its loading (CPU kernels)
-    sampling = asyncio.create_task(_generate(http, url, max_tokens=400))
+    sampling = asyncio.create_task(_generate(http, url, max_tokens=1500))
     deadline = time.monotonic() + 120
     while await engine_requests(http, url) < 1:
         assert time.monotonic() < deadline, "the request never reached the engine"
         await asyncio.sleep(0.02)
-    await asyncio.sleep(0.3)  # some tokens sampled under A
+    await asyncio.sleep(1.0)  # a few hundred tokens sampled under A
     assert (await http.post(f"{url}/pause", headers=auth())).status_code == 200  # the push lands mid-request
     assert not sampling.done(), "the request ended before the pause: make it longer"
     version = await pushes.push("B")
@@ -132,11 +150,13 @@ async def test_a_push_mid_request_recomputes_its_kv_or_keeps_it(generator, model
         f"\n{generator.mode}: {pushed_at} of {len(under_a)} tokens sampled before the push; after it "
         f"|behaviour - B| max {float(under_b[pushed_at:].max()):.2e}, median {float(under_b[pushed_at:].median()):.2e}"
     )
-    assert 0 < pushed_at < len(under_a) - 50
-    assert float(under_a[:pushed_at].max()) < EXACT
+    assert 1 < pushed_at < len(under_a) - 50, "the push did not land mid-request"
     if generator.mode == "recompute":  # every token after the push: B's, over KV B recomputed
         assert float(under_b[pushed_at:].max()) < EXACT
-    else:  # B reading A's KV: B's own logprobs nowhere near
+    else:  # B reading the KV A computed: exactly that, and nowhere near B's own
+        kept = _kept_gaps(models, result, pushed_at, end_of_text)
+        print(f"|behaviour - B over A's KV| max {float(kept.max()):.2e}")
+        assert float(kept.max()) < EXACT
         assert float(under_b[pushed_at:].median()) > 100 * EXACT
     assert f"1 prompts in flight ({'kept' if generator.mode == 'keep' else 'recomputed'})" in generator.output()
 

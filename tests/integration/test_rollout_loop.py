@@ -20,9 +20,10 @@ pytestmark = pytest.mark.integration
 
 
 class ScriptedEngine:
-    """Answers each ``sample`` with the next (start version, finish version) of its script, or raises it."""
+    """Answers each ``sample`` with the next (start version, finish version[, lowest version between]) of its
+    script, or raises it."""
 
-    def __init__(self, script: list[tuple[int, int] | Exception]) -> None:
+    def __init__(self, script: list[tuple[int, ...] | Exception]) -> None:
         self.script = script
         self.calls = 0
         self.weights_ok = True
@@ -36,9 +37,10 @@ class ScriptedEngine:
         self.calls += 1
         if isinstance(step, Exception):
             raise step
-        started, finished = step
+        started, finished, *between = step
+        lowest = min(started, finished, *between)
         completions = make_rollout(make_task(group_size=n)).completions
-        return SampledGroup(completions, started, finished, time.time(), time.time(), prompt_ids)
+        return SampledGroup(completions, started, finished, time.time(), time.time(), prompt_ids, lowest)
 
 
 async def _run(redis_client, keys: Keys, engine: ScriptedEngine, until) -> RolloutLoop:
@@ -68,6 +70,17 @@ async def test_a_group_whose_weights_went_back_is_sampled_again(redis_client, ke
     rollout = decode(fields[b"data"], Rollout)
     assert (rollout.policy_version, rollout.finished_policy_version) == (3, 3)
     assert engine.calls == 2 and loop.stats.rolled_back == 1 and loop.stats.prompts_done == 1
+
+
+async def test_a_group_whose_weights_went_back_and_forward_again_is_sampled_again(redis_client, keys):
+    engine = ScriptedEngine([(5, 5, 3), (5, 5)])  # pushes back to 3, then forward to 4 and 5, mid-group
+
+    async def written(loop: RolloutLoop) -> bool:
+        return await redis_client.xlen(keys.rollouts) > 0
+
+    loop = await _run(redis_client, keys, engine, written)
+    [(_, fields)] = await redis_client.xrange(keys.rollouts)
+    assert (decode(fields[b"data"], Rollout).policy_version, engine.calls, loop.stats.rolled_back) == (5, 2, 1)
 
 
 async def test_a_failure_nobody_handled_is_counted_and_the_prompt_delivered_again(redis_client, keys, monkeypatch):

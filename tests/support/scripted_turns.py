@@ -41,4 +41,6 @@ class ScriptedEngine:
         ids = ids[:max_tokens]
         version = self.policy_version
         await asyncio.sleep(0.001)  # the other trajectories run meanwhile
-        return SampledTurn(ids, [LOGPROB] * len(ids), finish, version, self.policy_version)
+        return SampledTurn(
+            ids, [LOGPROB] * len(ids), finish, version, self.policy_version, min(version, self.policy_version)
+        )

@@ -43,3 +43,15 @@ def test_seconds_per_step_leaves_out_the_final_checkpoint_and_keeps_the_last_pus
     assert bench.seconds_per_step(records[:3]) == pytest.approx(6.0)
     with pytest.raises(ValueError, match="at least 2 training steps"):
         bench.seconds_per_step(records[:1])
+
+
+def test_the_prompts_in_flight_at_each_push_come_from_the_generators_log():
+    line = (
+        "2026-11-28 15:28:14,764 INFO services.generator.weight_update [generator] policy version {v} loaded over "
+        "shm (direct copy): 538.1 MB in 1.58 s, 0.0 MB of it received in place, 90 tensors joined to the one "
+        "before, 0 kernel handles left to the first step after it, {n} prompts in flight ({mode}) (join 0.00)\n"
+    )
+    log = line.format(v=1, n=0, mode="kept") + "an unrelated line: 7 prompts in flight\n"
+    log += line.format(v=2, n=12, mode="recomputed") + line.format(v=3, n=3, mode="kept")
+    assert bench.prompts_in_flight_at_pushes(log) == [0, 12, 3]
+    assert bench.prompts_in_flight_at_pushes("") == []

@@ -7,13 +7,14 @@ The real update path (vLLM's workers receiving over gloo) is in ``tests/integrat
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from services.generator.engine import Engine
 from services.generator.weight_update import WeightUpdateError
 from shared.config.generator import GeneratorSettings
-from shared.records import WeightVersionAnnouncement
+from shared.records import SamplingSpec, WeightVersionAnnouncement
 
 RECEIVED = {"bytes": 64.0, "seconds": 0.1, "receive_wait_seconds": 0.01, "load_seconds": 0.02, "direct": 1.0}
 
@@ -23,6 +24,8 @@ class FakeLLM:
 
     def __init__(self, fail: str = "") -> None:
         self.fail = fail
+        self.salts: list[str] = []  # the cache_salt of every request, in order
+        self.hold: asyncio.Event | None = None  # set: requests answer once it is
         self.calls: list[str] = []
         self.channel_open = False
         self.paused = False
@@ -59,6 +62,19 @@ class FakeLLM:
 
     async def reset_prefix_cache(self, *, reset_running_requests: bool) -> None:
         self._call("reset_prefix_cache")
+
+    async def generate(self, prompt: dict, params, request_id: str):
+        """One completion per sequence, its one token the prompt's last."""
+        self.salts.append(prompt["cache_salt"])
+        if self.hold is not None:
+            await self.hold.wait()
+        token = prompt["prompt_token_ids"][-1]
+        step = {token: SimpleNamespace(logprob=-0.5)}
+        outputs = [
+            SimpleNamespace(index=i, text="", token_ids=[token], logprobs=[step], finish_reason="stop")
+            for i in range(params.n)
+        ]
+        yield SimpleNamespace(outputs=outputs)
 
 
 @pytest.fixture
@@ -110,25 +126,62 @@ async def test_keeping_in_flight_requests_resets_nothing_and_salts_the_cache_ane
     llm = FakeLLM()
     engine = _engine(llm, in_flight_at_push="keep")
     engine.active_requests = 3  # prompts sampling when the push pauses the engine
-    salt = engine.cache_salt
+    salt = engine.loads.salt
     result = await engine.update_weights(_announcement(store_port), "g1")
     assert "reset_prefix_cache" not in llm.calls and llm.calls[-1] == "resume_generation"
     assert result["in_flight_at_push"] == "keep" and result["in_flight_requests"] == 3
-    assert engine.policy_version == 3 and engine.cache_salt != salt and not llm.paused
+    assert engine.policy_version == 3 and engine.loads.salt != salt and not llm.paused
 
 
 async def test_each_load_of_weights_has_its_own_salt_and_a_failed_one_keeps_the_last(store_port):
     llm = FakeLLM(fail="weight_channel_receive")
     engine = _engine(llm)
-    salts = [engine.cache_salt]
+    salts = [engine.loads.salt]
     with pytest.raises(WeightUpdateError):
         await engine.update_weights(_announcement(store_port), "g1")
-    assert engine.cache_salt == salts[0] and engine.policy_version == 2  # sampling stays paused anyway
+    assert engine.loads.salt == salts[0] and engine.policy_version == 2  # sampling stays paused anyway
     llm.fail = ""
     for version in (3, 2, 3):  # a restarted learner's push goes back to a version seen before
         await engine.update_weights(_announcement(store_port, version=version), "g1")
-        salts.append(engine.cache_salt)
+        salts.append(engine.loads.salt)
     assert len(set(salts)) == 4
+
+
+@pytest.mark.parametrize("in_flight_at_push", ["recompute", "keep"])
+async def test_every_request_carries_the_salt_of_the_weights_it_starts_under(store_port, in_flight_at_push):
+    llm = FakeLLM()
+    engine = _engine(llm, in_flight_at_push)
+    spec = SamplingSpec(max_tokens=4)
+    await engine.sample([1, 2, 3], spec, n=2)
+    await engine.sample_turn([1, 2, 3], spec, max_tokens=4, stop_token_ids=[2], seed=None)
+    before = engine.loads.salt
+    await engine.update_weights(_announcement(store_port), "g1")
+    group = await engine.sample([1, 2, 3], spec, n=2)
+    turn = await engine.sample_turn([1, 2, 3], spec, max_tokens=4, stop_token_ids=[2], seed=None)
+    assert llm.salts == [before, before, engine.loads.salt, engine.loads.salt] and before != engine.loads.salt
+    assert group.policy_version == turn.version == 3
+
+
+async def test_a_request_sampled_while_the_weights_went_back_and_forward_again_says_so(store_port):
+    llm = FakeLLM()
+    llm.hold = asyncio.Event()
+    engine = _engine(llm)  # at version 2
+    spec = SamplingSpec(max_tokens=4)
+    group = asyncio.create_task(engine.sample([1, 2, 3], spec, n=2))
+    turn = asyncio.create_task(engine.sample_turn([1, 2, 3], spec, max_tokens=4, stop_token_ids=[2], seed=None))
+    await asyncio.sleep(0)  # both requests are in the engine
+    for version in (1, 2):  # a restarted learner's push back to 1, then forward to 2
+        await engine.update_weights(_announcement(store_port, version=version), "g1")
+    llm.hold.set()
+    group_done, turn_done = await group, await turn
+    assert (group_done.policy_version, group_done.finished_policy_version, group_done.lowest_policy_version) == (
+        2,
+        2,
+        1,
+    )
+    assert (turn_done.version, turn_done.finished_version, turn_done.lowest_version) == (2, 2, 1)
+    # A request begun after them saw no version below its own.
+    assert (await engine.sample([1, 2, 3], spec, n=1)).lowest_policy_version == 2
 
 
 @pytest.mark.parametrize("fail", ["pause_scheduler", "weight_channel_receive", "reset_prefix_cache"])

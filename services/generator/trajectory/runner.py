@@ -84,6 +84,7 @@ class SampledTrajectories:
     prompt_token_ids: list[int]  # sample 0's; a sample whose prompt differs carries its own
     policy_version: int  # the oldest sampled token's version (what staleness reads)
     finished_policy_version: int
+    lowest_policy_version: int  # below policy_version: the weights went back after the last turn (each was checked)
     started_at: float
     finished_at: float
 
@@ -155,6 +156,7 @@ class TrajectoryRunner:
             prompt_token_ids=first.prompt_ids,
             policy_version=oldest,
             finished_policy_version=self.engine.policy_version,
+            lowest_policy_version=min(oldest, self.engine.policy_version),
             started_at=started_at,
             finished_at=time.time(),
         )
@@ -210,8 +212,8 @@ class TrajectoryRunner:
             trajectory.engine_input(), task.sampling, max_tokens, [toolkit.close_token], seed
         )
         newest = max(trajectory.versions, default=turn.version)
-        if turn.finished_version < turn.version or turn.version < newest:
-            went_to = min(turn.version, turn.finished_version)
+        if turn.lowest_version < turn.version or turn.version < newest:
+            went_to = turn.lowest_version
             raise RolledBack(f"the weights went back from version {max(newest, turn.version)} to {went_to}")
         trajectory.add_sampled(turn.token_ids, turn.logprobs, turn.version)
         return turn

@@ -38,13 +38,15 @@ TRUNCATION_MARK = "…[truncated]"  # ends a tool result cut to max_tool_respons
 @dataclass(frozen=True)
 class SampledTurn:
     """One assistant turn from the engine: its ids as sampled (the close token included when it stopped on
-    it), their behaviour logprobs, why it stopped, and the policy versions at its start and end."""
+    it), their behaviour logprobs, why it stopped, and the policy versions at its start and end and the lowest
+    served in between (below its start: the weights went back while it sampled)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" or "length"
     version: int
     finished_version: int
+    lowest_version: int
 
 
 @dataclass(frozen=True)
