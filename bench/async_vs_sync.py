@@ -182,7 +182,9 @@ def run_mode(
         lines = (tmp / "logs" / "metrics.jsonl").read_text().splitlines()
         records = training_records([json.loads(line) for line in lines])
         batches = [json.loads(line) for line in (tmp / "logs" / "batches.jsonl").read_text().splitlines()]
-        in_flight = prompts_in_flight_at_pushes((tmp / "logs" / "generator-0.log").read_text())
+        in_flight = prompts_in_flight_at_pushes((tmp / "logs" / "generator-0.log").read_text(errors="replace"))
+    if len(in_flight) < steps:  # every step pushes: a missing line is a changed log line, not zero pushes
+        raise RuntimeError(f"{mode} run: {len(in_flight)} push lines in the generator's log for {steps} steps")
     later = records[1:]
     return {
         "seconds_per_step": seconds_per_step(records),

@@ -11,6 +11,8 @@ long: min = max tokens), distinct prompts each. Three kinds of batch, in rotatio
   takes a new prefix-cache salt and resumes;
 * **keep**: the same push with ``in_flight_at_push = "keep"``: nothing is recomputed.
 
+A push that finds fewer prompts sampling than the batch has stops the bench (it would measure nothing). The order of
+the three kinds rotates from round to round.
 The weights do not change (the transfer and loading are ``bench/weight_push.py``'s), so what differs is the
 recompute alone. Every batch starts under a new salt, so none reads the prompts' blocks a batch before it left in
 the prefix cache (as the first batch after any push). Figures: each kind's median batch seconds over
@@ -61,6 +63,8 @@ async def batch(engine, work: Workload, tasks: list[PromptTask], push: str, push
         engine.settings = engine.settings.model_copy(update={"in_flight_at_push": push})
         await engine._pause_scheduler()  # Engine.update_weights's steps, less the transfer
         in_flight = engine.active_requests
+        if in_flight < len(tasks):  # a push after the batch (or part of it) ended measures nothing
+            raise RuntimeError(f"the push at {push_at_s:.2f} s found {in_flight} of {len(tasks)} prompts sampling")
         await engine._take_version(engine.policy_version + 1, Phases())
     groups = await asyncio.gather(*sampling)
     seconds = time.perf_counter() - started
@@ -91,8 +95,8 @@ async def _measure(engine, work: Workload, rounds: int) -> tuple[float, dict[str
     calibration, _ = await batch(engine, work, next(batches), "none", 0.0)
     seconds: dict[str, list[float]] = {kind: [] for kind in KINDS}
     in_flight: list[int] = []
-    for _ in range(rounds):
-        for kind in KINDS:
+    for round_ in range(rounds):
+        for kind in KINDS[round_ % 3 :] + KINDS[: round_ % 3]:  # each kind after each other in turn
             took, prompts = await batch(engine, work, next(batches), kind, calibration / 2)
             seconds[kind].append(took)
             if kind != "none":

@@ -46,6 +46,10 @@ class GeneratedPrompt(BaseModel):
     completions: list[GeneratedCompletion]
     policy_version: int = Field(description="Policy version when sampling started.")
     finished_policy_version: int = Field(description="Policy version when the last completion finished.")
+    lowest_policy_version: int = Field(
+        description="The lowest policy version served while it sampled: below policy_version, the weights went back "
+        "(a restarted learner's push) and some tokens were sampled by older weights than the stamp."
+    )
 
 
 class GenerateResponse(BaseModel):
@@ -141,6 +145,7 @@ async def _generate_one(
         ],
         policy_version=group.policy_version,
         finished_policy_version=group.finished_policy_version,
+        lowest_policy_version=group.lowest_policy_version,
     )
 
 

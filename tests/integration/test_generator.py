@@ -192,6 +192,7 @@ async def test_weight_push_in_flight_then_greedy_matches_new_model(generator, mo
         # A push that landed while these were being sampled: they started under version 0 and finished under 1.
         pairs = [(r["policy_version"], r["finished_policy_version"]) for r in in_flight_results]
         assert set(pairs) <= {(0, 0), (0, 1), (1, 1)}, pairs  # each request says when it started and finished
+        assert [r["lowest_policy_version"] for r in in_flight_results] == [p[0] for p in pairs]  # never went back
         if landed_mid_sampling:  # the request was still sampling when the push landed: it finished under 1
             assert max(finished for _, finished in pairs) == 1 and min(started for started, _ in pairs) == 0, pairs
         else:

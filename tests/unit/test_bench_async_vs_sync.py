@@ -3,6 +3,8 @@ and the ideal speedup of perfect overlap."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from bench import async_vs_sync as bench
@@ -45,13 +47,14 @@ def test_seconds_per_step_leaves_out_the_final_checkpoint_and_keeps_the_last_pus
         bench.seconds_per_step(records[:1])
 
 
-def test_the_prompts_in_flight_at_each_push_come_from_the_generators_log():
-    line = (
-        "2026-11-28 15:28:14,764 INFO services.generator.weight_update [generator] policy version {v} loaded over "
-        "shm (direct copy): 538.1 MB in 1.58 s, 0.0 MB of it received in place, 90 tensors joined to the one "
-        "before, 0 kernel handles left to the first step after it, {n} prompts in flight ({mode}) (join 0.00)\n"
-    )
-    log = line.format(v=1, n=0, mode="kept") + "an unrelated line: 7 prompts in flight\n"
-    log += line.format(v=2, n=12, mode="recomputed") + line.format(v=3, n=3, mode="kept")
-    assert bench.prompts_in_flight_at_pushes(log) == [0, 12, 3]
+def test_the_prompts_in_flight_at_each_push_come_from_the_generators_log(caplog):
+    """The lines the generator writes (``update_report``), so a change of its wording fails here."""
+    from services.generator.weight_update import Phases, update_report
+
+    worker = {"bytes": 64.0, "receive_wait_seconds": 0.01, "load_seconds": 0.02, "direct": 1.0}
+    with caplog.at_level(logging.INFO, logger="services.generator.weight_update"):
+        for version, prompts, mode in ((1, 0, "keep"), (2, 12, "recompute"), (3, 3, "keep")):
+            update_report([worker], "shm", Phases(), version, prompts, mode)
+            logging.getLogger("services.generator.weight_update").info("an unrelated line: 7 prompts in flight")
+    assert bench.prompts_in_flight_at_pushes(caplog.text) == [0, 12, 3]
     assert bench.prompts_in_flight_at_pushes("") == []
