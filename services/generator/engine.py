@@ -233,14 +233,15 @@ class Engine:
         except Exception as exc:  # the model's chat template rejects these messages (jinja raises many types)
             raise InvalidPromptError(f"the tokenizer or chat template rejected the prompt: {exc}") from exc
 
-    async def _generate(self, prompt_ids: list[int], params: Any, cache_salt: str) -> Any:
-        """One request's final output; ``cache_salt`` is the one of the weights it starts under."""
+    async def _generate(self, prompt_ids: list[int], params: Any) -> tuple[Any, int, int]:
+        """One request's final output, the version it starts under (its stamp) and the lowest served while it
+        sampled. Version, load count and salt are read together, before the first await."""
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
 
-        final = None
+        final, version, loads = None, self.policy_version, len(self.loads.versions)
         self.active_requests += 1
-        prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=cache_salt)
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=self.loads.salt)
         try:
             async for output in self.llm.generate(prompt, params, uuid.uuid4().hex):
                 final = output
@@ -248,18 +249,17 @@ class Engine:
             raise InvalidPromptError(f"vLLM rejected the request: {exc}") from exc
         finally:
             self.active_requests -= 1
-        return final
+        return final, version, self.loads.lowest_since(version, loads)
 
     async def sample(self, prompt_ids: list[int], spec: SamplingSpec, n: int) -> SampledGroup:
         """Sample ``n`` completions of one prompt."""
         params = request_params(self.settings.max_model_len, prompt_ids, spec, n)
-        started_at, version, loads = time.time(), self.policy_version, len(self.loads.versions)
-        final = await self._generate(prompt_ids, params, self.loads.salt)
+        started_at = time.time()
+        final, version, lowest = await self._generate(prompt_ids, params)
         if final is None or len(final.outputs) != n:
             got = 0 if final is None else len(final.outputs)
             raise RuntimeError(f"engine returned {got} completions, expected {n}")
         completions = tuple(_completion(o) for o in sorted(final.outputs, key=lambda o: o.index))
-        lowest = self.loads.lowest_since(version, loads)
         return SampledGroup(completions, version, self.policy_version, started_at, time.time(), prompt_ids, lowest)
 
     async def sample_turn(
@@ -277,8 +277,7 @@ class Engine:
             stop_token_ids=stop_token_ids,
             seed=seed,
         )
-        version, loads = self.policy_version, len(self.loads.versions)
-        final = await self._generate(context_ids, params, self.loads.salt)
+        final, version, lowest = await self._generate(context_ids, params)
         if final is None or len(final.outputs) != 1:
             raise RuntimeError(f"engine returned {0 if final is None else len(final.outputs)} outputs, expected 1")
         completion = _completion(final.outputs[0])
@@ -288,7 +287,7 @@ class Engine:
             finish_reason=completion.finish_reason,
             version=version,
             finished_version=self.policy_version,
-            lowest_version=self.loads.lowest_since(version, loads),
+            lowest_version=lowest,
         )
 
     # Weights -------------------------------------------------------------------------------------------
