@@ -250,6 +250,11 @@ def _in_trl(pipeline: PipelineConfig) -> list[str]:
         f'  scale_rewards = "{pipeline.scorer.scale_rewards}"',
         f"  temperature = {s.temperature}",
         "  (TRL trains on-policy or within one generation block; our max_staleness has no TRL equivalent)",
+        *(
+            ["  (drop_zero_std_groups: TRL's GRPOTrainer has no dynamic sampling; it trains every group it samples)"]
+            if pipeline.scorer.drop_zero_std_groups
+            else []
+        ),
     ]
 
 
@@ -268,4 +273,23 @@ def _in_verl(pipeline: PipelineConfig) -> list[str]:
         f"  actor_rollout_ref.actor.use_kl_loss = {str(s.beta > 0).lower()}, kl_loss_coef = {s.beta}",
         f"  data.max_prompt_length = {s.max_prompt_length}, data.max_response_length = {s.max_completion_length}",
         f"  algorithm.norm_adv_by_std_in_grpo = {str(pipeline.scorer.scale_rewards != 'none').lower()}",
+        *(_verl_filter_groups(s.max_replacement_groups) if pipeline.scorer.drop_zero_std_groups else []),
+    ]
+
+
+def _verl_filter_groups(max_replacement_groups: int | None) -> list[str]:
+    """verl's dynamic sampling (``algorithm.filter_groups``, applied by its DAPO recipe's trainer,
+    ``recipe.dapo.main_dapo``; ``seq_reward``: a sequence's summed reward before any KL, which our scorer's combined
+    reward is). Its bound counts generation batches of ``data.gen_batch_size`` prompts and stops the run when
+    reached; ours (``max_replacement_groups``) counts single groups and trains on what the step has, so only "no
+    bound" maps."""
+    bound = (
+        "max_num_gen_batches = 0 (no bound, as max_replacement_groups = None)"
+        if max_replacement_groups is None
+        else f"max_num_gen_batches: verl counts batches and stops there; our max_replacement_groups = "
+        f"{max_replacement_groups} groups, then trains on what it has"
+    )
+    return [
+        f'  algorithm.filter_groups.enable = true, metric = "seq_reward", {bound}',
+        "  (filter_groups is applied by verl's DAPO recipe trainer, recipe.dapo.main_dapo)",
     ]

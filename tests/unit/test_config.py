@@ -317,6 +317,15 @@ def test_explain_prints_the_step_and_the_equivalents(config_file):
     assert "num_generations = 8" in text and "data.train_batch_size = 4" in text
 
 
+def test_explain_names_dynamic_sampling_in_trl_and_verl_terms_when_it_is_on(config_file):
+    off = explain(PipelineConfig.load(config_file))
+    assert "dynamic sampling" not in off and "filter_groups" not in off
+    config_file.write_text(config_file.read_text().replace("[scorer]", "[scorer]\ndrop_zero_std_groups = true", 1))
+    on = explain(PipelineConfig.load(config_file))
+    assert "drop_zero_std_groups: TRL's GRPOTrainer has no dynamic sampling" in on
+    assert 'algorithm.filter_groups.enable = true, metric = "seq_reward", max_num_gen_batches = 0 (no bound' in on
+
+
 def test_trl_classic_example():
     batch = trl_batch(per_device_train_batch_size=8, num_generations=2, steps_per_generation=4)
     assert batch.completions_per_generation == 32

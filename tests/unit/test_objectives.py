@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from services.learner.data.batch import collate
-from services.learner.data.collector import replacement_cap_reached
+from services.learner.data.collector import SKIPS_REPORTED_EVERY, replacement_cap_reached, skip_report_due
 from services.learner.logprobs import entropy as entropy_module
 from services.learner.logprobs.policy import completion_logprobs_and_entropy
 from services.learner.metrics.batch_metrics import finalize_advantages
@@ -580,6 +580,14 @@ def test_dynamic_sampling_cap():
     assert not replacement_cap_reached(skipped=2, cap=2, collected=3)
     assert replacement_cap_reached(skipped=3, cap=2, collected=3)  # train on the 3 it has
     assert not replacement_cap_reached(skipped=9, cap=2, collected=0)  # never on nothing
+
+
+def test_a_step_waiting_for_replacements_says_so_every_few_skipped_groups():
+    every = SKIPS_REPORTED_EVERY
+    assert not skip_report_due(skipped=0, reported=0) and not skip_report_due(skipped=every - 1, reported=0)
+    assert skip_report_due(skipped=every, reported=0)
+    assert not skip_report_due(skipped=2 * every - 1, reported=every)  # said at `every`: quiet until 2 * every
+    assert skip_report_due(skipped=2 * every + 3, reported=every)
 
 
 # Entropy from the logprob pass -----------------------------------------------------------------------------

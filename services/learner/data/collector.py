@@ -31,12 +31,22 @@ from shared.streams import Delivery, StreamConsumer
 
 log = logging.getLogger(__name__)
 
+# A step still waiting for replacements says so each time it has skipped this many more zero-std groups: without
+# a cap (max_replacement_groups) a run whose groups are nearly all unanimous waits long between progress lines.
+SKIPS_REPORTED_EVERY = 8
+
 
 def replacement_cap_reached(skipped: int, cap: int | None, collected: int) -> bool:
     """Dynamic sampling's bound (verl ``max_num_gen_batches``, in groups): once a step has skipped more than
     ``cap`` zero-std groups while waiting for replacements, it trains on the ``collected`` groups it has
     (never on none)."""
     return cap is not None and skipped > cap and collected > 0
+
+
+def skip_report_due(skipped: int, reported: int) -> bool:
+    """Whether a step that has skipped ``skipped`` zero-std groups, and last said so at ``reported``, says so
+    again (every :data:`SKIPS_REPORTED_EVERY`)."""
+    return skipped >= reported + SKIPS_REPORTED_EVERY
 
 
 def drop_reason(
@@ -101,7 +111,7 @@ class BatchCollector:
         """The next batch; a partial one when the data ran out, None when nothing is left or on stop."""
         wanted = self.settings.groups_per_step
         skipped_before = self.counters.groups_zero_std_dropped
-        capped = False
+        capped, reported = False, 0
         while len(self.buffer) < wanted and not stop.is_set():
             skipped = self.counters.groups_zero_std_dropped - skipped_before
             if replacement_cap_reached(skipped, self.settings.max_replacement_groups, len(self.buffer)):
@@ -110,6 +120,16 @@ class BatchCollector:
                     "dynamic sampling cap: %d zero-std groups skipped; training on %d", skipped, len(self.buffer)
                 )
                 break
+            if skip_report_due(skipped, reported):
+                reported = skipped
+                log.info(
+                    "dynamic sampling: %d zero-std groups skipped for this step, %d of %d groups collected; "
+                    "waiting for replacements (max_replacement_groups %s)",
+                    skipped,
+                    len(self.buffer),
+                    wanted,
+                    self.settings.max_replacement_groups,
+                )
             await self.admission.admit(len(self.buffer))
             await self._read(wanted - len(self.buffer))
             await self.while_waiting()
