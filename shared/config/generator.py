@@ -28,7 +28,9 @@ class GeneratorSettings(ServiceSettings):
 
     model: str = Field("", description="Path of the initial model (a transformers/vLLM checkpoint directory).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Engine dtype; 'auto' takes the checkpoint's (float32 is exact on CPU)."
+        "auto",
+        description="Engine dtype. 'auto': on CPU the one it computes in (bfloat16 with AMX or AVX512-BF16, else "
+        "float32, as the learner's compute_dtype 'auto'); on GPU the checkpoint's.",
     )
     max_model_len: int = Field(2048, ge=16, description="Longest prompt + completion the engine accepts.")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size in GiB on CPU (VLLM_CPU_KVCACHE_SPACE).")

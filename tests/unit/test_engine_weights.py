@@ -241,3 +241,15 @@ def test_the_kv_cache_block_is_32_on_cpus_unless_configured():
     assert engine_block_size(None, on_cpu=True) == 32
     assert engine_block_size(None, on_cpu=False) is None  # vLLM's own default on GPUs
     assert engine_block_size(128, on_cpu=True) == 128 and engine_block_size(64, on_cpu=False) == 64
+
+
+def test_auto_dtype_on_a_cpu_is_the_one_it_computes_in_and_vllms_own_on_a_gpu():
+    from services.generator.engine import engine_dtype
+
+    amx = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    avx2 = "processor\t: 0\nflags\t\t: fpu avx2 fma\n"
+    assert engine_dtype("auto", on_cpu=True, cpuinfo=amx) == "bfloat16"
+    assert engine_dtype("auto", on_cpu=True, cpuinfo=avx2) == "float32"
+    assert engine_dtype("auto", on_cpu=False, cpuinfo=amx) == "auto"  # vLLM's: the checkpoint's dtype
+    for dtype in ("float32", "bfloat16", "float16"):  # set explicitly: as set, on any hardware
+        assert engine_dtype(dtype, on_cpu=True, cpuinfo=amx) == dtype == engine_dtype(dtype, on_cpu=True, cpuinfo=avx2)

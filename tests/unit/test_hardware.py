@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from services.learner.hardware import Precision, cpu_flags, cpu_has_native_bf16, resolve_dtype, resolve_precision
+from services.learner.hardware import Precision, resolve_dtype, resolve_precision
+from shared.cpu_features import cpu_flags, cpu_has_native_bf16, cpu_native_dtype
 
 SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile\nmodel name\t: X\n"
 EPYC_AVX2 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx2 fma\n"
@@ -17,6 +18,7 @@ def test_bf16_is_native_only_with_amx_or_avx512_bf16():
     assert not cpu_has_native_bf16(EPYC_AVX2)
     assert not cpu_has_native_bf16(GRAVITON)  # "bf16" on Arm is not an x86 flag we rely on
     assert not cpu_has_native_bf16("")
+    assert cpu_native_dtype(SAPPHIRE_RAPIDS) == "bfloat16" and cpu_native_dtype(EPYC_AVX2) == "float32"
 
 
 def test_explicit_dtypes_are_kept_and_auto_resolves_on_this_machine():
