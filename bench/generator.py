@@ -209,7 +209,7 @@ def start_llm(settings: GeneratorSettings):
     """vLLM's ``LLM`` with the engine arguments and environment ``Engine.start`` gives ``AsyncLLM``."""
     from vllm import LLM
 
-    from services.generator.engine import WORKER_EXTENSION, engine_block_size, vllm_on_cpu
+    from services.generator.engine import WORKER_EXTENSION, engine_block_size, engine_dtype, vllm_on_cpu
     from weight_sync.receiver import WEIGHTS_IN_PLACE_ENV
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))
@@ -218,7 +218,7 @@ def start_llm(settings: GeneratorSettings):
     os.environ[WEIGHTS_IN_PLACE_ENV] = "1" if settings.cpu_weights_in_place else "0"
     return LLM(
         model=settings.model,
-        dtype=settings.dtype,
+        dtype=engine_dtype(settings.dtype, vllm_on_cpu()),  # as Engine.start asks
         max_model_len=settings.max_model_len,
         logprobs_mode="processed_logprobs",
         enforce_eager=settings.enforce_eager,
@@ -390,8 +390,11 @@ def describe(settings: GeneratorSettings, work: Workload) -> str:
     spec = task.sampling
     blocks = "the generator's default (32 on CPUs)" if settings.block_size is None else str(settings.block_size)
     lengths = [len(ids) for ids in work.prompt_ids.values()]
+    from services.generator.engine import engine_dtype, vllm_on_cpu
+
+    dtype = engine_dtype(settings.dtype, vllm_on_cpu())
     return (
-        f"model {Path(settings.model).name}, {settings.dtype}; {len(work.batches)} timed batch(es) of "
+        f"model {Path(settings.model).name}, {dtype} (dtype {settings.dtype}); {len(work.batches)} timed batch(es) of "
         f"{len(work.batches[0])} demo prompts ({min(lengths)}-{max(lengths)} tokens) after {len(work.warmup)} "
         f"warm-up, G {task.group_size}, temperature {spec.temperature}, top_p {spec.top_p}, max_tokens "
         f"{spec.max_tokens}; max_model_len {settings.max_model_len}, KV cache {settings.kv_cache_gib} GiB, block "

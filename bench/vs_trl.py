@@ -9,10 +9,10 @@ TRL runs in its own environment (``make bench-env`` creates ``.venv-bench`` with
 one process with both cores (HF ``generate`` then training, in turn), the asynchronous trainer as its own
 script (``bench/trl_async_side.py``: a vLLM-CPU server and the trainer; when it cannot run on CPU, the bench
 prints TRL's own error and goes on). This pipeline runs as ``make demo`` does (vLLM-CPU generator on core 0,
-learner on core 1), evaluation off (TRL's side evaluates nothing either), with the demo's scorer settings: when
-they turn DAPO's dynamic sampling on (``drop_zero_std_groups``, off in the demo), a group whose rewards all agree
-is skipped and another sampled in its place (printed per seed as ``groups_zero_std_dropped``), which TRL 1.16's
-GRPOTrainer does not do, and ours' window includes that sampling.
+learner on core 1), evaluation off (TRL's side evaluates nothing either), with the demo's scorer settings: with
+DAPO's dynamic sampling on (``drop_zero_std_groups``, the demo's since 18267f0, capped at ``max_replacement_groups``
+a step), a group whose rewards all agree is skipped and another sampled in its place (printed per seed as
+``groups_zero_std_dropped``), which TRL 1.16's GRPOTrainer does not do, and ours' window includes that sampling.
 
 The window is the same for every system: from the first generation request to the end of the last optimizer
 step; model and engine loading are outside it (TRL: ``trainer.train()``, whose first act is step 1's
