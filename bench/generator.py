@@ -386,12 +386,12 @@ def table(results: list[Figures]) -> str:
 
 
 def describe(settings: GeneratorSettings, work: Workload) -> str:
+    from services.generator.engine import engine_dtype, vllm_on_cpu
+
     task = work.batches[0][0]
     spec = task.sampling
     blocks = "the generator's default (32 on CPUs)" if settings.block_size is None else str(settings.block_size)
     lengths = [len(ids) for ids in work.prompt_ids.values()]
-    from services.generator.engine import engine_dtype, vllm_on_cpu
-
     dtype = engine_dtype(settings.dtype, vllm_on_cpu())
     return (
         f"model {Path(settings.model).name}, {dtype} (dtype {settings.dtype}); {len(work.batches)} timed batch(es) of "

@@ -54,7 +54,7 @@ def engine_dtype(setting: str, on_cpu: bool, cpuinfo: str | None = None) -> str:
     """The dtype vLLM is asked for: ``generator.dtype`` as set, except ``"auto"`` on CPU, which is the dtype the
     CPU computes in (:func:`shared.cpu_features.cpu_native_dtype`: bf16 with AMX or AVX512-BF16, else float32)
     rather than vLLM's own ``"auto"`` (the checkpoint's: a bf16 checkpoint emulated on an AVX2-only CPU, a
-    float32 one at a third of the speed on an AMX Xeon). On a GPU ``"auto"`` is vLLM's."""
+    float32 one at less than half the speed on an AMX Xeon). On a GPU ``"auto"`` is vLLM's."""
     return cpu_native_dtype(cpuinfo) if setting == "auto" and on_cpu else setting
 
 
