@@ -130,12 +130,14 @@ async def test_a_push_mid_request_recomputes_its_kv_or_keeps_it(generator, model
     http, url = pushes.http, generator.url
     await pushes.push("A")
     await _generate(http, url, max_tokens=2)  # the first step after a push finishes its loading (CPU kernels)
-    sampling = asyncio.create_task(_generate(http, url, max_tokens=1500))
+    # As long as the context allows (the prompt is 5 blocks of 32): an AMX Xeon sampled 1500 tokens of the tiny
+    # model within the second this test used to wait before pausing.
+    sampling = asyncio.create_task(_generate(http, url, max_tokens=CONTEXT - 5 * 32 - 64))
     deadline = time.monotonic() + 120
     while await engine_requests(http, url) < 1:
         assert time.monotonic() < deadline, "the request never reached the engine"
         await asyncio.sleep(0.02)
-    await asyncio.sleep(1.0)  # a few hundred tokens sampled under A
+    await asyncio.sleep(0.3)  # tens to hundreds of tokens sampled under A, by the machine's speed
     assert (await http.post(f"{url}/pause", headers=auth())).status_code == 200  # the push lands mid-request
     assert not sampling.done(), "the request ended before the pause: make it longer"
     version = await pushes.push("B")
