@@ -126,22 +126,51 @@ def _kept_gaps(models, result: dict, pushed_at: int, end_of_text: int) -> torch.
     return (torch.tensor(completion["logprobs"][pushed_at:]) - reference).abs()
 
 
+async def _seconds_per_token(http, url: str) -> float:
+    """This machine's decode time per token of one request (the slope between a short and a long one, so the
+    HTTP round trip and the prefill drop out)."""
+    timed = []
+    for tokens in (32, 512):
+        start = time.monotonic()
+        await _generate(http, url, max_tokens=tokens)
+        timed.append(time.monotonic() - start)
+    return max((timed[1] - timed[0]) / (512 - 32), 1e-6)
+
+
+async def _paused_mid_request(http, url: str, max_tokens: int, per_token: float, attempts: int = 6):
+    """A request of ``max_tokens`` sampling, the engine paused about a quarter of the way through it: the wait
+    comes from the decode rate measured on this machine (an AMX Xeon samples the tiny model's 1800 tokens in
+    well under a second, an AVX2 core in several), halved after each try that finished before the pause (this
+    process's clock is rough here: on 2 cores beside the engine a sleep of 0.4 s has lasted 2.7 s)."""
+    wait = 0.25 * max_tokens * per_token
+    for _ in range(attempts):
+        sampling = asyncio.create_task(_generate(http, url, max_tokens=max_tokens))
+        deadline = time.monotonic() + 120
+        while await engine_requests(http, url) < 1 and not sampling.done():
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(wait)
+        assert (await http.post(f"{url}/pause", headers=auth())).status_code == 200
+        if not sampling.done():
+            print(f"\ndecode {per_token * 1e3:.3f} ms/token: paused {wait:.3f} s after the request reached the engine")
+            return sampling
+        assert (await http.post(f"{url}/resume", headers=auth())).status_code == 200
+        await sampling
+        print(f"\nthe request ended before a pause {wait:.3f} s after it reached the engine: halving the wait")
+        wait /= 2
+    raise AssertionError(f"{attempts} requests of {max_tokens} tokens each ended before the pause")
+
+
 async def test_a_push_mid_request_recomputes_its_kv_or_keeps_it(generator, models, pushes):
     http, url = pushes.http, generator.url
     await pushes.push("A")
     await _generate(http, url, max_tokens=2)  # the first step after a push finishes its loading (CPU kernels)
-    # As long as the context allows (the prompt is 5 blocks of 32): an AMX Xeon sampled 1500 tokens of the tiny
-    # model within the second this test used to wait before pausing.
-    sampling = asyncio.create_task(_generate(http, url, max_tokens=CONTEXT - 5 * 32 - 64))
-    deadline = time.monotonic() + 120
-    while await engine_requests(http, url) < 1:
-        assert time.monotonic() < deadline, "the request never reached the engine"
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.3)  # tens to hundreds of tokens sampled under A, by the machine's speed
-    assert (await http.post(f"{url}/pause", headers=auth())).status_code == 200  # the push lands mid-request
-    assert not sampling.done(), "the request ended before the pause: make it longer"
-    version = await pushes.push("B")
-    assert (await http.post(f"{url}/resume", headers=auth())).status_code == 200
+    max_tokens = CONTEXT - 5 * 32 - 64  # as long as the context allows (the prompt is 5 blocks of 32)
+    sampling = await _paused_mid_request(http, url, max_tokens, await _seconds_per_token(http, url))
+    try:  # the push lands mid-request
+        version = await pushes.push("B")
+    finally:  # never leave the module's engine paused for the next test
+        assert (await http.post(f"{url}/resume", headers=auth())).status_code == 200
     result = await sampling
     assert (result["policy_version"], result["finished_policy_version"]) == (version - 1, version)
 
