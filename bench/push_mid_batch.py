@@ -11,7 +11,7 @@ long: min = max tokens), distinct prompts each. Three kinds of batch, in rotatio
   takes a new prefix-cache salt and resumes;
 * **keep**: the same push with ``in_flight_at_push = "keep"``: nothing is recomputed.
 
-A push that finds fewer prompts sampling than the batch has measures nothing: the batch is said and run again with
+A push that finds fewer prompts sampling than the batch has measures nothing: it is printed and the batch run again with
 the push at half the time (four tries, then the bench stops). The order of the three kinds rotates from round to
 round.
 The weights do not change (the transfer and loading are ``bench/weight_push.py``'s), so what differs is the
@@ -106,9 +106,9 @@ async def _measure(engine, work: Workload, rounds: int) -> tuple[float, dict[str
 
 async def mid_batch(engine, work: Workload, tasks: list[PromptTask], kind: str, push_at_s: float, tries: int = 4):
     """``batch`` with its push landing while every prompt samples: a push that found fewer (the batch, or part of
-    it, ended first: it measures nothing) is said and the batch run again with the push at half the time. The
-    smoke test's tiny batches last a tenth of a second, less than this process's wake-ups take beside the engine on
-    a loaded core."""
+    it, ended first: it measures nothing) is printed and the batch run again with the push at half the time. The
+    smoke test's tiny batches last about half a second, and on a loaded core this process can wake later than
+    half of that."""
     for _ in range(tries):
         took, prompts = await batch(engine, work, tasks, kind, push_at_s)
         if kind == "none" or prompts == len(tasks):
