@@ -257,22 +257,40 @@ def summary(rows: Sequence[dict[str, Any]], steps: int) -> dict[str, float]:
     }
 
 
-def draw(png: Path, runs: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> None:
+# Each system its line style, each seed its colour (the same on every side), so any number of seeds reads apart.
+LINE_STYLES = ("-", "--", ":")
+
+
+def seed_colour(seeds: Sequence[int], seed: int) -> str:
+    """``seed``'s colour in the reward figure: matplotlib's ten-colour cycle by the seed's place in ``seeds``."""
+    return f"C{list(seeds).index(seed) % 10}"
+
+
+def draw(png: Path, runs: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> Any:
+    """Every system's reward per step, each seed, into ``png``; the matplotlib figure is returned."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4))
-    for name, rows in runs.items():
+    figure, axis = plt.subplots(figsize=(9, 4.5))
+    for place, (name, rows) in enumerate(runs.items()):
+        style = LINE_STYLES[place % len(LINE_STYLES)]
         for seed, row in zip(seeds, rows, strict=True):
-            axis.plot(range(1, len(row["rewards"]) + 1), row["rewards"], label=f"{name}, seed {seed}")
+            axis.plot(
+                range(1, len(row["rewards"]) + 1),
+                row["rewards"],
+                label=f"{name}, seed {seed}",
+                color=seed_colour(seeds, seed),
+                linestyle=style,
+            )
     axis.set_xlabel("step")
     axis.set_ylabel("mean reward of the step's batch")
-    axis.legend()
+    axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     figure.tight_layout()
     figure.savefig(png)
     print(f"reward curves: {png}")
+    return figure
 
 
 def main(args) -> None:

@@ -189,3 +189,16 @@ def test_trl_runs_our_learner_s_optimizer_and_schedule():
         schedule.step()
     assert seen == [learner["lr"] * lr_lambda(step, 3, 20, 0.5) for step in range(20)]
     assert seen[0] == pytest.approx(learner["lr"] / 3) and seen[-1] > learner["lr"] / 2
+
+
+def test_the_reward_figure_gives_each_seed_one_colour_and_each_system_one_line_style(tmp_path):
+    seeds = list(range(12))  # past the ten-colour cycle: the colours repeat only there
+    rows = [{"rewards": [0.1 * seed, 0.2]} for seed in seeds]
+    figure = bench.draw(tmp_path / "curves.png", {"TRL GRPOTrainer": rows, "ours": rows}, seeds)
+    lines = figure.axes[0].get_lines()
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    trl, ours = lines[: len(seeds)], lines[len(seeds) :]
+    assert [line.get_color() for line in trl] == [line.get_color() for line in ours]
+    assert len({line.get_color() for line in trl}) == 10
+    assert {line.get_linestyle() for line in trl} == {"-"} and {line.get_linestyle() for line in ours} == {"--"}
+    assert ours[4].get_label() == "ours, seed 4"
