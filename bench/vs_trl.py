@@ -257,13 +257,9 @@ def summary(rows: Sequence[dict[str, Any]], steps: int) -> dict[str, float]:
     }
 
 
-# Each system its line style, each seed its colour (the same on every side), so any number of seeds reads apart.
+# Each system its line style, each seed its colour (the same on every side: matplotlib's ten-colour cycle by the
+# seed's place), so the curves of many seeds read apart.
 LINE_STYLES = ("-", "--", ":")
-
-
-def seed_colour(seeds: Sequence[int], seed: int) -> str:
-    """``seed``'s colour in the reward figure: matplotlib's ten-colour cycle by the seed's place in ``seeds``."""
-    return f"C{list(seeds).index(seed) % 10}"
 
 
 def draw(png: Path, runs: dict[str, list[dict[str, Any]]], seeds: Sequence[int]) -> Any:
@@ -276,12 +272,12 @@ def draw(png: Path, runs: dict[str, list[dict[str, Any]]], seeds: Sequence[int])
     figure, axis = plt.subplots(figsize=(9, 4.5))
     for place, (name, rows) in enumerate(runs.items()):
         style = LINE_STYLES[place % len(LINE_STYLES)]
-        for seed, row in zip(seeds, rows, strict=True):
+        for index, (seed, row) in enumerate(zip(seeds, rows, strict=True)):
             axis.plot(
                 range(1, len(row["rewards"]) + 1),
                 row["rewards"],
                 label=f"{name}, seed {seed}",
-                color=seed_colour(seeds, seed),
+                color=f"C{index % 10}",
                 linestyle=style,
             )
     axis.set_xlabel("step")
