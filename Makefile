@@ -87,11 +87,14 @@ docs: $(STAMP)
 	$(BIN)/python tools/docs_reference.py --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir build/site
 
+# DEMO_ARGS=--quick: the same run on a few steps, goals not checked (make test runs it so).
+DEMO_ARGS ?=
+
 demo: $(STAMP)
-	$(BIN)/python -m services.launcher demo
+	$(BIN)/asyncgrpo demo $(DEMO_ARGS)
 
 demo-tools: $(STAMP)
-	$(BIN)/python -m services.launcher demo --tools
+	$(BIN)/asyncgrpo demo --tools $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/transport.py

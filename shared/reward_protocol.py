@@ -15,10 +15,7 @@ before for every single-turn group; v1 is frozen.
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -34,7 +31,7 @@ from pydantic import (
 )
 
 from shared.columns import RESERVED_COLUMNS, json_problem
-from shared.config.base import CONFIG_ENV
+from shared.config.locations import import_named_module, search_dirs
 
 PROTOCOL = "asyncgrpo.reward/v1"
 PROTOCOL_V2 = "asyncgrpo.reward/v2"
@@ -253,35 +250,19 @@ def load_callable(path: str, what: str) -> Callable[..., Any]:
     """Import the callable ``module:name`` (a reward function, an environment class, a tool) for ``what``;
     ValueError naming what is wrong when it cannot.
 
-    The module is looked up on ``sys.path``, then beside the configuration file (``$ASYNCGRPO_CONFIG``), then
-    in the working directory: a ``my_rewards.py`` next to the user's config imports wherever the services run."""
+    The module is looked up by the configuration's one rule (:mod:`shared.config.locations`): beside the
+    configuration file (``$ASYNCGRPO_CONFIG``), then in the working directory, then on ``sys.path``: a
+    ``my_rewards.py`` next to the user's config imports wherever the services run."""
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
         raise ValueError(f"a {what} is named 'module:name' ('module:function', 'module:Class'), got {path!r}")
-    directories = reward_module_directories()
-    for directory in directories:
-        if directory not in sys.path:
-            sys.path.append(directory)  # appended: installed and project modules keep their precedence
-    importlib.invalidate_caches()
     try:
-        module = importlib.import_module(module_name)
+        module = import_named_module(module_name, search_dirs())
     except ImportError as exc:
         raise ValueError(
-            f"cannot import {what} module {module_name!r}: {exc} (looked on sys.path, then in "
-            f"{' and '.join(directories)}); put it beside the configuration file or on PYTHONPATH"
+            f"cannot import {what} module {module_name!r}: {exc}; put it beside the configuration file or on PYTHONPATH"
         ) from exc
     found = getattr(module, attribute, None)
     if not callable(found):
         raise ValueError(f"{module_name!r} has no callable {attribute!r}")
     return found
-
-
-def reward_module_directories() -> list[str]:
-    """Where reward modules are looked for after ``sys.path``: the configuration file's directory, the
-    working directory."""
-    directories = []
-    config = os.environ.get(CONFIG_ENV)
-    if config:
-        directories.append(str(Path(config).resolve().parent))
-    directories.append(os.getcwd())
-    return list(dict.fromkeys(directories))

@@ -182,12 +182,12 @@ def trajectory_runner(service: Service[GeneratorSettings], engine: Engine) -> Tr
 
 
 def _chat_template(name: str) -> str:
-    """The text of ``[environment] chat_template``: an absolute path, or one relative to the configuration
-    file's directory, then to the working directory (where reward and environment modules are looked for)."""
-    from shared.reward_protocol import reward_module_directories
+    """The text of ``[environment] chat_template``: an absolute path, or one found by the configuration's rule
+    (:mod:`shared.config.locations`: beside the configuration file, then in the working directory)."""
+    from shared.config.locations import locate, looked_in, search_dirs
 
-    candidates = [Path(name)] if Path(name).is_absolute() else [Path(d) / name for d in reward_module_directories()]
-    for path in candidates:
-        if path.is_file():
-            return path.read_text()
-    raise NotStarting(f"environment.chat_template {name!r} is not a file (looked at {', '.join(map(str, candidates))})")
+    dirs = search_dirs()
+    path = locate(name, dirs)
+    if path is None or not path.is_file():
+        raise NotStarting(f"environment.chat_template {name!r} is not a file (looked at {looked_in(name, dirs)})")
+    return path.read_text()

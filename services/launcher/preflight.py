@@ -13,8 +13,8 @@ A configuration that loads can still fail seconds into a run, after vLLM has loa
   rows' columns, ``max_completion_length``, ...): every call would fail, so it is reported with the scorer's
   message (:func:`~services.scorer.rewards.columns.unaccepted_keywords_message`).
 
-Modules are looked up as the services look them up: on ``sys.path``, beside the configuration file, in the
-working directory. Only the first ``FIRST_ROWS`` rows are read (:func:`~services.learner.data.sources.read_source`
+Modules and data files are looked up as the services look them up (:mod:`shared.config.locations`): beside
+the configuration file, in the working directory, then (modules) on ``sys.path``. Only the first ``FIRST_ROWS`` rows are read (:func:`~services.learner.data.sources.read_source`
 with a limit), and only when a reward needs a column or has no ``**kwargs``, so a run of built-in rewards starts
 as fast as before.
 
@@ -90,11 +90,11 @@ def preflight(config: str | Path | PipelineConfig, *, config_file: str | Path | 
             return [Problem(str(source), problem) for problem in exc.problems]
         except ConfigFileError as exc:
             return [Problem("--config", str(exc))]
-    with _modules_beside(source):
+    multi_turn = pipeline.generator.environment is not None
+    with _names_resolved_beside(source):
         functions, problems = _reward_functions(pipeline.scorer.rewards)
         problems += _environment_problems(pipeline.generator.environment)
-    multi_turn = pipeline.generator.environment is not None
-    return problems + column_problems(functions, pipeline.learner.data, multi_turn=multi_turn)
+        return problems + column_problems(functions, pipeline.learner.data, multi_turn=multi_turn)
 
 
 def isolated_preflight(config: str | Path) -> list[Problem]:
@@ -131,8 +131,9 @@ def names_user_code(pipeline: PipelineConfig) -> bool:
 
 
 @contextmanager
-def _modules_beside(source: Path | None) -> Iterator[None]:
-    """Modules are looked for beside ``source``, as the services (started with ``$ASYNCGRPO_CONFIG``) look."""
+def _names_resolved_beside(source: Path | None) -> Iterator[None]:
+    """Modules and data files are looked for beside ``source``, as the services (started with
+    ``$ASYNCGRPO_CONFIG``) look (:mod:`shared.config.locations`)."""
     before = os.environ.get(CONFIG_ENV)
     if source is not None:
         os.environ[CONFIG_ENV] = str(source)

@@ -14,7 +14,9 @@ Before Redis or any service starts:
 * the run is named (``--run-name``, else ``learner.run_name``, else a timestamp) and its directory
   ``<runs_dir>/<run_name>/`` chosen; whether it continues from a checkpoint is decided by
   :func:`shared.runs.checkpoint_to_resume`, and a checkpoint of another run, model or settings is refused
-  with the reason (exit status 2).
+  with the reason (exit status 2);
+* the file is copied into the run directory (:mod:`services.launcher.run_config`: ``config.toml``, with the
+  folders its relative names resolve against), and every service reads that copy.
 
 Then Redis (the one at ``$REDIS_URL`` if it answers, else one started here for the run, with one ACL user per
 service: :func:`~services.launcher.local_redis.redis_for_run`), and the
@@ -30,11 +32,12 @@ import secrets
 import signal
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from services.launcher.local_redis import redis_for_run
 from services.launcher.preflight import Problem, isolated_preflight
 from services.launcher.prepare_model import prepare_smollm2
+from services.launcher.run_config import Overrides, write_run_config
 from services.launcher.supervisor import Supervisor
 from shared.config.launcher import MODEL_PLACEHOLDERS
 from shared.config.learner import LearnerSettings
@@ -47,14 +50,28 @@ INTERRUPTED = 130  # the shell's code for a run stopped by Ctrl-C or SIGTERM
 REFUSED = 2  # as for an invalid configuration: nothing was started
 
 
-def run(config: Path, *, prefix: str | None = None, run_name: str | None = None) -> tuple[int, dict[str, int]]:
-    """Run the pipeline of ``config`` to the learner's end; returns its exit code and every child's."""
+def run(
+    config: Path,
+    *,
+    prefix: str | None = None,
+    run_name: str | None = None,
+    overrides: Overrides | None = None,
+    cache: Path | None = None,
+) -> tuple[int, dict[str, int]]:
+    """Run the pipeline of ``config`` to the learner's end; returns its exit code and every child's.
+    ``overrides``: settings the run's copy of the file sets on top of it (``{"learner": {"max_steps": 2}}``);
+    ``cache``: where a model placeholder's model is prepared (default ~/.cache/asyncgrpo)."""
     pipeline = launch_or_exit(config)
     refuse_on(isolated_preflight(config))
-    models = resolve_models(pipeline)
-    overrides = {"model": models["LEARNER_MODEL"]} if "LEARNER_MODEL" in models else {}
-    learner = LearnerSettings.load(config, run_name=run_name or pipeline.learner.run_name, **overrides)
+    models = resolve_models(pipeline, cache)
+    settings = {**(overrides or {}).get("learner", {})}
+    if "LEARNER_MODEL" in models:
+        settings["model"] = models["LEARNER_MODEL"]
+    learner = LearnerSettings.load(config, run_name=run_name or pipeline.learner.run_name, **settings)
     check_resume(learner)
+    run_config = write_run_config(config, learner.run_dir, {**(overrides or {}), "learner": _named(learner, overrides)})
+    if overrides:
+        pipeline = launch_or_exit(run_config)
     env = {
         "STREAM_PREFIX": prefix or os.environ.get("STREAM_PREFIX") or f"run-{secrets.token_hex(3)}",
         "LEARNER_RUN_NAME": learner.run_name,
@@ -62,8 +79,9 @@ def run(config: Path, *, prefix: str | None = None, run_name: str | None = None)
     }
     log_dir = Path(pipeline.launcher.log_dir) if pipeline.launcher.log_dir else learner.run_dir / "logs"
     log.info(
-        "run %s: checkpoints in %s, metrics in %s, service logs in %s",
+        "run %s: configuration %s, checkpoints in %s, metrics in %s, service logs in %s",
         learner.run_name,
+        run_config,
         learner.checkpoint_dir,
         Path(learner.log_dir) / "metrics.jsonl",
         log_dir,
@@ -71,26 +89,31 @@ def run(config: Path, *, prefix: str | None = None, run_name: str | None = None)
     redis_urls, redis_server = redis_for_run(env["STREAM_PREFIX"])
     env.update(redis_urls)
     try:
-        return _supervise(Supervisor(config, env, pipeline.launcher, learner, log_dir))
+        return _supervise(Supervisor(run_config, env, pipeline.launcher, learner, log_dir))
     finally:
         if redis_server is not None:
             redis_server.stop()
 
 
-def resolve_models(pipeline: PipelineConfig) -> dict[str, str]:
+def _named(learner: LearnerSettings, overrides: Overrides | None) -> dict[str, Any]:
+    """The copy's ``[learner]`` overrides: the caller's, and the run's name (a start from the copy continues it)."""
+    return {**(overrides or {}).get("learner", {}), "run_name": learner.run_name}
+
+
+def resolve_models(pipeline: PipelineConfig, cache: Path | None = None) -> dict[str, str]:
     """``GENERATOR_MODEL`` / ``LEARNER_MODEL`` for each table whose model is a placeholder: the path of the
     model it stands for, prepared on first use (``@smollm2``, the only one: SmolLM2-135M-Instruct)."""
     env = {}
     for table in ("generator", "learner"):
         placeholder = getattr(pipeline, table).model
         if placeholder in MODEL_PLACEHOLDERS:
-            env[f"{table.upper()}_MODEL"] = str(_prepare(table, placeholder))
+            env[f"{table.upper()}_MODEL"] = str(_prepare(table, placeholder, cache))
     return env
 
 
-def _prepare(table: str, placeholder: str) -> Path:
+def _prepare(table: str, placeholder: str, cache: Path | None) -> Path:
     try:
-        return prepare_smollm2()
+        return prepare_smollm2(cache)
     except (RuntimeError, OSError) as exc:
         refuse(
             f"{table}.model = {placeholder!r} stands for SmolLM2-135M-Instruct, which could not be prepared: "

@@ -40,6 +40,7 @@ from shared.advantages import completion_metrics, reward_function_metrics
 from shared.codec import encode
 from shared.config.data import unsliced
 from shared.config.learner import LearnerSettings
+from shared.config.locations import locate, search_dirs
 from shared.intake import decode_or_reject
 from shared.records import PromptTask, SamplingSpec, ScoredGroup
 from shared.redis_conn import RedisRetry
@@ -108,9 +109,11 @@ def may_share_rows(eval_data: str | list[str], source: str | list[str]) -> bool:
 
 
 def _resolved(source: str | list[str]) -> list[Path]:
-    """Each path, dataset name or built-in task of ``source`` as an absolute path (a name resolves alike
-    wherever it is written)."""
-    return [Path(item).expanduser().resolve() for item in (source if isinstance(source, list) else [source])]
+    """Each path, dataset name or built-in task of ``source`` as an absolute path: a file or folder where the
+    configuration's rule finds it (:mod:`shared.config.locations`), a name alike wherever it is written."""
+    dirs = search_dirs()
+    items = source if isinstance(source, list) else [source]
+    return [locate(item, dirs) or Path(item).expanduser().resolve() for item in items]
 
 
 def eval_sampling(training: SamplingSpec, temperature: float) -> SamplingSpec:

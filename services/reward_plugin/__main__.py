@@ -2,8 +2,8 @@
 
     PLUGIN_TOKEN=<token> python -m services.reward_plugin --function my_module:my_reward [--port 9000]
 
-Without ``--function`` it serves the example brevity reward (``--target-chars``). The module must be
-importable (on PYTHONPATH or installed); the function has TRL's signature.
+Without ``--function`` it serves the example brevity reward (``--target-chars``). The module is looked for in
+the working directory, then on PYTHONPATH (or installed); the function has TRL's signature.
 
 ``/score`` needs ``Authorization: Bearer <token>``, the token read from ``$PLUGIN_TOKEN`` (or the variable
 ``--token-env`` names): at least 32 characters and no ``change-me`` placeholder, else the plugin refuses to

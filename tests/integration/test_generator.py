@@ -129,6 +129,7 @@ async def test_prompts_become_rollouts_with_exact_behaviour_logprobs(generator, 
     assert pending["pending"] == 0
 
 
+@pytest.mark.smokes("python -m services.generator")
 def test_http_endpoints_and_auth(generator):
     assert httpx.get(f"{generator.url}/health").json()["status"] == "alive"
     ready = wait_http_ok(f"{generator.url}/ready", 30).json()

@@ -144,6 +144,7 @@ def _skip_without_enough_gpus(ranks: int) -> None:
         )
 
 
+@pytest.mark.smokes("python -m services.learner")  # ranks 1: the documented command
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow, id="torchrun-2-ranks")])
 async def test_checkpoint_sigkill_restart_resumes_with_the_same_next_batch(
     tiny, tmp_path, redis_client, redis_url, keys, ranks

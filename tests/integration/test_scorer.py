@@ -235,6 +235,7 @@ async def test_one_command_plugin_serves_a_trl_function_to_the_scorer(redis_clie
         service.stop()
 
 
+@pytest.mark.smokes("python -m services.scorer")
 async def test_two_scorer_replicas_never_score_twice_and_finish_a_killed_ones_groups(redis_url, redis_client, keys):
     keys = Keys(keys.prefix)
     group_ids = await _fill_rollouts(redis_client, keys, 30)

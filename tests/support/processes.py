@@ -70,11 +70,14 @@ class ServiceProcess:
             self.process.wait()
 
 
-def start_service(name: str, module: str, env: dict[str, str], args: list[str] | None = None) -> ServiceProcess:
+def start_service(
+    name: str, module: str, env: dict[str, str], args: list[str] | None = None, cwd: Path = ROOT
+) -> ServiceProcess:
+    """``python -m module args`` with this interpreter, in ``cwd`` (the repository by default)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **env}
     process = subprocess.Popen(
         [sys.executable, "-m", module, *(args or [])],
-        cwd=ROOT,
+        cwd=cwd,
         env=full_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -106,3 +109,13 @@ def wait_http_ok(url: str, timeout_s: float) -> httpx.Response:
             last = exc
         time.sleep(0.3)
     raise TimeoutError(f"{url} not OK after {timeout_s} s: {last}")
+
+
+def require_current_setup() -> None:
+    """Fail with the fix when ``make <target>`` would set the project up again first (the lock or
+    pyproject.toml changed since .venv was made): that would rebuild the very .venv a test runs from."""
+    stale = subprocess.run(["make", "-C", str(ROOT), "-q", ".venv/.installed"], capture_output=True).returncode
+    if stale:
+        import pytest
+
+        pytest.fail("the project's .venv is older than the lock or pyproject.toml: run `make setup` first")

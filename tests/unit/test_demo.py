@@ -9,6 +9,7 @@ import json
 import pytest
 
 from services.launcher.demo import GOAL_EVAL_GAIN, WINDOW, read_result
+from tests.support.processes import ROOT
 
 
 def _metrics(tmp_path, correctness: list[float], evaluations: dict[int, float], calls=(), eval_calls=None):
@@ -98,35 +99,11 @@ def test_the_tool_plot_is_written(tmp_path):
     assert (tmp_path / "tools.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_tool_demos_copy_finds_its_template_and_environment_from_the_run_directory(tmp_path, monkeypatch):
-    """The run reads runs/<name>/config.toml: the template path and the environment module must not depend on
-    where the original configuration was."""
-    import os
-    import tomllib
-    from pathlib import Path
-
-    from services.launcher.demo import _materialise
-
-    root = Path(__file__).resolve().parents[2]
-    monkeypatch.chdir(root)
-    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
-    runs = tmp_path / "runs"
-    source = (root / "configs" / "demo-tools-cpu.toml").read_text()
-    config = tmp_path / "demo-tools-cpu.toml"
-    config.write_text(source.replace("[learner]\n", f"[learner]\nruns_dir = {str(runs)!r}\n", 1))
-    path, learner = _materialise(config, tmp_path / "model", "demo-tools-test")
-    copy = tomllib.loads(path.read_text())
-    assert path == runs / "demo-tools-test" / "config.toml" and learner.run_name == "demo-tools-test"
-    assert copy["generator"]["model"] == copy["learner"]["model"] == str(tmp_path / "model")
-    assert Path(copy["environment"]["chat_template"]) == root / "configs" / "templates" / "smollm2_tools.jinja"
-    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"]
-
-
 @pytest.mark.parametrize(
     ("argv", "config", "tools"),
     [
-        (["demo"], "configs/demo-cpu.toml", False),
-        (["demo", "--tools"], "configs/demo-tools-cpu.toml", True),
+        (["demo"], ROOT / "configs" / "demo-cpu.toml", False),
+        (["demo", "--tools"], ROOT / "configs" / "demo-tools-cpu.toml", True),
         (["demo", "--tools", "--config", "mine.toml"], "mine.toml", True),
     ],
 )
@@ -139,4 +116,4 @@ def test_the_cli_runs_the_demo_it_is_asked_for(monkeypatch, argv, config, tools)
     calls = []
     monkeypatch.setattr(cli, "run_demo", lambda *args, **kwargs: calls.append((args, kwargs)) or 7)
     assert cli.main(argv) == 7
-    assert calls == [((Path(config), None), {"tools": tools})]
+    assert calls == [((Path(config), None), {"tools": tools, "quick": False})]

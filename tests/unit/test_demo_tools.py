@@ -44,7 +44,7 @@ def test_the_config_validates_with_its_environment_and_template():
     config = PipelineConfig.load(CONFIG)
     environment = config.generator.environment
     assert environment is not None and environment.python == "calculator_env:CalculatorEnv"
-    assert (ROOT / environment.chat_template).is_file()
+    assert (CONFIG.parent / environment.chat_template).is_file()  # beside the configuration, as names resolve
     assert environment.max_tool_response_tokens < config.learner.max_completion_length
     assert config.learner.data.source == "builtin:calculator"
 

@@ -71,6 +71,7 @@ def test_the_readmes_example_passes_the_prepared_model_to_every_service(no_proce
     assert supervisor.env["GENERATOR_MODEL"] == supervisor.env["LEARNER_MODEL"] == str(no_processes)
     assert supervisor.env["LEARNER_RUN_NAME"] == "readme" and supervisor.learner.model == str(no_processes)
     assert supervisor.log_dir == Path("runs") / "readme" / "logs"
+    assert supervisor.config == Path("runs") / "readme" / "config.toml"  # every service reads the run's copy
     assert Path(supervisor.learner.checkpoint_dir) == Path("runs") / "readme" / "checkpoints"
 
 
@@ -126,7 +127,7 @@ def test_a_reward_module_beside_the_config_imports_from_any_directory(tmp_path, 
     assert load_reward_function(f"{names[0]}:fn")(["a"]) == [1.0]
     monkeypatch.chdir(here)  # the working directory, too
     assert load_reward_function(f"{names[1]}:fn")(["a"]) == [2.0]
-    with pytest.raises(ValueError, match=re.escape(f"looked on sys.path, then in {beside} and {here}")):
+    with pytest.raises(ValueError, match=re.escape(f"(looked in {beside}, {here}, then on sys.path)")):
         load_reward_function("no_such_rewards_module:fn")
     for name in names:
         sys.modules.pop(name, None)

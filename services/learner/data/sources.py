@@ -14,6 +14,10 @@ any other name (``openai/gsm8k``)        ``datasets.load_dataset(name, dataset_c
                                          reach; the error says how to put it there
 =======================================  ===============================================================
 
+A relative file or folder is looked for beside the configuration file, then in the working directory
+(:mod:`shared.config.locations`, the rule for every name a configuration gives); a name found in neither that
+cannot be a dataset's is refused with the places looked at.
+
 Splits are datasets' split strings (:func:`shared.config.data.parse_split`): ``train_split = "train[:90%]"``
 reads split ``train`` as above and keeps its first 90% of rows, for every kind of source alike. Evaluation
 rows come from ``eval_split`` or from the last ``eval_fraction`` of the training split; every row is keyed by
@@ -30,6 +34,7 @@ from typing import Any
 
 from services.learner.data.tasks import BUILTIN_TASKS, HELD_OUT_SEED_OFFSET, held_out_rows, training_rows
 from shared.config.data import DataSettings, parse_split
+from shared.config.locations import locate, looked_in, search_dirs
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 # What datasets' save_to_disk writes beside the Arrow files: one split, or a DatasetDict of several.
@@ -156,11 +161,16 @@ def _split_rows(data: DataSettings, split: str, field: str) -> _Rows:
                 "data.eval_fraction, or evaluate on new problems with learner.eval_data = 'held_out'"
             )
         return _Rows([(sources[0], _builtin(sources[0].removeprefix("builtin:"), data))])
-    paths = [Path(source).expanduser() for source in sources]
+    dirs = search_dirs()
+    found = [locate(source, dirs) for source in sources]
+    if len(sources) == 1 and found[0] is None and not _looks_like_a_path(sources[0]):
+        return _Rows([(split, _read_named(sources[0], data, split))])
+    missing = [source for source, path in zip(sources, found, strict=True) if path is None]
+    if missing:
+        raise DataError(f"data source {missing[0]} does not exist (looked at {looked_in(missing[0], dirs)})")
+    paths = [path for path in found if path is not None]
     if len(paths) == 1 and _is_saved_dataset(paths[0]):
         return _read_saved(paths[0], split, field)
-    if len(sources) == 1 and not paths[0].exists() and not _looks_like_a_path(sources[0]):
-        return _Rows([(split, _read_named(sources[0], data, split))])
     return _read_files(paths, _files_of(paths, split))
 
 
@@ -221,8 +231,6 @@ def _read_saved(path: Path, split: str, field: str) -> _Rows:
 def _files_of(paths: list[Path], split: str) -> list[Path]:
     files: list[Path] = []
     for path in paths:
-        if not path.exists():
-            raise DataError(f"data source {path} does not exist (the learner's working directory is {Path.cwd()})")
         if path.is_file():
             files.append(path)
             continue
