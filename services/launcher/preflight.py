@@ -14,9 +14,9 @@ A configuration that loads can still fail seconds into a run, after vLLM has loa
   message (:func:`~services.scorer.rewards.columns.unaccepted_keywords_message`).
 
 Modules and data files are looked up as the services look them up (:mod:`shared.config.locations`): beside
-the configuration file, in the working directory, then (modules) on ``sys.path``. Only the first ``FIRST_ROWS`` rows are read (:func:`~services.learner.data.sources.read_source`
-with a limit), and only when a reward needs a column or has no ``**kwargs``, so a run of built-in rewards starts
-as fast as before.
+the configuration file, in the working directory, then (modules) on ``sys.path``. Only the first ``FIRST_ROWS``
+rows are read (:func:`~services.learner.data.sources.read_source` with a limit), and only when a reward needs a
+column or has no ``**kwargs``, so a run of built-in rewards starts as fast as before.
 
 ``asyncgrpo run`` and ``config explain`` run the check in a child process (:func:`isolated_preflight`): the user's
 modules are imported there, so what they do at import (a reward model loaded onto the GPU, ``sys.path``
