@@ -7,6 +7,7 @@ import httpx
 from services.learner.host_memory import configure_malloc
 from shared.config.learner import LearnerSettings
 from shared.lifecycle import Service, run_service
+from shared.runs import startup_summary
 from shared.service import main
 
 
@@ -37,4 +38,4 @@ async def serve(settings: LearnerSettings) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main("learner", LearnerSettings, serve, __doc__))
+    raise SystemExit(main("learner", LearnerSettings, serve, __doc__, summary=startup_summary))

@@ -35,7 +35,7 @@ from shared.keys import Keys
 from shared.lifecycle import NotStarting, start_consumer
 from shared.records import ChatMessage, DatasetPosition, SamplingSpec
 from shared.registry import RegistryStats, set_aside
-from shared.runs import ResumeRefused, checkpoint_to_resume, run_identity, write_run_file
+from shared.runs import ResumeRefused, checkpoint_to_resume, run_identity, write_run_file, write_settings_file
 from shared.streams import StreamProducer
 from shared.telemetry import MetricsGauges
 from weight_sync.sender import WeightPusher, learner_device
@@ -237,6 +237,7 @@ async def build_learner(
     evaluator = await build_evaluator(settings, client, keys, tokenizer)
     pusher = await start_pusher(settings, client, keys, ranks)
     write_run_file(settings, run_identity(settings))
+    write_settings_file(settings)
     gauges = MetricsGauges(prometheus)
     resumed_step = state.step if resumed else None
     tracking = TrackingRun.from_settings(settings)
