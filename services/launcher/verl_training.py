@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.launcher.translation import Draft, ours, trackers, warmup_from_share
+from services.launcher.translation import Draft, ours, run_from_directory, trackers, warmup_from_share
 
 _OPTIM = "actor_rollout_ref.actor.optim"
 _MODEL = "actor_rollout_ref.model"
@@ -159,7 +159,7 @@ def verl_checkpoints(flat: dict[str, Any], draft: Draft, steps_known: bool) -> N
 def _verl_directory(flat: dict[str, Any], draft: Draft) -> None:
     directory = flat.pop("trainer.default_local_dir", None)
     if directory:
-        draft.learner["checkpoint_dir"] = str(directory)
+        run_from_directory(directory, "trainer.default_local_dir", draft)
     mode = flat.pop("trainer.resume_mode", None)
     if mode in ("auto", "disable"):
         draft.learner["resume"] = mode == "auto"
