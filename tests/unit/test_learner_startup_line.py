@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from shared import service
+from shared.config.base import CONFIG_ENV
 from shared.config.learner import LearnerSettings
 from shared.runs import SETTINGS_FILE, settings_path, startup_summary, write_settings_file
 
@@ -48,6 +49,7 @@ def test_the_settings_file_holds_every_resolved_setting_masked(tmp_path):
 
 def test_main_logs_the_summary_at_info_and_the_settings_at_debug(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("LEARNER_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv(CONFIG_ENV, str(DEMO))  # main sets it; monkeypatch takes it back after the test
     monkeypatch.setattr(service, "setup_logging", lambda name, level: None)  # keep caplog's handler
     seen = []
 
