@@ -112,7 +112,7 @@ def test_trl_fields_with_a_counterpart_are_translated():
     assert not {"checkpoint_dir", "log_dir", "resume"} & set(learner)  # they follow the run's name; resume is ours
     assert learner["compute_dtype"] == "bfloat16" and result.tables["data"]["epochs"] == 2
     assert result.tables["scorer"]["rewards"] == [
-        {"name": "think_format_reward", "function": "trl.rewards:think_format_reward", "weight": 1.0},
+        {"name": "think_format_reward", "function": "shared.trl_rewards:think_format_reward", "weight": 1.0},
         {"name": "length", "function": "pkg.rewards:length", "weight": 0.5},
         {"name": "overlong", "params": {"buffer": 256}, "weight": 1.0},
     ]
