@@ -1,5 +1,5 @@
-"""Prose holds no history: the README, the site's home page, every setting's description and the shipped
-configurations say what a thing does and how to use it; figures live in ``bench/results.jsonl`` and the
+"""Prose holds no history: the README, the site's home page, the guides, every setting's description and the
+shipped configurations say what a thing does and how to use it; figures live in ``bench/results.jsonl`` and the
 benchmarks page generated from it. A dated figure here (a date, a commit, a measured ``X against Y``, a
 speed-up) fails, naming the line."""
 
@@ -35,7 +35,9 @@ def figures(text: str) -> list[str]:
 
 
 def _pages() -> Iterator[tuple[str, str]]:
-    for name in ("README.md", "docs/index.md", *(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*.toml"))):
+    """The README, the home page, the guides and the shipped configurations."""
+    found = [*(ROOT / "docs" / "guides").glob("*.md"), *(ROOT / "configs").glob("*.toml")]
+    for name in ("README.md", "docs/index.md", *sorted(str(p.relative_to(ROOT)) for p in found)):
         yield name, (ROOT / name).read_text()
 
 
