@@ -35,9 +35,10 @@ def figures(text: str) -> list[str]:
 
 
 def _pages() -> Iterator[tuple[str, str]]:
-    """The README, the home page, the guides and the shipped configurations."""
+    """The README, the home page, Getting started, the guides and the shipped configurations."""
     found = [*(ROOT / "docs" / "guides").glob("*.md"), *(ROOT / "configs").glob("*.toml")]
-    for name in ("README.md", "docs/index.md", *sorted(str(p.relative_to(ROOT)) for p in found)):
+    named = sorted(str(path.relative_to(ROOT)) for path in found)
+    for name in ("README.md", "docs/index.md", "docs/getting-started.md", *named):
         yield name, (ROOT / name).read_text()
 
 
