@@ -112,23 +112,8 @@ def write_run_file(settings: LearnerSettings, identity: dict[str, Any]) -> Path:
 
 
 def settings_path(settings: LearnerSettings) -> Path:
-    """``<run_dir>/settings.toml``: where :func:`write_settings_file` puts the learner's resolved settings."""
+    """``<run_dir>/settings.toml``: where the learner writes its resolved settings when it starts."""
     return settings.run_dir / SETTINGS_FILE
-
-
-def write_settings_file(settings: LearnerSettings) -> Path:
-    """Every resolved learner setting, secrets masked, as a ``[learner]`` table (``[learner.data]`` within);
-    a setting left unset (None) is left out, as TOML has no null."""
-    import tomli_w
-
-    path = settings_path(settings)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(tomli_w.dumps({"learner": _without_none(settings.masked())}))
-    return path
-
-
-def _without_none(table: dict[str, Any]) -> dict[str, Any]:
-    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in table.items() if v is not None}
 
 
 def startup_summary(settings: LearnerSettings) -> str:

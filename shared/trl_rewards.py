@@ -133,7 +133,6 @@ def _verified(answers: Sequence[str], solutions: Sequence[str], log_extra: Calla
     """Each answer verified against its solution with math_verify as TRL configures it (LaTeX, ``\\boxed{}``
     first, units normalised, the first match); None where the solution does not parse."""
     try:
-        from latex2sympy2_extended import NormalizationConfig
         from math_verify import LatexExtractionConfig, parse, verify
     except ImportError as exc:
         raise ImportError(
@@ -145,9 +144,10 @@ def _verified(answers: Sequence[str], solutions: Sequence[str], log_extra: Calla
     if not main:  # math_verify warns on every call that its timeouts are off
         for name in ("math_verify.parser", "math_verify.grader"):
             logging.getLogger(name).setLevel(logging.ERROR)
+    normalization = type(LatexExtractionConfig().normalization_config)  # latex2sympy2_extended's, as math_verify has it
     extraction = [
         LatexExtractionConfig(
-            normalization_config=NormalizationConfig(units=True),
+            normalization_config=normalization(units=True),
             boxed_match_priority=0,
             try_extract_without_anchor=False,
         )

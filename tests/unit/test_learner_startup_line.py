@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from services.learner.startup import write_settings_file
 from shared import service
 from shared.config.base import CONFIG_ENV
 from shared.config.learner import LearnerSettings
-from shared.runs import SETTINGS_FILE, settings_path, startup_summary, write_settings_file
+from shared.runs import SETTINGS_FILE, settings_path, startup_summary
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo-cpu.toml"
