@@ -40,7 +40,7 @@ class UnmappedError(ValueError):
             "no counterpart here for: " + ", ".join(names) + " (these may change the algorithm or the data, so "
             "leaving them out could change what is learned; remove them, or pass --allow-unmapped to translate "
             "the rest and list these at the top of the output. Options that change nothing learned, such as "
-            "logging, the Hub or the output directory, need no flag: they are listed as 'no effect here')"
+            "logging, the Hub or dataloader workers, need no flag: they are listed as 'no effect here')"
         )
         self.names = names
 

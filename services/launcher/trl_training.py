@@ -82,8 +82,8 @@ TRL_NO_EFFECT = {
         ("vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout", "vllm_group_port"),
         _VLLM_SERVER,
     ),
-    "run_name": "the trackers' name for the run; learner.run_name here also names the run's directory and "
-    "continues a run of that name, so it is left for you to set",
+    "run_name": "the trackers' name for the run; learner.run_name here names the run's directory and continues "
+    "a run of that name: output_dir's last part gives it, asyncgrpo run --run-name overrides",
     "overwrite_output_dir": "each run here has its own directory under learner.runs_dir",
     "save_only_model": "checkpoints here always hold the optimizer state (resuming needs it)",
     "save_on_each_node": "the learner's rank 0 writes every checkpoint",

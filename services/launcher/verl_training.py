@@ -54,8 +54,8 @@ VERL_NO_EFFECT = {
     "trainer.nnodes": _PLACEMENT,
     "actor_rollout_ref.rollout.name": "the rollout engine: generators here run vLLM",
     f"{_MODEL}.use_remove_padding": "padding-free kernels compute the same loss",
-    "trainer.experiment_name": "the trackers' name for the run; learner.run_name here also names the run's "
-    "directory and continues a run of that name, so it is left for you to set",
+    "trainer.experiment_name": "the trackers' name for the run; learner.run_name here names the run's directory "
+    "and continues a run of that name: trainer.default_local_dir's last part gives it, --run-name overrides",
     "trainer.log_val_generations": "logging only: learner.log_completions writes completion tables here",
     "trainer.default_hdfs_dir": "a copy of the checkpoints on HDFS: nothing is copied from here",
     "data.dataloader_num_workers": "how batches are loaded, not which prompts",
