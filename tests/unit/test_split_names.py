@@ -32,6 +32,7 @@ def test_a_one_file_source_has_one_split_named_train(tmp_path):
     assert str(refused.value) == problem
     assert split_problems(DataSettings(source=source, train_split="train[:90%]", eval_split="train[90%:]")) == []
     assert split_problems(DataSettings(source=[source, source], train_split="dev")) != []
+    assert split_problems(data, fields=("train_split",)) == [] and split_problems(data, fields=("eval_split",))
 
 
 def test_a_directory_has_the_splits_its_file_names_hold(tmp_path):

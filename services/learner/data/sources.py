@@ -25,6 +25,7 @@ Which columns reach the reward functions, and how the prompt is built, is :mod:`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,11 +150,12 @@ class _Rows:
         return keyed
 
 
-def split_problems(data: DataSettings) -> list[str]:
-    """Why ``data.train_split`` or ``data.eval_split`` names a split that ``data.source`` cannot have (see
-    :func:`split_problem`); the start-up check runs it, without reading a row."""
-    specs = [("train_split", data.train_split)] + ([("eval_split", data.eval_split)] if data.eval_split else [])
-    return [problem for field, spec in specs if (problem := split_problem(data, spec, field))]
+def split_problems(data: DataSettings, fields: Sequence[str] = ("train_split", "eval_split")) -> list[str]:
+    """Why ``data.train_split`` or ``data.eval_split`` (those of ``fields``) names a split that ``data.source``
+    cannot have (see :func:`split_problem`), without reading a row: the start-up check runs it for the
+    evaluation split, which it does not read (reading the training rows raises the same message)."""
+    specs = [(field, getattr(data, field)) for field in fields]
+    return [problem for field, spec in specs if spec and (problem := split_problem(data, spec, field))]
 
 
 def split_problem(data: DataSettings, spec: str, field: str) -> str | None:
