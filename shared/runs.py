@@ -2,7 +2,8 @@
 
 A run is named (``learner.run_name``, a timestamp by default) and owns ``<runs_dir>/<run_name>/``: its
 ``checkpoints/``, ``metrics.jsonl`` (with ``batches.jsonl``, ``dropped.jsonl``, ``tensorboard/``) and, under
-``asyncgrpo run``, the services' ``logs/``. The learner writes the run's identity to
+``asyncgrpo run``, the services' ``logs/``. The learner writes every resolved setting (secrets masked) to
+``<run_dir>/settings.toml`` and logs only :func:`startup_summary`; it writes the run's identity to
 ``<checkpoint_dir>/run.json`` when it starts, and every checkpoint carries a copy: the run's name, its model
 (path and a fingerprint of its files) and the settings that make a checkpoint another experiment when they
 change (:data:`IDENTITY_SETTINGS`).
@@ -26,6 +27,7 @@ from shared.config.learner import LearnerSettings
 log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
+SETTINGS_FILE = "settings.toml"  # config.toml beside it is the launcher's: the file the run was started from
 STEP_PREFIX = "step-"
 # Changing one of these makes a checkpoint's continuation a different experiment (or unloadable: LoRA, dtype).
 IDENTITY_SETTINGS = (
@@ -107,6 +109,25 @@ def write_run_file(settings: LearnerSettings, identity: dict[str, Any]) -> Path:
     path = directory / RUN_FILE
     path.write_text(json.dumps(identity, indent=2) + "\n")
     return path
+
+
+def settings_path(settings: LearnerSettings) -> Path:
+    """``<run_dir>/settings.toml``: where the learner writes its resolved settings when it starts."""
+    return settings.run_dir / SETTINGS_FILE
+
+
+def startup_summary(settings: LearnerSettings) -> str:
+    """The learner's one start-up line: model, objective, batch arithmetic and device; the rest of its
+    settings are in :func:`settings_path`."""
+    objective = settings.algorithm or f"loss_type {settings.loss_type}"
+    return (
+        f"model {settings.model} on {settings.device} ({settings.param_dtype} weights, "
+        f"{settings.compute_dtype} compute); {objective}, beta {settings.beta:g}, lr {settings.lr:g}, "
+        f"old_logprobs {settings.old_logprobs}; {settings.groups_per_step} groups x G={settings.group_size} = "
+        f"{settings.completions_per_step} completions a step in micro-batches of {settings.micro_batch_size}, "
+        f"max_staleness {settings.max_staleness}, {settings.max_steps} steps; "
+        f"every setting: {settings_path(settings)}"
+    )
 
 
 def read_identity(checkpoint: Path) -> dict[str, Any] | None:

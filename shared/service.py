@@ -2,7 +2,8 @@
 
 ``main(...)`` parses ``--config``, validates the whole configuration file across services (a clear message and
 exit status 2 when invalid), takes the service's own table, sets up logging, logs the resolved settings with
-secrets masked, and runs the service's ``serve(settings)`` (built on :func:`shared.lifecycle.run_service`).
+secrets masked (or, where the service gives a ``summary``, that one line at INFO and them at DEBUG), and runs
+the service's ``serve(settings)`` (built on :func:`shared.lifecycle.run_service`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main(
     serve: Callable[[S], Coroutine[Any, Any, int]],
     description: str,
     argv: list[str] | None = None,
+    summary: Callable[[S], str] | None = None,
 ) -> int:
     tables = ", ".join(f"[{t}]" for t in (settings_cls.toml_table, *settings_cls.extra_toml_tables))
     parser = argparse.ArgumentParser(prog=f"python -m services.{name}", description=description)
@@ -37,5 +39,10 @@ def main(
         os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
     settings = cast(S, load_or_exit(args.config, name))  # its table, checked with the file, and its start checks
     setup_logging(name, settings.log_level)
-    logging.getLogger(f"services.{name}").info("settings: %s", settings.masked())
+    log = logging.getLogger(f"services.{name}")
+    if summary is None:
+        log.info("settings: %s", settings.masked())
+    else:
+        log.info("settings: %s", summary(settings))
+        log.debug("settings: %s", settings.masked())
     return asyncio.run(serve(settings))

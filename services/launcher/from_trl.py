@@ -238,7 +238,9 @@ def _with_defaults(fields: dict[str, Any], defaults: dict[str, Any] | None) -> d
 
 def _trl_batch_fields(fields: dict[str, Any], learner: dict[str, Any]) -> int:
     """Prompts per step, G and the micro-batch; returns TRL's staleness: a generation block trains several
-    optimizer steps, the last of them on samples that many versions old."""
+    optimizer steps, the last of them on samples that many versions old (steps_per_generation /
+    gradient_accumulation_steps - 1). Written as ``max_staleness`` when the file sets steps_per_generation or
+    generation_batch_size; without them TRL is on-policy and ours is kept (listed as a difference)."""
     per_device = int(fields.pop("per_device_train_batch_size", 8))
     num_generations = int(fields.pop("num_generations", 8))
     num_processes = int(fields.pop("num_processes", 1))
@@ -257,9 +259,10 @@ def _trl_batch_fields(fields: dict[str, Any], learner: dict[str, Any]) -> int:
     learner.update(
         group_size=num_generations, groups_per_step=batch.prompts_per_optimizer_step, micro_batch_size=per_device
     )
-    if batch.optimizer_steps_per_generation > 1:
-        learner["max_staleness"] = batch.optimizer_steps_per_generation - 1
-    return batch.optimizer_steps_per_generation - 1
+    staleness = batch.optimizer_steps_per_generation - 1
+    if steps_per_generation is not None or staleness:  # the file sized its generation blocks: the formula's value
+        learner["max_staleness"] = staleness
+    return staleness
 
 
 def _prompt_length_difference(draft: Draft, defaults_known: bool) -> None:
@@ -276,7 +279,8 @@ def _prompt_length_difference(draft: Draft, defaults_known: bool) -> None:
         "max_prompt_length",
         theirs,
         f"{length} (longer prompts are skipped, and counted)",
-        "raise it above your longest prompt",
+        "a longer prompt is never trained on here, where TRL trains on what it keeps of it; raise it above your "
+        "longest prompt to train on every row",
     )
 
 

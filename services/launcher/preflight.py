@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from services.learner.data.feeder import Row, prepare_rows
-from services.learner.data.sources import DataError, read_source
+from services.learner.data.sources import DataError, read_source, split_problems
 from services.scorer.rewards.columns import (
     missing_columns,
     missing_columns_message,
@@ -94,6 +94,7 @@ def preflight(config: str | Path | PipelineConfig, *, config_file: str | Path | 
     with _names_resolved_beside(source):
         functions, problems = _reward_functions(pipeline.scorer.rewards)
         problems += _environment_problems(pipeline.generator.environment)
+        problems += [Problem("data", problem) for problem in split_problems(pipeline.learner.data, ("eval_split",))]
         return problems + column_problems(functions, pipeline.learner.data, multi_turn=multi_turn)
 
 

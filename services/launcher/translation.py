@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ class UnmappedError(ValueError):
             "no counterpart here for: " + ", ".join(names) + " (these may change the algorithm or the data, so "
             "leaving them out could change what is learned; remove them, or pass --allow-unmapped to translate "
             "the rest and list these at the top of the output. Options that change nothing learned, such as "
-            "logging, the Hub or the output directory, need no flag: they are listed as 'no effect here')"
+            "logging, the Hub or dataloader workers, need no flag: they are listed as 'no effect here')"
         )
         self.names = names
 
@@ -68,8 +69,12 @@ class Difference:
         return f"{self.name}: {self.peer} {self.theirs}; here {self.ours} ({self.why})"
 
     def short(self) -> str:
-        """Both values without their explanations, for the command's summary line."""
-        return f"{self.name} ({self.peer} {_head(self.theirs)}, here {_head(self.ours)})"
+        """Both values without their explanations, for the command's summary line; with them where the values
+        alone read alike (512 and 512 that behave differently)."""
+        theirs, ours = _head(self.theirs), _head(self.ours)
+        if theirs == ours:
+            theirs, ours = self.theirs, self.ours
+        return f"{self.name} ({self.peer} {theirs}, here {ours})"
 
 
 def _head(shown: str) -> str:
@@ -315,3 +320,21 @@ def trackers(names: Iterable[str], option: str, draft: Draft) -> None:
     for name in chosen:
         if name in TRACKER_PACKAGES:
             draft.notes.append(f"{option} {name!r}: install {TRACKER_PACKAGES[name]} in the learner's environment")
+
+
+def run_from_directory(directory: Any, option: str, draft: Draft) -> None:
+    """A peer's output directory ``.../NAME`` -> ``run_name = "NAME"`` (the default ``asyncgrpo run --run-name``
+    overrides) under ``runs_dir = "..."``: checkpoints and metrics follow the run's name, so a second experiment
+    from the same file gets its own directory and one started again under its name resumes."""
+    path = Path(str(directory))
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", path.name).lstrip("._-")
+    if not name:
+        draft.notes.append(f"{option} = {directory!r} names no run; runs are named by --run-name (or a timestamp)")
+        return
+    draft.learner["run_name"] = name
+    if str(path.parent) not in ("", "."):
+        draft.learner["runs_dir"] = str(path.parent)
+    draft.notes.append(
+        f"{option} = {directory!r} -> run_name = {name!r} in {draft.learner.get('runs_dir', 'runs')}/: "
+        "asyncgrpo run --run-name NAME names another run; started again under one name, a run resumes"
+    )

@@ -4,7 +4,8 @@ become ``[[scorer.rewards]]`` entries.
 The script takes a name from its registry (``accuracy_reward``, ``reasoning_accuracy_reward``,
 ``think_format_reward``, ``get_soft_overlong_punishment``) or a dotted import path (``my_lib.rewards.fn``),
 and passes every function TRL's signature, which our Python plugins take too: a path becomes
-``function = "my_lib.rewards:fn"``, a registry function ``function = "trl.rewards:<name>"``.
+``function = "my_lib.rewards:fn"``, a registry function (or ``trl.rewards.<name>``) our copy of it,
+``function = "shared.trl_rewards:<name>"``, which needs no TRL.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 from services.launcher.translation import Draft, ours
 
 _TRL_REGISTRY = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward")
+# asyncgrpo's copies of TRL 1.16's trl.rewards functions (same names, signatures and results; no TRL needed).
+_OURS_MODULE = "shared.trl_rewards"
 # The trl grpo script's fixed arguments of get_soft_overlong_punishment (trl/scripts/grpo.py).
 _OVERLONG_MAX_LEN, _OVERLONG_CACHE = 1280, 256
 
@@ -56,9 +59,12 @@ def _no_reward_names(weights: list[float] | None, draft: Draft) -> None:
 
 
 def _reward_entry(name: str, draft: Draft) -> dict[str, Any]:
-    if name in _TRL_REGISTRY:
-        draft.notes.append(f"{name} is TRL's own (trl.rewards): the scorer's environment needs trl installed")
-        return {"name": name, "function": f"trl.rewards:{name}"}
+    ours_too = name.removeprefix("trl.rewards.")
+    if ours_too in _TRL_REGISTRY:  # by the script's name, or its import path trl.rewards.<name>
+        draft.notes.append(
+            f"{ours_too} is TRL's (trl.rewards); {_OURS_MODULE}:{ours_too} gives its results without TRL installed"
+        )
+        return {"name": ours_too, "function": f"{_OURS_MODULE}:{ours_too}"}
     if name == "get_soft_overlong_punishment":
         length = ours(draft.learner, "max_completion_length")
         if length != _OVERLONG_MAX_LEN:

@@ -12,10 +12,12 @@ listed in ``TRL_NO_EFFECT`` with the reason, and left out without ``--allow-unma
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
-from services.launcher.translation import Draft, ours, trackers, warmup_from_share
+from services.launcher.translation import Draft, ours, run_from_directory, trackers, warmup_from_share
 
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # the files the learner reads as data (data/sources.py)
 # TRL's ModelConfig fields that only mean something with use_peft.
 LORA_FIELDS = (
     "lora_r",
@@ -80,8 +82,8 @@ TRL_NO_EFFECT = {
         ("vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout", "vllm_group_port"),
         _VLLM_SERVER,
     ),
-    "run_name": "the trackers' name for the run; learner.run_name here also names the run's directory and "
-    "continues a run of that name, so it is left for you to set",
+    "run_name": "the trackers' name for the run; learner.run_name here names the run's directory and continues "
+    "a run of that name: output_dir's last part gives it, asyncgrpo run --run-name overrides",
     "overwrite_output_dir": "each run here has its own directory under learner.runs_dir",
     "save_only_model": "checkpoints here always hold the optimizer state (resuming needs it)",
     "save_on_each_node": "the learner's rank 0 writes every checkpoint",
@@ -244,20 +246,20 @@ def _keep_every_checkpoint(draft: Draft, steps_known: bool) -> None:
 
 
 def trl_output(fields: dict[str, Any], draft: Draft) -> None:
-    """output_dir -> the checkpoint and log directories under it; resume_from_checkpoint -> ``resume``."""
+    """output_dir -> the run's name (:func:`run_from_directory`); resume_from_checkpoint true / false ->
+    ``resume``; None (TRL's default) -> ours: a run started again under its name continues, a new name starts
+    afresh."""
     output = fields.pop("output_dir", None)
     if output:
-        draft.learner["checkpoint_dir"] = f"{output}/checkpoints"
-        draft.learner["log_dir"] = f"{output}/logs"
-    if "resume_from_checkpoint" not in fields:
-        return
-    resume = fields.pop("resume_from_checkpoint")
+        run_from_directory(output, "output_dir", draft)
+    resume = fields.pop("resume_from_checkpoint", None)
     if isinstance(resume, str) and resume.lower() not in ("true", "false"):
         raise ValueError(
             f"resume_from_checkpoint = {resume!r}: a TRL checkpoint cannot be resumed here (optimizer state and "
             "data position are ours); start from its weights instead: model_name_or_path: " + resume
         )
-    draft.learner["resume"] = resume is True or str(resume).lower() == "true"
+    if resume is not None:
+        draft.learner["resume"] = resume is True or str(resume).lower() == "true"
 
 
 def trl_precision(fields: dict[str, Any], draft: Draft) -> None:
@@ -340,11 +342,26 @@ def trl_data(fields: dict[str, Any], draft: Draft) -> str | None:
         draft.data["dataset_config"] = str(config)
     if train:
         draft.data["train_split"] = str(train)
-    draft.notes.append(
-        f"data.source {name!r}: a dataset name is read with datasets.load_dataset on the learner's host, so where "
-        "the Hub is out of reach it must be in the local Hugging Face cache"
-    )
+    if _local(str(name)):
+        draft.notes.append(
+            f"data.source {name!r}: a local file or directory, read from the learner's working directory; a file "
+            "is one split, 'train' (a directory's splits are its files named after them)"
+        )
+    else:
+        draft.notes.append(
+            f"data.source {name!r}: a dataset name is read with datasets.load_dataset on the learner's host, so "
+            "where the Hub is out of reach it must be in the local Hugging Face cache"
+        )
     return None if test is None else str(test)
+
+
+def _local(name: str) -> bool:
+    """Whether a dataset_name is a local file or directory rather than a Hub name (``owner/name``): it exists,
+    has a data file's suffix, starts like a path or has more than one ``/`` (as the learner reads it)."""
+    path = Path(name).expanduser()
+    return (
+        path.exists() or path.suffix.lower() in DATA_SUFFIXES or name.startswith(("/", ".", "~")) or name.count("/") > 1
+    )
 
 
 def trl_evaluation(fields: dict[str, Any], draft: Draft, steps_known: bool, test_split: str | None) -> None:

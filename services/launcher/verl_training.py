@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.launcher.translation import Draft, ours, trackers, warmup_from_share
+from services.launcher.translation import Draft, ours, run_from_directory, trackers, warmup_from_share
 
 _OPTIM = "actor_rollout_ref.actor.optim"
 _MODEL = "actor_rollout_ref.model"
@@ -54,8 +54,8 @@ VERL_NO_EFFECT = {
     "trainer.nnodes": _PLACEMENT,
     "actor_rollout_ref.rollout.name": "the rollout engine: generators here run vLLM",
     f"{_MODEL}.use_remove_padding": "padding-free kernels compute the same loss",
-    "trainer.experiment_name": "the trackers' name for the run; learner.run_name here also names the run's "
-    "directory and continues a run of that name, so it is left for you to set",
+    "trainer.experiment_name": "the trackers' name for the run; learner.run_name here names the run's directory "
+    "and continues a run of that name: trainer.default_local_dir's last part gives it, --run-name overrides",
     "trainer.log_val_generations": "logging only: learner.log_completions writes completion tables here",
     "trainer.default_hdfs_dir": "a copy of the checkpoints on HDFS: nothing is copied from here",
     "data.dataloader_num_workers": "how batches are loaded, not which prompts",
@@ -159,7 +159,7 @@ def verl_checkpoints(flat: dict[str, Any], draft: Draft, steps_known: bool) -> N
 def _verl_directory(flat: dict[str, Any], draft: Draft) -> None:
     directory = flat.pop("trainer.default_local_dir", None)
     if directory:
-        draft.learner["checkpoint_dir"] = str(directory)
+        run_from_directory(directory, "trainer.default_local_dir", draft)
     mode = flat.pop("trainer.resume_mode", None)
     if mode in ("auto", "disable"):
         draft.learner["resume"] = mode == "auto"

@@ -35,7 +35,7 @@ from shared.keys import Keys
 from shared.lifecycle import NotStarting, start_consumer
 from shared.records import ChatMessage, DatasetPosition, SamplingSpec
 from shared.registry import RegistryStats, set_aside
-from shared.runs import ResumeRefused, checkpoint_to_resume, run_identity, write_run_file
+from shared.runs import ResumeRefused, checkpoint_to_resume, run_identity, settings_path, write_run_file
 from shared.streams import StreamProducer
 from shared.telemetry import MetricsGauges
 from weight_sync.sender import WeightPusher, learner_device
@@ -237,6 +237,7 @@ async def build_learner(
     evaluator = await build_evaluator(settings, client, keys, tokenizer)
     pusher = await start_pusher(settings, client, keys, ranks)
     write_run_file(settings, run_identity(settings))
+    write_settings_file(settings)
     gauges = MetricsGauges(prometheus)
     resumed_step = state.step if resumed else None
     tracking = TrackingRun.from_settings(settings)
@@ -257,6 +258,21 @@ async def build_learner(
         registry_stats=registry_stats,
     )
     return loop, resumed
+
+
+def write_settings_file(settings: LearnerSettings) -> Path:
+    """Every resolved setting, secrets masked, as a ``[learner]`` table (``[learner.data]`` within) in
+    ``<run_dir>/settings.toml``; a setting left unset (None) is left out, as TOML has no null."""
+    import tomli_w
+
+    path = settings_path(settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps({"learner": _without_none(settings.masked())}))
+    return path
+
+
+def _without_none(table: dict) -> dict:
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in table.items() if v is not None}
 
 
 def start_process(settings: LearnerSettings) -> tuple[LearnerSettings, Topology]:

@@ -40,8 +40,8 @@ class DataSettings(BaseModel):
         validation_alias=AliasChoices("train_split", "split"),
         description="Split to train on (also read as split, its former name): a name, or a datasets-style slice "
         "of it, e.g. 'train[:90%]', 'train[:1000]', 'train[10%:20%]', 'train+test'. A directory's files are "
-        "those whose name holds the split's name when some do (else all of them); a file or a list of files is "
-        "one split, read whatever the name; a built-in task is one split, 'train'.",
+        "those whose name holds the split's name ('train' also: all of them when none does); a file, a list of "
+        "files and a built-in task are one split, 'train'; another name is refused at start.",
     )
     eval_split: str | None = Field(
         None,

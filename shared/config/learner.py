@@ -137,16 +137,14 @@ class BatchSettings(BaseModel):
         "most this many prompt + completion tokens (a group's prompt counted once with shared prompts), "
         "micro_batch_size completions at most; a longer sequence goes alone. 0: padded micro-batches of "
         "micro_batch_size rows. auto: micro_batch_size x (max_prompt_length + max_completion_length), the padded "
-        "worst case, on the CPU (2 AVX2 cores, bench/learner.py default run with shared prompts: packed 59 "
-        "completion tokens/s, 2.99x a bare loop; padded 29 tokens/s, 1.83x) and on CUDA with flash-attn; 0 on "
-        "CUDA without flash-attn, where SDPA's packing mask is dense (H200, Qwen2.5-0.5B shape, GPU batch: "
-        "padded 1.35 s/step, packed 1.66 s).",
+        "worst case, on the CPU and on CUDA with flash-attn, where packing is the faster; 0 on CUDA without "
+        "flash-attn, where SDPA's packing mask is dense and padding is the faster (bench/learner.py compares them).",
     )
     share_prompts: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Compute each group's prompt once for its G completions. auto: on for the CPU (about half "
-        "the compute there), off for CUDA, where it measured slower (H100, Qwen2.5-1.5B shape: 2.86 s/step "
-        "shared vs 2.58 s not). Never under torchrun.",
+        "the compute there), off for CUDA, where it is the slower (bench/learner.py --share-prompts compares "
+        "them). Never under torchrun.",
     )
     no_grad_micro_batch_size: int = Field(
         0,
@@ -171,7 +169,7 @@ class BatchSettings(BaseModel):
     warm_up: bool = Field(
         True,
         description="Make AdamW's state (its two moments, 8 bytes per trained parameter) while the first rollouts "
-        "are sampled, not in the first step: the demo's first step took 5.7 s instead of 9.4 s (one CPU core). "
+        "are sampled, not in the first step, which is then as long as the others. "
         "Changes no number. One process only (not under torchrun).",
     )
     num_iterations: int = Field(1, ge=1, description="Optimizer steps per batch (TRL's num_iterations, mu).")

@@ -108,14 +108,11 @@ def test_trl_fields_with_a_counterpart_are_translated():
         ["q_proj", "v_proj"],
     )
     assert (learner["checkpoint_every"], learner["keep_checkpoints"]) == (50, 3)
-    assert (learner["checkpoint_dir"], learner["log_dir"], learner["resume"]) == (
-        "out/run/checkpoints",
-        "out/run/logs",
-        False,
-    )
+    assert (learner["run_name"], learner["runs_dir"]) == ("run", "out")
+    assert not {"checkpoint_dir", "log_dir", "resume"} & set(learner)  # they follow the run's name; resume is ours
     assert learner["compute_dtype"] == "bfloat16" and result.tables["data"]["epochs"] == 2
     assert result.tables["scorer"]["rewards"] == [
-        {"name": "think_format_reward", "function": "trl.rewards:think_format_reward", "weight": 1.0},
+        {"name": "think_format_reward", "function": "shared.trl_rewards:think_format_reward", "weight": 1.0},
         {"name": "length", "function": "pkg.rewards:length", "weight": 0.5},
         {"name": "overlong", "params": {"buffer": 256}, "weight": 1.0},
     ]
@@ -204,7 +201,9 @@ def test_verl_hydra_file_takes_the_composed_values():
     assert (learner["groups_per_step"], learner["group_size"], learner["max_staleness"]) == (16, 8, 1)
     assert (learner["weight_decay"], learner["adam_beta2"], learner["min_lr_ratio"]) == (0.01, 0.999, 1.0)
     assert (learner["delta"], learner["loss_type"], learner["beta"]) == (3.0, "dapo", 0.001)  # verl's dual clip
-    assert learner["checkpoint_dir"] == "checkpoints/verl_examples/gsm8k"  # ${trainer.project_name}/... resolved
+    # ${trainer.project_name}/${trainer.experiment_name} resolved, then the run's name and where runs go
+    assert (learner["runs_dir"], learner["run_name"]) == ("checkpoints/verl_examples", "gsm8k")
+    assert "checkpoint_dir" not in learner
     assert (learner["checkpoint_every"], learner["resume"], result.tables["data"]["epochs"]) == (20, True, 2)
     assert "model" in learner and learner["model"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert differences(result)["algorithm.rollout_correction.rollout_is"][0].startswith("null")

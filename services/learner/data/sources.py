@@ -29,6 +29,7 @@ Which columns reach the reward functions, and how the prompt is built, is :mod:`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from shared.config.data import DataSettings, parse_split
 from shared.config.locations import locate, looked_in, search_dirs
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+ONE_SPLIT = "train"  # the name of the one split of a built-in task, a file, or files read whole
 # What datasets' save_to_disk writes beside the Arrow files: one split, or a DatasetDict of several.
 SAVED_DATASET_MARKERS = (("dataset_info.json", "state.json"), ("dataset_dict.json",))
 
@@ -107,6 +109,9 @@ def _hold_out(rows: Keyed, fraction: float | None) -> tuple[Keyed, Keyed]:
 def _select(data: DataSettings, spec: str, field: str, limit: int | None = None) -> tuple[Keyed, int]:
     """The rows ``spec`` (a split string: names, slices, ``+``) selects, each with its :data:`RowKey` (only the
     first ``limit`` when given), and how many it selects in all."""
+    problem = split_problem(data, spec, field)
+    if problem:
+        raise DataError(problem)
     read: dict[str, _Rows] = {}
     selected: Keyed = []
     size = 0
@@ -150,16 +155,55 @@ class _Rows:
         return keyed
 
 
+def split_problems(data: DataSettings, fields: Sequence[str] = ("train_split", "eval_split")) -> list[str]:
+    """Why ``data.train_split`` or ``data.eval_split`` (those of ``fields``) names a split that ``data.source``
+    cannot have (see :func:`split_problem`), without reading a row: the start-up check runs it for the
+    evaluation split, which it does not read (reading the training rows raises the same message)."""
+    specs = [(field, getattr(data, field)) for field in fields]
+    return [problem for field, spec in specs if spec and (problem := split_problem(data, spec, field))]
+
+
+def split_problem(data: DataSettings, spec: str, field: str) -> str | None:
+    """Why split string ``spec`` (``data.<field>``) names a split the source cannot have, or None; from names
+    alone. A built-in task, a file or a list of files is read whole as one split, ``train`` (the name datasets
+    gives it), so any other name would read the same rows again; a directory's split is the files whose names
+    hold it. A saved dataset or a ``datasets`` name knows its own splits, and says so when it is read."""
+    sources = data.source if isinstance(data.source, list) else [data.source]
+    names = {part.name for part in parse_split(spec)} - {ONE_SPLIT}
+    if not names:
+        return None
+    name = sorted(names)[0]
+    fix = "slice it ('train[90%:]') or set data.eval_fraction"
+    if len(sources) == 1 and sources[0].startswith("builtin:"):
+        return (
+            f"data.{field} {spec!r}: a built-in task has one split, 'train'; {fix}, or evaluate on new problems "
+            "with learner.eval_data = 'held_out'"
+        )
+    dirs = search_dirs()
+    paths = [locate(source, dirs) or Path(source).expanduser() for source in sources]
+    if len(paths) == 1 and (_is_saved_dataset(paths[0]) or not (paths[0].exists() or _looks_like_a_path(sources[0]))):
+        return None
+    if all(path.is_dir() for path in paths):
+        files = [f.name for path in paths for f in path.rglob("*") if f.suffix.lower() in FILE_KINDS]
+        if all(any(n in f for f in files) for n in names):
+            return None
+        return (
+            f"data.{field} {spec!r}: no file of {data.source} has {name!r} in its name, so it holds no split "
+            f"{name!r} (its files without a split's name are the one split 'train'); name the files "
+            f"'{name}-*.jsonl', {fix}"
+        )
+    return (
+        f"data.{field} {spec!r}: {data.source} is read whole as one split, 'train' (a file has no split "
+        f"{name!r}; another name would read the same rows); {fix}, or point data.source at a directory whose "
+        f"file names hold the split's name ('{name}-*.jsonl')"
+    )
+
+
 def _split_rows(data: DataSettings, split: str, field: str) -> _Rows:
     """Every row of split ``split`` of ``data.source``, keyed by where it was read from: two split names that
     read the same file (any name of a single file, say) give its rows the same keys."""
     sources = data.source if isinstance(data.source, list) else [data.source]
     if len(sources) == 1 and sources[0].startswith("builtin:"):
-        if split != "train":
-            raise DataError(
-                f"data.{field} {split!r}: a built-in task has one split, 'train'; slice it ('train[90%:]'), set "
-                "data.eval_fraction, or evaluate on new problems with learner.eval_data = 'held_out'"
-            )
         return _Rows([(sources[0], _builtin(sources[0].removeprefix("builtin:"), data))])
     dirs = search_dirs()
     found = [locate(source, dirs) for source in sources]
