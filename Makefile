@@ -69,7 +69,7 @@ test: $(STAMP) compose-env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP) compose-env
-	$(BIN)/python -m pytest -m "not vllm and not e2e and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "unit and not vllm and not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

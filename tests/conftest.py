@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 
 from shared.keys import Keys
 from shared.redis_conn import make_client
 from tests.support.redis_server import use_or_start_redis
+from tests.support.tiers import TIERS, tier
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +37,35 @@ async def redis_client(redis_url, keys):
     if doomed:
         await client.delete(*doomed)
     await client.aclose()
+
+
+def pytest_configure(config):
+    for name in TIERS:
+        config.addinivalue_line("markers", f"{name}: the {name} tier (tests/support/tiers.py decides it)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test's tier marker, from its folder and from what it starts (tests/support/tiers.py)."""
+    for item in items:
+        function = item.cls.__name__ if getattr(item, "cls", None) else getattr(item, "originalname", item.name)
+        item.add_marker(tier(Path(str(item.path)), function, item.fixturenames))
+
+
+DURATIONS = Path(__file__).resolve().parents[1] / "build" / "test-durations.txt"
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Every test's seconds (setup, call and teardown), slowest first, in build/test-durations.txt: where the
+    suite's time goes, kept after the run (CI's output keeps pytest's --durations lines too)."""
+    if not _durations or hasattr(session.config, "workerinput"):
+        return
+    DURATIONS.parent.mkdir(exist_ok=True)
+    ranked = sorted(_durations.items(), key=lambda item: -item[1])
+    lines = [f"{seconds:9.2f}  {nodeid}" for nodeid, seconds in ranked]
+    total = f"{sum(_durations.values()):9.2f}  total of {len(ranked)} tests (exit status {exitstatus})"
+    DURATIONS.write_text("\n".join([total, *lines]) + "\n")
