@@ -3,8 +3,9 @@
 Keeps up to ``max_prompts_in_flight`` prompts sampling at once so the engine batches them. Each prompt's
 entry is acknowledged in the same transaction that writes its ``Rollout`` (see :mod:`shared.streams`), so
 a replica that dies leaves its prompts pending for another replica to claim. A prompt that can never be
-served (undecodable, too long) goes to the dead-letter stream at once; one that fails otherwise is retried
-by whichever replica claims it, up to ``max_deliveries``.
+served (undecodable, too long), or whose group the engine gave logprobs that cannot be trained on (NaN,
+infinite or positive: :mod:`shared.finite`), goes to the dead-letter stream at once with the reason; one that
+fails otherwise is retried by whichever replica claims it, up to ``max_deliveries``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from environments.session import EnvFault
-from services.generator.engine import Engine, InvalidPromptError, SampledGroup
+from services.generator.engine import Engine, InvalidPromptError, NonFiniteOutput, SampledGroup
 from services.generator.trajectory.runner import RolledBack, SampledTrajectories, TrajectoryRunner
 from services.generator.trajectory.template import TemplateError
 from shared.codec import encode
@@ -39,6 +40,7 @@ class GeneratorStats:
     rejected: int = 0
     rolled_back: int = 0  # groups sampled while the weights went back to an older version: sampled again
     abandoned: int = 0  # multi-turn prompts given up after an environment fault: released and redelivered
+    nonfinite: int = 0  # groups whose logprobs could not be trained on (shared.finite): dead-lettered
     _recent: deque = field(default_factory=deque)  # (time, tokens) of recent groups
 
     def completed(self, completions: int, tokens: int) -> None:
@@ -148,6 +150,11 @@ class RolloutLoop:
         except InvalidPromptError as exc:
             self.stats.rejected += 1
             await reject(self.consumer, self.redis, delivery, exc, "a prompt")
+            return
+        except NonFiniteOutput as exc:
+            self.stats.nonfinite += 1
+            log.error("prompt %s dead-lettered: %s", delivery.record_id, exc)
+            await reject(self.consumer, self.redis, delivery, exc, "a group the engine gave non-finite logprobs")
             return
         except Exception as exc:
             if _engine_dead(exc) or isinstance(exc, TemplateError):

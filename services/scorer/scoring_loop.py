@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from pydantic import ValidationError
 
 from services.scorer.holding import HoldPolicy, Released
 from services.scorer.rewards.batching import RewardBatcher
@@ -71,6 +72,7 @@ class ScorerStats:
     group_retries: int = 0  # retries of held groups' required rewards
     failures: int = 0
     rejected: int = 0  # bad records: undecodable or invalid, or a reward could not be given the group
+    groups_nonfinite: int = 0  # rewards or advantages not finite (shared.finite): dead-lettered
     last_metrics: dict[str, float] = field(default_factory=dict)
 
     def scored(self, group: ScoredGroup) -> None:
@@ -93,6 +95,7 @@ class ScorerStats:
             "scorer/group_retries": self.group_retries,
             "scorer/failures": self.failures,
             "scorer/rejected": self.rejected,
+            "scorer/groups_nonfinite": self.groups_nonfinite,
         }
 
 
@@ -161,35 +164,6 @@ class ScoringLoop:
             batch_wait_s=settings.reward_batch_wait_s,
             max_steps=settings.max_steps,
         )
-
-    def collector(self) -> CallbackCollector:
-        """The scorer's Prometheus figures, read at scrape time; ``rewards/<function>/<figure>`` are exported
-        as ``asyncgrpo_rewards_<figure>{function="<function>"}``."""
-
-        def counters() -> dict[str, float]:
-            stream = self.consumer.stats
-            out = self.stats.counters() | {
-                "stream/rollouts/claimed": stream.claimed,
-                "stream/rollouts/recovered": stream.recovered,
-                "stream/rollouts/dead_lettered": stream.dead_lettered,
-                "stream/rollouts/duplicates": stream.duplicates,
-            }
-            for function in self.functions:
-                out.update(function.stats.as_metrics(function.name))
-            return out
-
-        def gauges() -> dict[str, float]:
-            out = {k: v for k, v in self.stats.last_metrics.items() if v == v}  # last group's figures, NaN left out
-            out["scorer/groups_held"] = self.stats.groups_held
-            out["scorer/intake_paused"] = float(bool(self.not_ready_reason()))
-            for function in self.functions:
-                if function.breaker is not None:
-                    out[f"rewards/{function.name}/breaker_open"] = float(function.breaker.state != "closed")
-                if function.threads is not None:  # a Python plugin's threads still running abandoned calls
-                    out[f"rewards/{function.name}/hung_threads"] = function.threads.hung
-            return out
-
-        return CallbackCollector(counters, gauges)
 
     def not_ready_reason(self) -> str:
         """Why the scorer takes no (or only trial) rollouts now; empty when it takes them freely."""
@@ -317,7 +291,14 @@ class ScoringLoop:
         self.stats.groups_dead_lettered += 1
 
     async def _commit(self, delivery: Delivery, rollout: Rollout, per_func: np.ndarray) -> None:
-        output = self._output(rollout, per_func)
+        try:
+            output = self._output(rollout, per_func)
+        except ValidationError as exc:  # the rewards or advantages it makes cannot be trained on (shared.finite)
+            self.stats.groups_nonfinite += 1
+            problem = exc.errors()[0]["msg"]
+            log.error("group %s dead-lettered: its scored group is invalid: %s", delivery.record_id, problem)
+            await reject(self.consumer, self.redis, delivery, ValueError(problem), "a group that cannot be scored")
+            return
         group = output.record
         committed = await self.redis.run(
             lambda: self.consumer.commit(delivery, [output.entry]), "writing a scored group"
@@ -344,6 +325,36 @@ class ScoringLoop:
             raise RuntimeError("an evaluation rollout reached a scorer that has no evaluated stream")
         group = evaluated_group(rollout, self.names, self.weights, per_func, scorer_id=scorer_id)
         return _Scored(group, Output(self.evaluated, group.group_id, encode(group)))
+
+
+def scorer_collector(loop: ScoringLoop) -> CallbackCollector:
+    """The scorer's Prometheus figures, read at scrape time; ``rewards/<function>/<figure>`` are exported
+    as ``asyncgrpo_rewards_<figure>{function="<function>"}``."""
+
+    def counters() -> dict[str, float]:
+        stream = loop.consumer.stats
+        out = loop.stats.counters() | {
+            "stream/rollouts/claimed": stream.claimed,
+            "stream/rollouts/recovered": stream.recovered,
+            "stream/rollouts/dead_lettered": stream.dead_lettered,
+            "stream/rollouts/duplicates": stream.duplicates,
+        }
+        for function in loop.functions:
+            out.update(function.stats.as_metrics(function.name))
+        return out
+
+    def gauges() -> dict[str, float]:
+        out = {k: v for k, v in loop.stats.last_metrics.items() if v == v}  # last group's figures, NaN left out
+        out["scorer/groups_held"] = loop.stats.groups_held
+        out["scorer/intake_paused"] = float(bool(loop.not_ready_reason()))
+        for function in loop.functions:
+            if function.breaker is not None:
+                out[f"rewards/{function.name}/breaker_open"] = float(function.breaker.state != "closed")
+            if function.threads is not None:  # a Python plugin's threads still running abandoned calls
+                out[f"rewards/{function.name}/hung_threads"] = function.threads.hung
+        return out
+
+    return CallbackCollector(counters, gauges)
 
 
 @dataclass(frozen=True)

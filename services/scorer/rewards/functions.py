@@ -86,6 +86,7 @@ _NOT_USER_CODE = _SCORER_CODE + tuple(
 # What Python's TypeError says when a call's keywords do not fit the function's parameters.
 _UNEXPECTED_KEYWORD = re.compile(r"got an unexpected keyword argument '(\w+)'")
 _MISSING_ARGUMENTS = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (.+)$")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # a reward past it is inf once on the wire
 
 
 class RewardError(RuntimeError):
@@ -228,6 +229,8 @@ def validate_rewards(name: str, values: Any, expected: int) -> list[float]:
             number = float(value)
             if math.isinf(number):
                 raise RewardError(f"{name} returned an infinite reward")
+            if abs(number) > _FLOAT32_MAX:
+                raise RewardError(f"{name} returned {number:.6g}, beyond float32 (the wire's rewards), where it is inf")
             out.append(number)
         else:
             raise RewardError(f"{name} returned a {type(value).__name__} among its rewards")
