@@ -22,7 +22,7 @@ import redis
 
 from shared.config.base import mask_url
 from shared.keys import Keys
-from shared.redis_acl import ROLES, server_arguments, service_url
+from shared.redis_acl import ROLES, config_lines, config_quoted, service_url
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
@@ -65,7 +65,7 @@ class RedisServer:
     appendonly: bool = False
     password: str = ""
     tls: tuple[str, str, str] | None = None  # (certificate, key, CA) files: the server then speaks TLS only
-    acl: list[str] = field(default_factory=list)  # ``--user`` arguments (shared.redis_acl.server_arguments)
+    acl: list[str] = field(default_factory=list)  # ``user`` config lines (shared.redis_acl.config_lines)
 
     @property
     def url(self) -> str:
@@ -79,15 +79,27 @@ class RedisServer:
         args += ["--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always"]
         args += ["--logfile", str(self.directory / "redis.log")]
         args += _tls_arguments(self.port, self.tls) if self.tls else ["--port", str(self.port)]
-        if self.password:
-            args += ["--requirepass", self.password]
-        return args + self.acl
+        return args
+
+    def _secret_config(self) -> bytes:
+        """The configuration that holds passwords, given on standard input (``redis-server -``), never on the
+        command line, which every local user can read (``/proc/<pid>/cmdline``, ``ps``)."""
+        lines = [f"requirepass {config_quoted(self.password)}"] if self.password else []
+        return "".join(f"{line}\n" for line in [*lines, *self.acl]).encode()
 
     def start(self, timeout_s: float = 10.0) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed; install Redis 7 (apt-get install redis-server)")
-        self.process = subprocess.Popen(self._arguments(binary), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [binary, "-", *self._arguments(binary)[1:]],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        assert self.process.stdin is not None  # stdin=PIPE
+        with self.process.stdin:
+            self.process.stdin.write(self._secret_config())
         deadline = time.monotonic() + timeout_s
         while not answers(self.url, 0.2):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -123,7 +135,8 @@ def start_redis(
     acl: list[str] | None = None,
 ) -> RedisServer:
     """A redis-server on a free port (with a password, or TLS from (certificate, key, CA) files, if given;
-    ``acl``: users besides the default one, as ``--user`` arguments)."""
+    ``acl``: users besides the default one, as ``user`` config lines). Passwords reach the server on its
+    standard input, never its command line."""
     server = RedisServer(
         port=free_port(),
         directory=Path(tempfile.mkdtemp(prefix="redis-test-")),
@@ -162,7 +175,7 @@ def redis_for_run(prefix: str, url: str | None = None) -> tuple[dict[str, str], 
         log.info("using the Redis at %s (its users: each service logs in as that URL says)", mask_url(url))
         return {_variable(role): url for role in ROLES}, None
     passwords = {role: secrets.token_urlsafe(32) for role in ROLES}
-    server = start_redis(password=secrets.token_urlsafe(32), acl=server_arguments(passwords, Keys(prefix)))
+    server = start_redis(password=secrets.token_urlsafe(32), acl=config_lines(passwords, Keys(prefix)))
     log.info("no Redis at %s; started redis-server on port %d, one user per service", mask_url(url), server.port)
     return {_variable(role): service_url(server.url, role, passwords[role]) for role in ROLES}, server
 
