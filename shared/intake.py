@@ -12,6 +12,7 @@ from typing import TypeVar
 
 from shared.codec import WireError, decode
 from shared.records import WireModel
+from shared.redaction import redacted_error
 from shared.redis_conn import RedisRetry
 from shared.streams import Delivery, StreamConsumer
 
@@ -20,7 +21,7 @@ R = TypeVar("R", bound=WireModel)
 
 async def reject(consumer: StreamConsumer, retry: RedisRetry, delivery: Delivery, error: Exception, what: str) -> None:
     """Move ``delivery`` to the dead-letter stream with ``error`` as its reason (``what``: for the logs)."""
-    reason = f"{type(error).__name__}: {error}"
+    reason = redacted_error(error)
     await retry.run(lambda: consumer.dead_letter(delivery, reason), f"dead-lettering {what}")
 
 

@@ -20,9 +20,9 @@ from shared.keys import Keys
 from shared.records import Completion, Rollout, ScoredGroup
 from shared.streams import StreamProducer
 from tests.integration.test_learner import _settings
-from tests.integration.test_reward_outages import _account, _feed, _score_in_process
-from tests.support.fake_pipeline import run_fake_pipeline
+from tests.integration.test_reward_outages import _feed, _score_in_process
 from tests.support.factories import make_rollout, make_scored, make_task
+from tests.support.fake_pipeline import run_fake_pipeline
 from tests.support.tiny_model import build_tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -51,9 +51,7 @@ def _poisoned_rollout(value: float, seed: int) -> Rollout:
     return Rollout.model_construct(**{**dict(rollout), "completions": (bad, *rollout.completions[1:])})
 
 
-async def test_the_scorer_dead_letters_rollouts_with_bad_logprobs_and_groups_whose_rewards_overflow(
-    redis_client, keys
-):
+async def test_the_scorer_dead_letters_rollouts_with_bad_logprobs_and_groups_whose_rewards_overflow(redis_client, keys):
     keys = Keys(keys.prefix)
     fed = await _feed(redis_client, keys, 2)
     poisoned = [_poisoned_rollout(value, seed=50 + i) for i, (value, _) in enumerate(POISONS.values())]

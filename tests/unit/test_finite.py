@@ -62,9 +62,7 @@ def test_step_problem_names_what_is_not_finite():
 @pytest.mark.parametrize(("values", "problem"), BAD_LOGPROBS)
 def test_a_completion_with_bad_logprobs_cannot_be_built(values, problem):
     with pytest.raises(ValueError, match="behaviour_logprobs holds"):
-        Completion(
-            text="", token_ids=np.arange(3, dtype=np.int32), behaviour_logprobs=values, finish_reason="stop"
-        )
+        Completion(text="", token_ids=np.arange(3, dtype=np.int32), behaviour_logprobs=values, finish_reason="stop")
 
 
 @pytest.mark.parametrize(("values", "problem"), BAD_LOGPROBS)
@@ -128,7 +126,10 @@ def _state(trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict, dict, int]:
         for name, p in trainer.model.named_parameters()
         if p in trainer.optimizer.adamw.state
     }
-    schedule = {"last_epoch": trainer.optimizer.scheduler.last_epoch, "lr": trainer.optimizer.adamw.param_groups[0]["lr"]}
+    schedule = {
+        "last_epoch": trainer.optimizer.scheduler.last_epoch,
+        "lr": trainer.optimizer.adamw.param_groups[0]["lr"],
+    }
     return params, adamw, schedule, trainer.step
 
 
