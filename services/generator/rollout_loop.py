@@ -21,6 +21,7 @@ from services.generator.engine import Engine, InvalidPromptError, NonFiniteOutpu
 from services.generator.trajectory.runner import RolledBack, SampledTrajectories, TrajectoryRunner
 from services.generator.trajectory.template import TemplateError
 from shared.codec import encode
+from shared.config.bounds import EntryBoundsSettings
 from shared.intake import decode_or_reject, reject
 from shared.records import PromptTask, Rollout, RolloutTimings
 from shared.redis_conn import RedisRetry
@@ -69,13 +70,16 @@ class RolloutLoop:
         generator_id: str,
         max_in_flight: int,
         trajectories: TrajectoryRunner | None = None,
+        bounds: EntryBoundsSettings | None = None,
     ) -> None:
+        """``bounds``: the prompt tasks it takes (the generator's settings; None: the defaults)."""
         self.engine = engine
         self.consumer = consumer
         self.rollouts = rollouts
         self.generator_id = generator_id
         self.max_in_flight = max_in_flight
         self.trajectories = trajectories  # None: one completion per sample; else multi-turn with an environment
+        self.bounds = bounds or EntryBoundsSettings()
         self.stats = GeneratorStats()
         self._tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
@@ -133,7 +137,7 @@ class RolloutLoop:
             raise
 
     async def _handle_prompt(self, delivery: Delivery, received_at: float) -> None:
-        task = await decode_or_reject(self.consumer, self.redis, delivery, PromptTask, "a prompt")
+        task = await decode_or_reject(self.consumer, self.redis, delivery, PromptTask, "a prompt", self.bounds)
         if task is None:
             self.stats.rejected += 1
             return

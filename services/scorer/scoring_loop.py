@@ -49,6 +49,7 @@ from services.scorer.rewards.functions import (
 )
 from services.scorer.scoring import evaluated_group, reward_batch, scored_group
 from shared.codec import encode
+from shared.config.bounds import EntryBoundsSettings
 from shared.config.scorer import ScorerSettings
 from shared.intake import decode_or_reject, reject
 from shared.records import AdvantageSpec, Rollout, ScoredGroup
@@ -117,9 +118,11 @@ class ScoringLoop:
         batch_groups: int | None = None,
         batch_wait_s: float = 0.0,
         max_steps: int | None = None,
+        bounds: EntryBoundsSettings | None = None,
     ) -> None:
         """``batch_groups`` (None: ``max_in_flight``) and ``batch_wait_s``: a batched reward's most groups per
-        call and longest wait for them; ``max_steps``: the learner's, for the rewards' ``trainer_state``."""
+        call and longest wait for them; ``max_steps``: the learner's, for the rewards' ``trainer_state``;
+        ``bounds``: the rollouts it takes (None: the defaults)."""
         self.consumer, self.scored, self.evaluated = consumer, scored, evaluated
         self.functions, self.weights = list(functions), list(weights)
         self.names = [f.name for f in self.functions]
@@ -131,7 +134,7 @@ class ScoringLoop:
         self._stop = asyncio.Event()
         self.redis = RedisRetry()
         self.bug: RewardBugError | None = None  # set when a required reward's bug stops the loop
-        self.max_steps = max_steps
+        self.max_steps, self.bounds = max_steps, bounds or EntryBoundsSettings()
         groups = batch_groups or max_in_flight
         self.batchers = {
             index: RewardBatcher(function, groups, batch_wait_s)
@@ -163,6 +166,7 @@ class ScoringLoop:
             batch_groups=settings.batch_groups,
             batch_wait_s=settings.reward_batch_wait_s,
             max_steps=settings.max_steps,
+            bounds=settings,
         )
 
     def not_ready_reason(self) -> str:
@@ -211,7 +215,7 @@ class ScoringLoop:
                 await asyncio.wait_for(self._stop.wait(), timeout=_IDLE_POLL_S)
 
     async def handle(self, delivery: Delivery) -> None:
-        rollout = await decode_or_reject(self.consumer, self.redis, delivery, Rollout, "a rollout")
+        rollout = await decode_or_reject(self.consumer, self.redis, delivery, Rollout, "a rollout", self.bounds)
         if rollout is None:
             self.stats.rejected += 1
             return

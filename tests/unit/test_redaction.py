@@ -48,7 +48,9 @@ def test_an_exception_and_a_log_line_with_its_traceback_are_redacted():
         raise ConnectionError("cannot reach http://judge:PLANTED-secret@10.0.0.9/score")
     except ConnectionError as exc:
         assert redacted_error(exc) == "ConnectionError: cannot reach http://judge:***@10.0.0.9/score"
-        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "call to %s failed", ("http://a:PLANTED-2@h",), None)
+        record = logging.LogRecord(
+            "x", logging.ERROR, __file__, 1, "call to %s failed", ("http://a:PLANTED-2@h",), None
+        )
         record.exc_info = (type(exc), exc, exc.__traceback__)
         line = RedactingFormatter("%(message)s").format(record)
     assert "PLANTED" not in line and "http://a:***@h" in line and "Traceback" in line
