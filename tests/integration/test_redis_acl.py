@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import subprocess
 import uuid
@@ -18,7 +19,14 @@ import pytest
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from services.generator.gpu_lease import GpuLease
-from services.launcher.local_redis import free_port, redis_for_run
+from services.launcher import local_redis
+from services.launcher.local_redis import (
+    RedisWithoutAuth,
+    free_port,
+    redis_for_run,
+    start_redis,
+    takes_commands_without_auth,
+)
 from shared.codec import encode
 from shared.config.scorer import ScorerSettings
 from shared.keys import Keys
@@ -232,7 +240,7 @@ def test_the_rules_are_made_from_the_key_names_and_escape_a_prefix_that_globs():
 
 
 def test_the_launcher_uses_an_operators_redis_as_its_url_says(redis_url, monkeypatch):
-    urls, server = redis_for_run("any-prefix", redis_url)
+    urls, server = redis_for_run("any-prefix", redis_url, allow_no_auth=True)
     assert server is None and urls == {f"{role.upper()}_REDIS_URL": redis_url for role in ROLES}
     monkeypatch.setenv("REDIS_URL", "redis://elsewhere:6379/0")
     monkeypatch.setenv("SCORER_REDIS_URL", "redis://scorer:pw@127.0.0.1:6379/0")
@@ -406,5 +414,38 @@ def test_the_launchers_redis_gets_no_password_on_its_command_line():
         started_with = " ".join(str(arg) for arg in server.process.args)
         cmdline = Path(f"/proc/{server.process.pid}/cmdline").read_bytes().decode(errors="replace")
         assert not [s for s in secrets if s in started_with or s in cmdline], started_with
+    finally:
+        server.stop()
+
+
+def test_the_launcher_refuses_a_named_redis_without_a_password_unless_allowed_with_a_warning(redis_url, caplog):
+    """The test Redis takes commands from anyone: refused when ``redis_allow_no_auth`` is false, used with a
+    warning at every start when it is true; a Redis with a password is used without one."""
+    assert takes_commands_without_auth(redis_url)
+    with pytest.raises(RedisWithoutAuth, match=r"takes commands without a password.*redis_allow_no_auth = true"):
+        redis_for_run("any-prefix", redis_url, allow_no_auth=False)
+    with caplog.at_level(logging.WARNING, logger="services.launcher.local_redis"):
+        for _ in range(2):
+            assert redis_for_run("any-prefix", redis_url, allow_no_auth=True)[1] is None
+    assert sum("takes commands without a password" in r.getMessage() for r in caplog.records) == 2
+    protected = start_redis(password="pw-" + uuid.uuid4().hex)
+    try:
+        assert not takes_commands_without_auth(protected.url)
+        caplog.clear()
+        urls, server = redis_for_run("any-prefix", protected.url, allow_no_auth=False)
+        assert server is None and set(urls.values()) == {protected.url} and not caplog.records
+    finally:
+        protected.stop()
+
+
+def test_the_launcher_starts_its_own_redis_when_none_is_named_whatever_answers(redis_url, monkeypatch):
+    """Nothing named (no ``$REDIS_URL``): a Redis of its own with a password, even with one answering on the
+    default port (the test Redis stands for it)."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.setattr(local_redis, "DEFAULT_URL", redis_url)
+    urls, server = redis_for_run(f"own-{uuid.uuid4().hex[:8]}")
+    try:
+        assert server is not None and server.password and redis_url not in urls.values()
+        assert all(url.startswith(f"redis://{role}:") for role, url in zip(ROLES, urls.values(), strict=True))
     finally:
         server.stop()
