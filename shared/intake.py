@@ -76,7 +76,7 @@ async def decode_or_reject(
     except WireError as exc:
         await reject(consumer, retry, delivery, exc, what)
         return None
-    if problem := bound_problem(record, bounds):
-        await reject(consumer, retry, delivery, EntryTooLarge(problem), what)
+    if broken := bound_problem(record, bounds):
+        await reject(consumer, retry, delivery, EntryTooLarge(broken), what)
         return None
     return record
