@@ -50,7 +50,7 @@ def test_compose_is_safe_and_complete(files):
         assert "ports" not in service, f"{name} publishes a port nobody asked for"
         assert service.get("restart") in {"unless-stopped", "on-failure"}, name
     redis = services["redis"]
-    assert "--requirepass" in " ".join(redis["command"]) and "REDISCLI_AUTH" in " ".join(redis["healthcheck"]["test"])
+    assert "requirepass" in " ".join(redis["command"]) and "REDISCLI_AUTH" in " ".join(redis["healthcheck"]["test"])
     for name in ("generator", "scorer", "learner"):  # each its own Redis user, never the administrator
         url = f"redis://{name}:{compose.REQUIRED_ENV[secret_name(name)]}@redis:6379/0"
         assert compose.environment(services[name])["REDIS_URL"] == url, name
@@ -80,6 +80,20 @@ def test_compose_runs_shared_redis_acls_script_with_the_passwords_from_its_envir
     assert set(redis["environment"]) == {"REDIS_PASSWORD", *(secret_name(role) for role in ROLES)}
     assert all(value.startswith("${") for value in redis["environment"].values())
     assert "${REDIS" not in deploy_script("compose").replace("$${REDIS", "")  # compose never fills one in
+
+
+@needs_compose
+def test_compose_leaves_the_redis_passwords_to_the_containers_shell():
+    """Resolved by compose with .env's passwords: the prefix is filled in, no password is (the shell does it)."""
+    for prefix in ("grpo", "run-7"):
+        redis = compose.resolved(DEFAULT, {"STREAM_PREFIX": prefix})["services"]["redis"]
+        script = redis["command"][2]
+        assert f"(~{prefix}:prompts " in script and "${REDIS_GENERATOR_PASSWORD}" in script
+        secrets = [compose.REQUIRED_ENV[name] for name in ("REDIS_PASSWORD", *(secret_name(r) for r in ROLES))]
+        assert not [secret for secret in secrets if secret in " ".join(redis["command"])]
+        assert {name: redis["environment"][name] for name in (secret_name(r) for r in ROLES)} == {
+            secret_name(r): compose.REQUIRED_ENV[secret_name(r)] for r in ROLES
+        }
 
 
 @needs_compose
