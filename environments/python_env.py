@@ -58,6 +58,25 @@ def tool_methods(instance: Any) -> dict[str, Callable[..., Any]]:
     }
 
 
+def argument_problem(schema: dict[str, Any], arguments: dict[str, Any]) -> str | None:
+    """Why a call's ``arguments`` do not fit its tool's ``schema`` (``tool_schema``'s answer), or None: an argument
+    the tool does not take (its own ``self`` included), a required one missing, a value of the wrong type. Checked
+    before the call, so the model reads the schema's complaint instead of Python's ``TypeError``, and nothing
+    outside the schema reaches the function."""
+    import jsonschema  # pinned with the environment's dependencies; only a tool call needs it
+
+    parameters = schema.get("function", {}).get("parameters") or {"type": "object", "properties": {}}
+    unknown = sorted(set(arguments) - set(parameters.get("properties", {})))
+    if unknown:
+        takes = ", ".join(parameters.get("properties", {})) or "none"
+        return f"unexpected argument(s) {', '.join(map(repr, unknown))}; the tool takes: {takes}"
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(parameters).iter_errors(arguments))
+    if error is None:
+        return None
+    where = "/".join(str(part) for part in error.absolute_path)
+    return f"{where + ': ' if where else ''}{error.message}"
+
+
 def error_content(exc: BaseException) -> str:
     """What the model reads when a tool raised: ``{"error": "<Type>: <message>"}``."""
     return json.dumps({"error": f"{type(exc).__name__}: {exc}"})
@@ -114,6 +133,10 @@ class PythonSession:
         if tool is None:
             known = ", ".join(self.environment.tool_names) or "none"
             content = json.dumps({"error": f"unknown tool {call.name!r}; the tools are: {known}"})
+            return ToolResult(tool_call_id=call.id, name=call.name, content=content, error=True)
+        problem = argument_problem(self.environment.schema_of(call.name), dict(call.arguments))
+        if problem is not None:  # never called: a failed call the model reads
+            content = json.dumps({"error": f"the arguments of {call.name} do not match its schema: {problem}"})
             return ToolResult(tool_call_id=call.id, name=call.name, content=content, error=True)
         try:
             value = await self.environment.invoke(tool, dict(call.arguments), f"tool {call.name}")
@@ -196,6 +219,10 @@ class PythonEnvironment:
 
     def tool_schemas(self) -> tuple[dict[str, Any], ...]:
         return self._schemas
+
+    def schema_of(self, name: str) -> dict[str, Any]:
+        """The schema of the tool ``name`` (one of ``tool_names``)."""
+        return self._schemas[self.tool_names.index(name)]
 
     def tool(self, instance: Any, name: str) -> Callable[..., Any] | None:
         if name in self.functions:

@@ -8,7 +8,10 @@ Exactly once under the client's retries:
   prompt) leaves exactly one live session per key;
 - each session keeps its last step's response: a step retried with the same index is answered from it, never
   run twice (stateful tools); a step that is neither the last index nor the next is a 409;
-- a session with no request for ``session_idle_ttl_s`` is closed (what a SIGKILLed generator left open).
+- a session with no request for ``session_idle_ttl_s`` is closed (what a SIGKILLed generator left open);
+- at most ``max_sessions`` are open (or opening) at once: a create past it is a 429, counted in
+  ``GET /sessions/count`` (``refused``), so the memory sessions hold is bounded whoever holds the token (a
+  create that replaces a live session of its key takes no new place).
 
 An :class:`~environments.session.EnvFault` (a timeout, an exception in ``reset`` or ``get_reward``) answers 500
 with the reason; a step or reward that faulted closes its session, so a retry of it gets 404 (a fault too).
@@ -65,21 +68,43 @@ class LiveSession:
 class SessionTable:
     """The open sessions by id and by key; every method runs on the event loop."""
 
-    def __init__(self, environment: Environment, idle_ttl_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        environment: Environment,
+        idle_ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        max_sessions: int,
+    ):
         self.environment, self.idle_ttl_s, self.clock = environment, idle_ttl_s, clock
+        self.max_sessions = max_sessions
         self.by_id: dict[str, LiveSession] = {}
         self.by_key: dict[str, str] = {}
         self.reaped = 0
+        self.refused = 0  # creates past max_sessions (429)
+        self.opening = 0  # creates between their check and their session's entry in by_id
 
     def __len__(self) -> int:
         return len(self.by_id)
 
     async def create(self, key: str, row: dict[str, Any]) -> LiveSession:
         """Open a session for ``key``, closing the live one of that key (before and, for a concurrent twin,
-        after opening)."""
+        after opening); a 429 when ``max_sessions`` are open or opening."""
         await self._close_key(key, "replaced by a new create with the same session_key")
-        stack = contextlib.AsyncExitStack()
-        session = await stack.enter_async_context(self.environment.session(row, key))
+        if len(self.by_id) + self.opening >= self.max_sessions:
+            self.refused += 1
+            log.warning("refused a session: %d open or opening, max_sessions=%d", len(self.by_id), self.max_sessions)
+            raise HTTPException(
+                status.HTTP_429_TOO_MANY_REQUESTS,
+                f"{len(self.by_id) + self.opening} sessions are open or opening, the server's max_sessions "
+                f"({self.max_sessions}): close finished ones (DELETE /sessions/<id>) or raise --max-sessions",
+            )
+        self.opening += 1
+        try:
+            stack = contextlib.AsyncExitStack()
+            session = await stack.enter_async_context(self.environment.session(row, key))
+        finally:
+            self.opening -= 1
         await self._close_key(key, "replaced by a concurrent create with the same session_key")
         live = LiveSession(uuid.uuid4().hex, key, session, stack, self.clock())
         self.by_id[live.session_id] = live
@@ -177,6 +202,7 @@ def build_app(
     token: str,
     session_idle_ttl_s: float,
     max_request_bytes: int,
+    max_sessions: int,
     api_docs: bool = False,
 ) -> FastAPI:
     """The server app around ``environment`` (the app closes it at shutdown); every path but ``/health`` needs
@@ -190,7 +216,7 @@ def build_app(
         limit_setting="--max-request-bytes",
         api_docs=api_docs,
     )
-    table = SessionTable(environment, session_idle_ttl_s)
+    table = SessionTable(environment, session_idle_ttl_s, max_sessions=max_sessions)
     app.state.sessions = table
     app.router.lifespan_context = _lifespan(table)
     _routes(app, table)
@@ -227,7 +253,7 @@ def _routes(app: FastAPI, table: SessionTable) -> None:
 
     @app.get("/sessions/count", summary="Open sessions")
     async def count() -> dict[str, int]:
-        return {"open": len(table), "reaped": table.reaped}
+        return {"open": len(table), "reaped": table.reaped, "refused": table.refused}
 
     @app.post("/sessions", status_code=201, response_model=CreateSessionResponse, summary="Open a session (reset)")
     async def create(request: CreateSession) -> CreateSessionResponse:

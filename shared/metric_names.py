@@ -130,11 +130,13 @@ _COUNTERS = (
             ("groups_from_lost_versions", "groups sampled by versions a restart lost (cumulative)"),
             ("groups_already_trained", "redelivered groups already trained (cumulative)"),
             ("groups_rejected", "groups that failed validation (cumulative)"),
+            ("groups_nonfinite", "groups of a batch none of whose steps was applied: not finite (cumulative)"),
             ("weight_pushes", "weight pushes that succeeded (cumulative)"),
             ("weight_push_failures", "weight pushes that failed (cumulative)"),
             ("input_tokens_seen", "prompt and completion tokens trained on (cumulative)"),
         )
     ),
+    _m("train/nonfinite_steps", "optimizer steps not applied: loss or gradient norm not finite (cumulative)", _L, STEP),
     _m("counters/eval_orphans", "evaluation groups that came back after their round ended", _L, EVAL),
     _m("stream/scored/recovered", "scored groups a failed read left pending, read again (cumulative)", _L, STEP),
 )
@@ -185,6 +187,7 @@ _SCORER = (
     _m("scorer/group_retries", "retries of held groups' required rewards", SCORER, COUNTER),
     _m("scorer/failures", "groups that failed to score", SCORER, COUNTER),
     _m("scorer/rejected", "rollouts that failed validation", SCORER, COUNTER),
+    _m("scorer/groups_nonfinite", "groups dead-lettered: their rewards or advantages were not finite", SCORER, COUNTER),
     _m("scorer/groups_held", "groups held while a reward function is out", SCORER, GAUGE),
     _m("scorer/intake_paused", "1 while the scorer takes no new rollouts", SCORER, GAUGE),
     _m("rewards/<function>/calls", "calls of one reward function", SCORER, COUNTER),
@@ -211,6 +214,12 @@ _GENERATOR = (
     _m("generator/tokens", "tokens sampled", GENERATOR, COUNTER),
     _m("generator/failures", "prompts whose sampling failed (delivered again)", GENERATOR, COUNTER),
     _m("generator/rejected", "prompt tasks that failed validation", GENERATOR, COUNTER),
+    _m(
+        "generator/nonfinite_groups",
+        "groups dead-lettered: the engine gave NaN, infinite or positive logprobs",
+        GENERATOR,
+        COUNTER,
+    ),
     _m(
         "generator/rolled_back",
         "groups sampled while the weights went back a version: sampled again",

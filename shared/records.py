@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from shared.arrays import Float32Array, Float32Matrix, Int32Array
 from shared.columns import column_problem
+from shared.finite import finite_problem, reward_problem
 from shared.staleness import trajectory_version
 from shared.trajectory import ChatMessage, Completion, SinceV2, uses_v2
 
@@ -192,7 +193,7 @@ class AdvantageSpec(BaseModel):
     """How a group's advantages were normalised; the learner re-normalises over its batch when
     ``needs_batch`` (``scale_rewards="batch"`` and BNPO use statistics of the whole training batch)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     estimator: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "bnpo"] = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -240,8 +241,16 @@ class ScoredGroup(WireModel):
         for name in ("rewards", "advantages"):
             if getattr(self, name).shape != (g,):
                 raise ValueError(f"{name} has shape {getattr(self, name).shape}, expected ({g},)")
-        if not np.all(np.isfinite(self.advantages)):
-            raise ValueError("advantages must be finite (NaN rewards get advantage 0)")
+        problem = (
+            reward_problem(self.rewards_per_func, "rewards_per_func")
+            or reward_problem(self.rewards, "rewards")
+            or finite_problem(self.advantages, "advantages")
+        )
+        if problem:
+            raise ValueError(f"{problem} (NaN only where a reward is None; a NaN reward gets advantage 0)")
+        missing = np.isnan(self.rewards_per_func).all(axis=1)
+        if not np.array_equal(np.isnan(self.rewards), missing):
+            raise ValueError("rewards must be NaN exactly where every function's reward is NaN (None)")
         return self
 
     @property

@@ -7,13 +7,20 @@ register a generator, a generator cannot write scored groups, none of them can r
 or ``KEYS``. The default user stays the administrator (``REDIS_PASSWORD``: operators, health checks).
 
 This module is the one definition. ``docker-compose.yml`` and ``deploy/k8s/redis.yaml`` carry its rules as
-``redis-server --user ...`` arguments (``python -m shared.redis_acl compose|k8s`` prints them; a test checks
-that the committed files say the same), ``asyncgrpo run`` starts its own Redis with them, and
-``python -m shared.redis_acl table`` prints the documentation table.
+``user`` lines of redis-server's configuration on its standard input, passwords filled in by the container's
+shell, never on a command line (``python -m shared.redis_acl compose|k8s`` prints the script; a test checks
+that the committed files say the same and runs it), ``asyncgrpo run`` starts its own Redis with them the same
+way, and ``python -m shared.redis_acl table`` prints the documentation table.
 
-Key patterns are the names of :class:`shared.keys.Keys` with the variable part as ``*``; access is per
-pattern: ``RW`` (``~``), read only (``%R~``) or write only (``%W~``), as Redis checks it from each command's
-key specification (``XADD`` and ``HSET`` only write, ``XINFO`` and ``GET`` only read, ``XREADGROUP`` does both).
+Key patterns are the names of :class:`shared.keys.Keys` with the variable part as ``*``. Each pattern is one
+Redis 7 ACL selector: its access (``RW`` ``~``, read only ``%R~`` or write only ``%W~``, as Redis checks it from
+each command's key specification) and the only commands the service runs there. So a command is refused on
+every key it is not granted on: a generator may ``SET`` its heartbeat but not the prompts stream, ``XADD`` its
+rollouts but not ``XTRIM`` them, and no user may ``DEL``, ``RENAME``, ``EXPIRE``, ``COPY``, ``RESTORE``, ``XDEL``,
+``XGROUP DESTROY|SETID|DELCONSUMER`` or ``FCALL`` anything. Streams are trimmed by the learner alone (the
+entries every group has finished, ``XTRIM MINID``), so no producer can cut what its consumers have not read.
+``EVAL`` is granted only on the keys its scripts name, and Redis checks every command inside a script against
+the same grants, so a script can do nothing its user could not do one command at a time.
 """
 
 from __future__ import annotations
@@ -33,38 +40,49 @@ _ACCESS_PREFIX = {"RW": "~", "R": "%R~", "W": "%W~"}
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 _VARIABLE = "\0"  # stands for the variable part of a key name while its pattern is made
 
-# Commands by what they serve. Not CLIENT SETINFO, which redis-py sends on connecting and does without (and
-# Redis 7.0 does not know: a rule naming it would stop the server).
-CONNECTION = ("ping", "select")  # select: the database number of REDIS_URL
-TRANSACTION = ("multi", "exec", "discard", "watch", "unwatch")  # commits are MULTI/EXEC under WATCH
-CONSUMER = ("xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xpending", "xack", "exists", "set", "xadd", "eval")
-PRODUCER = ("xadd", "xinfo|groups", "xlen", "xtrim", "xpending")  # the backlog bound reads and trims
-BACKLOG = ("xinfo|groups", "xlen")  # what a group has not finished
+# Commands no key is named in, allowed to every user: its connection and transactions (WATCH names keys, so it
+# is granted with the keys it watches). Not CLIENT SETINFO, which redis-py sends on connecting and does without
+# (and Redis 7.0 does not know: a rule naming it would stop the server).
+KEYLESS = ("ping", "select", "multi", "exec", "discard", "unwatch")  # select: the database number of REDIS_URL
+# Commands by what they serve, each granted only on the keys it serves (one ACL selector per key pattern).
+CONSUMER = ("xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xpending", "xack", "eval", "xinfo|groups", "xlen")
+APPLIED = ("exists", "set", "watch")  # a commit checks and sets its applied marker under WATCH
+PRODUCER = ("xadd", "xinfo|groups", "xlen")  # adds under the backlog bound, which it reads
+RETENTION = ("xinfo|groups", "xlen", "xpending", "xtrim")  # trims what every group has finished (XTRIM MINID)
 
 
 @dataclass(frozen=True)
 class KeyGrant:
-    """Keys matching ``pattern`` (a Redis glob), with ``access``; ``why`` says what the service does there."""
+    """Keys matching ``patterns`` (Redis globs), with ``access``, for ``commands`` alone: one ACL selector, so a
+    command granted on one key is refused on every other (a generator may ``SET`` its heartbeat, never the
+    prompts stream). ``why`` says what the service does there."""
 
-    pattern: str
+    patterns: tuple[str, ...]
     access: Access
+    commands: tuple[str, ...]
     why: str
 
     @property
     def rule(self) -> str:
-        return f"{_ACCESS_PREFIX[self.access]}{self.pattern}"
+        """The Redis 7 selector: ``(%R~<pattern> +<command> ...)``."""
+        keys = " ".join(f"{_ACCESS_PREFIX[self.access]}{p}" for p in self.patterns)
+        return f"({keys} {' '.join(f'+{command}' for command in dict.fromkeys(self.commands))})"
+
+
+def _grant(name: str, access: Access, commands: Sequence[str], why: str) -> KeyGrant:
+    return KeyGrant((pattern(name),), access, tuple(commands), why)
 
 
 @dataclass(frozen=True)
 class Grant:
-    """What one service's user may do."""
+    """What one service's user may do: the keyless commands, and each key pattern's commands."""
 
     role: str
-    commands: tuple[str, ...]
     keys: tuple[KeyGrant, ...]
+    commands: tuple[str, ...] = KEYLESS
 
     def rules(self) -> list[str]:
-        """The ACL rules after the user's name and password: nothing but these commands and keys."""
+        """The ACL rules after the user's name and password: nothing but these commands on these keys."""
         commands = [f"+{command}" for command in dict.fromkeys(self.commands)]
         return ["resetkeys", "resetchannels", "-@all", *commands, *(key.rule for key in self.keys)]
 
@@ -77,30 +95,36 @@ def pattern(name: str) -> str:
 def _consumer(keys: Keys, stream: str, group: str, reader: str) -> tuple[KeyGrant, ...]:
     """A consumer group's stream and its applied markers (both read and written by a commit)."""
     return (
-        KeyGrant(pattern(stream), "RW", f"reads {reader} as group `{group}`: XREADGROUP, XAUTOCLAIM, XACK, EVAL"),
-        KeyGrant(pattern(keys.applied(stream, group, _VARIABLE)), "RW", "applied markers: EXISTS, SET under WATCH"),
+        _grant(stream, "RW", CONSUMER, f"reads {reader} as group `{group}` (EVAL: claims its lost entries)"),
+        _grant(
+            keys.applied(stream, group, _VARIABLE), "RW", APPLIED, "its applied markers, set under WATCH in a commit"
+        ),
     )
 
 
 def _gpu_leases(keys: Keys) -> str:
     """Every GPU lease of every host: ``<prefix>:gpu:*:*`` (the index is an int, so it is cut off and starred)."""
     name = keys.gpu_lease(_VARIABLE, 0)
-    return pattern(name[: -len("0")] + _VARIABLE)
+    return name[: -len("0")] + _VARIABLE
 
 
 def _generator(keys: Keys) -> Grant:
     return Grant(
         "generator",
-        (*CONNECTION, *TRANSACTION, *CONSUMER, *PRODUCER, "get", "mget", "del", "hset", "hdel", "eval"),
         (
             *_consumer(keys, keys.prompts, Keys.GENERATORS, "prompts"),
-            KeyGrant(pattern(keys.rollouts), "RW", "writes rollouts under the backlog bound (XADD, XINFO, XTRIM)"),
-            KeyGrant(pattern(keys.dead_letter), "W", "dead letters (XADD)"),
-            KeyGrant(pattern(keys.generators), "W", "its registration (HSET, HDEL)"),
-            KeyGrant(pattern(keys.generator_alive(_VARIABLE)), "W", "its heartbeat (SET PX, DEL)"),
-            KeyGrant(pattern(keys.weights), "R", "the announced policy version (GET)"),
-            KeyGrant(pattern(keys.checkpoint), "R", "the checkpoint to start from (GET)"),
-            KeyGrant(_gpu_leases(keys), "RW", "GPU leases (SET NX, MGET, EVAL)"),
+            _grant(keys.rollouts, "RW", PRODUCER, "writes rollouts under the backlog bound"),
+            _grant(keys.dead_letter, "W", ("xadd",), "dead letters"),
+            _grant(keys.generators, "W", ("hset", "hdel"), "its registration"),
+            _grant(keys.generator_alive(_VARIABLE), "W", ("set", "del"), "its heartbeat (SET PX)"),
+            _grant(keys.weights, "R", ("get",), "the announced policy version"),
+            _grant(keys.checkpoint, "R", ("get",), "the checkpoint to start from"),
+            _grant(
+                _gpu_leases(keys),
+                "RW",
+                ("set", "get", "mget", "del", "eval"),
+                "GPU leases (SET NX; EVAL renews and releases its own)",
+            ),
         ),
     )
 
@@ -108,32 +132,48 @@ def _generator(keys: Keys) -> Grant:
 def _scorer(keys: Keys) -> Grant:
     return Grant(
         "scorer",
-        (*CONNECTION, *TRANSACTION, *CONSUMER, *PRODUCER),
         (
             *_consumer(keys, keys.rollouts, Keys.SCORERS, "rollouts"),
-            KeyGrant(pattern(keys.scored), "RW", "writes scored groups under the backlog bound"),
-            KeyGrant(pattern(keys.evaluated), "W", "writes scored held-out groups (XADD)"),
-            KeyGrant(pattern(keys.dead_letter), "W", "dead letters (XADD)"),
+            _grant(keys.scored, "RW", PRODUCER, "writes scored groups under the backlog bound"),
+            _grant(keys.evaluated, "W", ("xadd",), "writes scored held-out groups"),
+            _grant(keys.dead_letter, "W", ("xadd",), "dead letters"),
         ),
     )
 
 
 def _learner(keys: Keys) -> Grant:
+    state = ("hset", "hget", "hexists")
     return Grant(
         "learner",
-        (*CONNECTION, *TRANSACTION, *CONSUMER, *BACKLOG, "hset", "hget", "hexists", "hgetall", "hdel", "eval"),
         (
             *_consumer(keys, keys.scored, Keys.LEARNER, "scored groups"),
             *_consumer(keys, keys.evaluated, Keys.LEARNER, "scored held-out groups"),
-            KeyGrant(pattern(keys.prompts), "RW", "admits prompts (XADD) and measures the backlog (XINFO, XLEN)"),
-            KeyGrant(pattern(keys.rollouts), "R", "measures the backlog (XINFO, XLEN)"),
-            # RW: EVAL needs both on every key it names, and setting an invalid registration aside names it.
-            KeyGrant(pattern(keys.dead_letter), "RW", "dead letters (XADD; EVAL when it sets a registration aside)"),
-            KeyGrant(pattern(keys.learner_state), "RW", "its state: feeder position, runtime (HSET, HGET, HEXISTS)"),
-            KeyGrant(pattern(keys.generators), "RW", "lists registrations, drops dead or invalid ones (HGETALL, HDEL)"),
-            KeyGrant(pattern(keys.generator_alive(_VARIABLE)), "R", "generators' heartbeats (EXISTS)"),
-            KeyGrant(pattern(keys.weights), "W", "announces each policy version (SET)"),
-            KeyGrant(pattern(keys.checkpoint), "W", "announces each checkpoint (SET)"),
+            _grant(
+                keys.prompts,
+                "RW",
+                ("xadd", *RETENTION),
+                "admits prompts, measures the backlog, trims what every group finished",
+            ),
+            *(
+                _grant(stream, "RW", RETENTION, "measures the backlog, trims what every group finished (MINID)")
+                for stream in (keys.rollouts, keys.scored, keys.evaluated)
+            ),
+            _grant(keys.dead_letter, "W", ("xadd",), "dead letters"),
+            _grant(keys.learner_state, "RW", state, "its state: feeder position, runtime"),
+            _grant(
+                keys.generators, "RW", ("hgetall", "hget", "hdel"), "lists registrations, drops dead or invalid ones"
+            ),
+            _grant(keys.generator_alive(_VARIABLE), "R", ("exists",), "generators' heartbeats"),
+            _grant(keys.weights, "W", ("set",), "announces each policy version"),
+            _grant(keys.checkpoint, "W", ("set",), "announces each checkpoint"),
+            # EVAL is checked against one selector holding every key it names; the script's own commands are
+            # checked one by one against the grants above (HGET, HDEL, XADD), so nothing else runs inside.
+            KeyGrant(
+                tuple(pattern(name) for name in (keys.generators, keys.learner_state, keys.dead_letter)),
+                "RW",
+                ("eval",),
+                "sets an invalid value aside in the dead letters (EVAL: HGET, HDEL, XADD)",
+            ),
         ),
     )
 
@@ -143,12 +183,19 @@ def grants(keys: Keys) -> dict[str, Grant]:
     return {grant.role: grant for grant in (_generator(keys), _scorer(keys), _learner(keys))}
 
 
-def server_arguments(passwords: Mapping[str, str], keys: Keys) -> list[str]:
-    """``redis-server`` arguments that create every service's user with its password (one token each)."""
-    arguments: list[str] = []
-    for role, grant in grants(keys).items():
-        arguments += ["--user", role, "on", f">{passwords[role]}", *grant.rules()]
-    return arguments
+def config_quoted(value: str) -> str:
+    """``value`` as one token of a redis.conf line (double quotes, its ``\\`` and ``"`` escaped)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def config_lines(passwords: Mapping[str, str], keys: Keys) -> list[str]:
+    """``redis.conf`` lines that create every service's user with its password, one ``user`` line each. They
+    reach ``redis-server`` on its standard input (``redis-server -``), never as arguments: a command line is
+    readable by every local user (``/proc/<pid>/cmdline``)."""
+    return [
+        " ".join(["user", role, "on", config_quoted(f">{passwords[role]}"), *grant.rules()])
+        for role, grant in grants(keys).items()
+    ]
 
 
 def service_url(url: str, role: str, password: str) -> str:
@@ -158,31 +205,38 @@ def service_url(url: str, role: str, password: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{quote(role, safe='')}:{quote(password, safe='')}@{host}"))
 
 
-def _yaml_lines(tokens: Sequence[str], indent: str) -> list[str]:
-    """``tokens`` as double-quoted YAML flow items, one ``--user`` per line run, lines under 120 columns."""
-    lines: list[str] = []
-    line = ""
-    for token in tokens:
-        item = '"' + token.replace("\\", "\\\\").replace('"', '\\"') + '",'
-        if line and (token == "--user" or len(indent) + len(line) + 1 + len(item) > 118):
-            lines.append(indent + line)
-            line = ""
-        line = f"{line} {item}" if line else item
-    return [*lines, indent + line] if line else lines
+# The deployments' redis container: the shell fills in the passwords from the container's environment inside a
+# here-document, which reaches redis-server on its standard input; no password is on any command line.
+_DEPLOY_COMMAND = "exec redis-server - --appendonly yes --appendfsync everysec <<EOF"
+_DEPLOY_INDENT = {"compose": 8, "k8s": 14}  # docker-compose.yml's and redis.yaml's block of the script
 
 
-_DEPLOY_INDENT = {"compose": 6, "k8s": 12}  # docker-compose.yml's redis command, redis.yaml's args
+def _wrapped(line: str, width: int) -> list[str]:
+    """``line`` cut at spaces into lines of at most ``width`` characters, each but the last ending in `` \\``:
+    the here-document joins them back into ``line`` exactly (a backslash-newline is removed)."""
+    out, current = [], ""
+    for token in line.split(" "):
+        candidate = f"{current} {token}" if current else token
+        if current and len(candidate) + 2 > width:
+            out.append(f"{current} \\")
+            current = token
+        else:
+            current = candidate
+    return [*out, current]
 
 
-def deploy_arguments(kind: str) -> list[str]:
-    """The ACL arguments as ``docker-compose.yml`` (``compose``: ``${...}`` from ``.env``) or
-    ``deploy/k8s/redis.yaml`` (``k8s``: ``$(...)`` from the pod's environment) write them."""
-    if kind == "compose":
-        passwords = {r: f"${{{secret_name(r)}:?set {secret_name(r)} in .env}}" for r in ROLES}
-        return server_arguments(passwords, Keys("${STREAM_PREFIX:-grpo}"))
-    if kind == "k8s":
-        return server_arguments({r: f"$({secret_name(r)})" for r in ROLES}, Keys())
-    raise ValueError(f"no deployment kind {kind!r}: compose or k8s")
+def deploy_script(kind: str) -> str:
+    """The shell script the redis container of ``docker-compose.yml`` (``compose``: ``$$`` for compose to pass
+    ``$`` on, the prefix from ``.env``) or ``deploy/k8s/redis.yaml`` (``k8s``) runs: redis-server with the
+    administrator's password and every service's user in its configuration, on standard input."""
+    if kind not in _DEPLOY_INDENT:
+        raise ValueError(f"no deployment kind {kind!r}: compose or k8s")
+    dollar = "$$" if kind == "compose" else "$"
+    keys = Keys("${STREAM_PREFIX:-grpo}") if kind == "compose" else Keys()
+    passwords = {role: f"{dollar}{{{secret_name(role)}}}" for role in ROLES}
+    lines = [f"requirepass {config_quoted(dollar + '{REDIS_PASSWORD}')}", *config_lines(passwords, keys)]
+    width = 120 - _DEPLOY_INDENT[kind]
+    return "\n".join([_DEPLOY_COMMAND, *(part for line in lines for part in _wrapped(line, width)), "EOF"]) + "\n"
 
 
 def secret_name(role: str) -> str:
@@ -196,14 +250,16 @@ def _shown(command: str) -> str:
 
 
 def markdown_table(keys: Keys) -> str:
-    """Who may do what, for the README: one row per service and key pattern."""
-    rows = ["| User | Key pattern | Access | What for |", "|---|---|---|---|"]
+    """Who may do what, for the docs: one row per service and key pattern, with the only commands it may run
+    there; then the commands every user may run on no key."""
+    rows = ["| User | Key pattern | Access | Commands | What for |", "|---|---|---|---|---|"]
     for role, grant in grants(keys).items():
         for key in grant.keys:
-            rows.append(f"| `{role}` | `{key.pattern}` | {key.access} | {key.why} |")
-    rows += ["", "| User | Commands |", "|---|---|"]
-    for role, grant in grants(keys).items():
-        rows.append(f"| `{role}` | {', '.join(_shown(c) for c in dict.fromkeys(grant.commands))} |")
+            patterns = " ".join(f"`{p}`" for p in key.patterns)
+            commands = ", ".join(_shown(c) for c in dict.fromkeys(key.commands))
+            rows.append(f"| `{role}` | {patterns} | {key.access} | {commands} | {key.why} |")
+    shown = ", ".join(_shown(c) for c in KEYLESS)
+    rows += ["", f"Every user may also run {shown} (no key), and nothing else: no command on a key it is not granted."]
     return "\n".join(rows)
 
 
@@ -211,7 +267,8 @@ def main(argv: Sequence[str]) -> int:
     """``python -m shared.redis_acl compose|k8s|table``: what to paste into the deployment files or docs."""
     kind = argv[0] if argv else ""
     if kind in _DEPLOY_INDENT:
-        print("\n".join(_yaml_lines(deploy_arguments(kind), " " * _DEPLOY_INDENT[kind])))
+        indent = " " * _DEPLOY_INDENT[kind]
+        print("\n".join(indent + line for line in deploy_script(kind).splitlines()))
     elif kind == "table":
         print(markdown_table(Keys()))
     else:

@@ -6,7 +6,8 @@ announcements); read by both. Lives in ``shared`` because both sides use it.
 Whoever can write to Redis can put arbitrary bytes here, so a reader never raises on what it finds:
 
 * A hash field whose value does not decode (a field that is not UTF-8, bytes that are not the record, a
-  registration filed under another generator's id, a feeder position that is not one) is set aside: moved to
+  registration filed under another generator's id or over ``MAX_REGISTRATION_BYTES``, a feeder position that
+  is not one) is set aside: moved to
   the dead-letter stream with its reason and its exact bytes and removed from the hash, in one script that
   first checks the value is still the one read. It is logged and counted once, and the reader goes on as if
   it were absent. Only the hashes' readers (the learner) may write them, so only they set values aside.
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound=WireModel)
 
 _DEAD_LETTER_MAXLEN = 100_000  # as a stream consumer's dead-letter stream
+# A registration is a few hundred bytes (a URL, versions, device ids, the engine's layer names); one far larger
+# is not one, and is set aside before it is decoded.
+MAX_REGISTRATION_BYTES = 64 * 1024
 # KEYS: the hash, the dead-letter stream. ARGV: the field, the value read, the dead-letter stream's cap, then
 # the dead letter's fields and values. Returns 1 when set aside, 0 when the field changed meanwhile.
 _SET_ASIDE = """
@@ -86,8 +90,11 @@ async def live_generators(client: aioredis.Redis, keys: Keys, stats: RegistrySta
 
 
 def _registration(raw_id: bytes, payload: bytes) -> GeneratorRegistration:
-    """The registration filed under ``raw_id``; raises when either does not decode or they disagree."""
+    """The registration filed under ``raw_id``; raises when either does not decode, they disagree, or the
+    value is over ``MAX_REGISTRATION_BYTES``."""
     generator_id = raw_id.decode("utf-8")
+    if len(payload) > MAX_REGISTRATION_BYTES:
+        raise WireError(f"{len(payload)} bytes, over the {MAX_REGISTRATION_BYTES} a registration may take", "size")
     registration = decode(payload, GeneratorRegistration)
     if registration.generator_id != generator_id:
         raise WireError(f"filed under {generator_id!r} but registers {registration.generator_id!r}", "generator_id")

@@ -25,6 +25,8 @@ from typing import ClassVar, TypeVar
 import httpx
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, wait_exponential
 
+from shared.redaction import redact
+
 log = logging.getLogger(__name__)
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
@@ -115,7 +117,7 @@ class CircuitBreaker:
         if trial:
             self._trial_in_flight = False
         self.failures += 1
-        self.last_error = error
+        self.last_error = redact(error)  # said in warnings, /ready and the scorer's "paused" line
         reopen = trial or self.state == HALF_OPEN
         if reopen or (self.opened_at is None and self.failures >= self.threshold):
             self.trips += 1
@@ -261,7 +263,7 @@ class HttpEndpoint:
             try:
                 reply = await self.client.get(self.health_url, timeout=self.timeout_s, headers=self._headers)
                 if reply.status_code == 200:
-                    self.log.info("%s %s is healthy at %s", self.label, self.name, self.health_url)
+                    self.log.info("%s %s is healthy at %s", self.label, self.name, redact(self.health_url))
                     return True
                 reason = f"HTTP {reply.status_code}; {body_excerpt(reply.text)}"
             except httpx.HTTPError as exc:

@@ -110,8 +110,8 @@ def probe_matches(path: str, token: str, directory: Path) -> bool:
     probe = Path(path)
     if probe.parent != directory or not probe.name.startswith(PROBE):
         return False
-    try:
-        fd = os.open(probe, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # never through a link, never blocking on a FIFO planted under the probe's name (the directory is shared)
+        fd = os.open(probe, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:

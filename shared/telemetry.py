@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from shared.redaction import redact
+
 _FORMAT = "%(asctime)s %(levelname)s %(name)s [%(service)s] %(message)s"
 
 
@@ -31,10 +33,18 @@ class _ServiceFilter(logging.Filter):
         return True
 
 
+class RedactingFormatter(logging.Formatter):
+    """Every line, tracebacks included, through :func:`shared.redaction.redact`: an exception that quotes a URL
+    with its credentials says them nowhere."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
 def setup_logging(service: str, level: str = "INFO") -> None:
-    """Log to stderr with the service name on every line; quiet the chattiest libraries."""
+    """Log to stderr with the service name on every line, redacted; quiet the chattiest libraries."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(_FORMAT))
+    handler.setFormatter(RedactingFormatter(_FORMAT))
     handler.addFilter(_ServiceFilter(service))
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -55,7 +65,7 @@ def split_labels(name: str) -> tuple[str, dict[str, str]]:
     for prefix in ("rewards/", "eval/rewards/"):
         if name.startswith(prefix) and name.count("/") >= prefix.count("/") + 1:
             function, figure = name[len(prefix) :].rsplit("/", 1)
-            return f"{prefix}{figure}", {"function": function}
+            return f"{prefix}{figure}", {"function": redact(function)}
     return name, {}
 
 

@@ -24,6 +24,7 @@ from pydantic import (
 
 from shared.arrays import Float32Array, Int32Array, UInt8Array
 from shared.columns import json_problem
+from shared.finite import logprob_problem
 
 MASKED_VERSION = -1  # token_versions where loss_mask is 0: context the policy did not sample
 
@@ -185,6 +186,8 @@ class Completion(SinceV2):
             raise ValueError("prompt_token_ids, where given, must not be empty")
         if self.loss_mask is not None:
             _check_mask(self, self.loss_mask)
+        if problem := logprob_problem(self.behaviour_logprobs):
+            raise ValueError(problem)
         return self
 
 

@@ -33,6 +33,12 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     parser.add_argument("--concurrency", type=int, default=16, help="worker threads for sync methods")
     parser.add_argument("--timeout-s", type=float, default=30.0, help="seconds per call before it is a fault")
     parser.add_argument("--max-request-bytes", type=int, default=4 << 20, help="413 past this body size")
+    parser.add_argument(
+        "--max-sessions",
+        type=int,
+        default=EnvServerSettings.model_fields["max_sessions"].default,
+        help="429 for a create past this many open sessions",
+    )
     parser.add_argument("--token-env", default=ENV_SERVER_TOKEN_ENV, help="variable holding the bearer token")
     parser.add_argument("--api-docs", action="store_true", help="serve /docs and /openapi.json (behind the token)")
     return parser.parse_args(argv)
@@ -45,6 +51,7 @@ def settings_of(args: argparse.Namespace) -> EnvServerSettings:
         session_idle_ttl_s=args.session_idle_ttl_s,
         api_token=os.environ.get(args.token_env) or None,
         max_request_bytes=args.max_request_bytes,
+        max_sessions=args.max_sessions,
     )
 
 
@@ -75,6 +82,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, EnvServerSettings]:
         token=settings.api_token.get_secret_value(),
         session_idle_ttl_s=settings.session_idle_ttl_s,
         max_request_bytes=settings.max_request_bytes,
+        max_sessions=settings.max_sessions,
         api_docs=args.api_docs,
     )
     return app, settings

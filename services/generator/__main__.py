@@ -28,7 +28,7 @@ async def start(service: Service[GeneratorSettings]) -> None:
     in_flight, runner = settings.max_prompts_in_flight, trajectory_runner(service, engine)
     consumer = await service.consumer(keys.prompts, Keys.GENERATORS, name, batch_size=in_flight)
     rollouts = service.producer(keys.rollouts, settings.max_rollout_backlog)
-    loop = RolloutLoop(engine, consumer, rollouts, name, in_flight, runner)
+    loop = RolloutLoop(engine, consumer, rollouts, name, in_flight, runner, bounds=settings)
     GeneratorTelemetry.attach(service, engine, loop, consumer, lease, settings.url(port))
     service.announce(f"generator {name} ready on port {port}")
     await service.run_until_stopped(loop.run)

@@ -35,6 +35,7 @@ from services.generator.weight_update import Phases, Rendezvous, WeightUpdateErr
 from shared.chat import prompt_ids
 from shared.config.generator import GeneratorSettings
 from shared.cpu_features import cpu_native_dtype
+from shared.finite import logprob_problem
 from shared.records import ChatMessage, Completion, SamplingSpec, WeightVersionAnnouncement
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,11 @@ class InvalidPromptError(ValueError):
 
 class PromptTooLongError(InvalidPromptError):
     """A prompt that cannot fit the engine's context with its completion budget (never retried)."""
+
+
+class NonFiniteOutput(RuntimeError):
+    """The engine gave logprobs that cannot be trained on (NaN, +-inf or positive, :mod:`shared.finite`): the
+    group is dead-lettered with the reason, never written to the rollouts stream."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +154,8 @@ def _completion(output: Any) -> Completion:
         [step[token].logprob for token, step in zip(output.token_ids, output.logprobs or [], strict=True)],
         dtype=np.float32,
     )
+    if problem := logprob_problem(logprobs):
+        raise NonFiniteOutput(f"the engine's completion {output.index}: {problem}")
     return Completion(
         text=output.text,
         token_ids=token_ids,

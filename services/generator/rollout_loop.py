@@ -3,8 +3,9 @@
 Keeps up to ``max_prompts_in_flight`` prompts sampling at once so the engine batches them. Each prompt's
 entry is acknowledged in the same transaction that writes its ``Rollout`` (see :mod:`shared.streams`), so
 a replica that dies leaves its prompts pending for another replica to claim. A prompt that can never be
-served (undecodable, too long) goes to the dead-letter stream at once; one that fails otherwise is retried
-by whichever replica claims it, up to ``max_deliveries``.
+served (undecodable, too long), or whose group the engine gave logprobs that cannot be trained on (NaN,
+infinite or positive: :mod:`shared.finite`), goes to the dead-letter stream at once with the reason; one that
+fails otherwise is retried by whichever replica claims it, up to ``max_deliveries``.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from environments.session import EnvFault
-from services.generator.engine import Engine, InvalidPromptError, SampledGroup
+from services.generator.engine import Engine, InvalidPromptError, NonFiniteOutput, SampledGroup
 from services.generator.trajectory.runner import RolledBack, SampledTrajectories, TrajectoryRunner
 from services.generator.trajectory.template import TemplateError
 from shared.codec import encode
+from shared.config.bounds import EntryBoundsSettings
 from shared.intake import decode_or_reject, reject
 from shared.records import PromptTask, Rollout, RolloutTimings
 from shared.redis_conn import RedisRetry
@@ -39,6 +41,7 @@ class GeneratorStats:
     rejected: int = 0
     rolled_back: int = 0  # groups sampled while the weights went back to an older version: sampled again
     abandoned: int = 0  # multi-turn prompts given up after an environment fault: released and redelivered
+    nonfinite: int = 0  # groups whose logprobs could not be trained on (shared.finite): dead-lettered
     _recent: deque = field(default_factory=deque)  # (time, tokens) of recent groups
 
     def completed(self, completions: int, tokens: int) -> None:
@@ -67,13 +70,16 @@ class RolloutLoop:
         generator_id: str,
         max_in_flight: int,
         trajectories: TrajectoryRunner | None = None,
+        bounds: EntryBoundsSettings | None = None,
     ) -> None:
+        """``bounds``: the prompt tasks it takes (the generator's settings; None: the defaults)."""
         self.engine = engine
         self.consumer = consumer
         self.rollouts = rollouts
         self.generator_id = generator_id
         self.max_in_flight = max_in_flight
         self.trajectories = trajectories  # None: one completion per sample; else multi-turn with an environment
+        self.bounds = bounds or EntryBoundsSettings()
         self.stats = GeneratorStats()
         self._tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
@@ -131,7 +137,7 @@ class RolloutLoop:
             raise
 
     async def _handle_prompt(self, delivery: Delivery, received_at: float) -> None:
-        task = await decode_or_reject(self.consumer, self.redis, delivery, PromptTask, "a prompt")
+        task = await decode_or_reject(self.consumer, self.redis, delivery, PromptTask, "a prompt", self.bounds)
         if task is None:
             self.stats.rejected += 1
             return
@@ -148,6 +154,11 @@ class RolloutLoop:
         except InvalidPromptError as exc:
             self.stats.rejected += 1
             await reject(self.consumer, self.redis, delivery, exc, "a prompt")
+            return
+        except NonFiniteOutput as exc:
+            self.stats.nonfinite += 1
+            log.error("prompt %s dead-lettered: %s", delivery.record_id, exc)
+            await reject(self.consumer, self.redis, delivery, exc, "a group the engine gave non-finite logprobs")
             return
         except Exception as exc:
             if _engine_dead(exc) or isinstance(exc, TemplateError):

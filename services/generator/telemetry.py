@@ -120,6 +120,7 @@ class GeneratorTelemetry:
                 "generator/tokens": stats.tokens_generated,
                 "generator/failures": stats.failures,
                 "generator/rejected": stats.rejected,
+                "generator/nonfinite_groups": stats.nonfinite,
                 "generator/rolled_back": stats.rolled_back,
                 "generator/heartbeat_errors": self.heartbeat_errors,
                 "generator/gpu_lease_errors": self.lease.keeper.errors if self.lease.keeper else 0,

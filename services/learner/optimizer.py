@@ -33,8 +33,12 @@ from services.learner import distributed
 from services.learner.distributed import Topology
 from services.learner.hardware import Precision, resolve_precision
 from shared.config.learner import LearnerSettings
+from shared.finite import step_problem
 
 log = logging.getLogger(__name__)
+
+# In a step's figures: 1 where the step was not applied (its loss or gradient norm was not finite).
+NONFINITE_STEP = "step_not_applied"
 
 
 def fused_adamw(params: list[torch.Tensor], distributed_run: bool) -> bool:
@@ -87,15 +91,23 @@ class OptimizerStep:
     def zero_grad(self) -> None:
         self.adamw.zero_grad(set_to_none=True)
 
-    def apply(self) -> dict[str, float]:
+    def apply(self, loss: float) -> dict[str, float]:
         """Clip the accumulated gradients, step AdamW and the schedule; ``learning_rate`` (the one this step
-        used) and ``grad_norm`` (before clipping)."""
+        used) and ``grad_norm`` (before clipping). ``loss``: the step's, summed over ranks.
+
+        A step whose ``loss`` or gradient norm is not finite (:func:`shared.finite.step_problem`) is not
+        applied: the gradients are dropped and the weights, AdamW's state, the schedule and the step count stay
+        as they were; the figures then hold ``NONFINITE_STEP`` = 1. Both values are the same on every rank (the
+        norm is the whole model's), so every rank skips the same steps."""
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], self.max_grad_norm
         )
         if hasattr(grad_norm, "full_tensor"):  # a DTensor when the parameters are sharded
             grad_norm = grad_norm.full_tensor()
         learning_rate = float(self.adamw.param_groups[0]["lr"])
+        if step_problem(loss, float(grad_norm)):
+            self.zero_grad()
+            return {"learning_rate": learning_rate, "grad_norm": float(grad_norm), NONFINITE_STEP: 1.0}
         if self.fused:  # PyTorch's fused CPU kernel walks each tensor's memory flat, whatever its strides
             for group in self.adamw.param_groups:
                 flat = all(self._flat(p) for p in group["params"])

@@ -52,6 +52,8 @@ from services.learner.metrics.batch_metrics import batch_metrics, finalize_advan
 from services.learner.metrics.completions_log import completion_rows, completions_due
 from services.learner.metrics.counters import Counters
 from services.learner.metrics.telemetry import MetricsSink
+from services.learner.nonfinite import NonfiniteSteps, NonFiniteTraining
+from services.learner.optimizer import NONFINITE_STEP
 from services.learner.trainer import Trainer
 from services.learner.weight_publisher import WeightPublisher
 from shared.codec import encode
@@ -64,7 +66,7 @@ from shared.registry import RegistryStats
 from shared.streams import Delivery, StreamConsumer
 from weight_sync.sender import WeightPusher
 
-__all__ = ["LearnerLoop", "RedisStateLost", "RunEnd", "RunEndedEarly"]
+__all__ = ["LearnerLoop", "NonFiniteTraining", "RedisStateLost", "RunEnd", "RunEndedEarly"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ class LearnerLoop:
         self.running = False
         self.last_checkpoint: Path | None = None
         self.evaluator = evaluator
+        self.nonfinite = NonfiniteSteps()  # optimizer steps in a row not applied (their numbers not finite)
         self.evaluated_step: int | None = None  # the step of the last evaluation
         self.warming: asyncio.Task[float] | None = None  # the warm-up, until the first step waits for it
         self.weights = WeightPublisher(
@@ -278,11 +281,14 @@ class LearnerLoop:
         groups = [g for _, g in collected]
         metrics = self._batch_figures(groups)
         train_started = time.perf_counter()
-        results = await asyncio.to_thread(self._train, groups)
+        steps = await asyncio.to_thread(self._train, groups)
+        skipped = sum(NONFINITE_STEP in step for step in steps)  # counted before a run of them raises
+        self.counters.skipped_steps(skipped, len(groups) if skipped == len(steps) else 0)
+        results = self.nonfinite.applied_of(steps, self.trainer.step, tuple(g.group_id for g in groups))
         train_wall = time.perf_counter() - train_started
-        self._trained(collected)
-        sync_seconds = await self._sync_and_checkpoint()
-        if self.settings.eval_every and self.trainer.step % self.settings.eval_every == 0:
+        self._trained(collected, trained=bool(results))
+        sync_seconds = await self._sync_and_checkpoint() if results else 0.0
+        if results and self.settings.eval_every and self.trainer.step % self.settings.eval_every == 0:
             await self.evaluate(stop)
         seconds = {
             "seconds/wait": waited,
@@ -303,13 +309,15 @@ class LearnerLoop:
         self.sink.write_batch(self.trainer.step + 1, groups)
         return metrics
 
-    def _trained(self, collected: list[tuple[Delivery, ScoredGroup]]) -> None:
-        """Remember the groups just trained; they are acknowledged at the next checkpoint."""
+    def _trained(self, collected: list[tuple[Delivery, ScoredGroup]], *, trained: bool) -> None:
+        """Remember the groups just trained (``trained`` False: none of the batch's steps was applied, counted
+        apart); they are acknowledged at the next checkpoint and never trained again."""
         for delivery, group in collected:
             self.trained_ids.add(group.group_id)
             self.trained_order.append(group.group_id)
             self.unacked.append(delivery)
-        self.counters.trained(len(collected))
+        if trained:
+            self.counters.trained(len(collected))
 
     async def _sync_and_checkpoint(self) -> float:
         """Push weights every ``sync_every`` steps, checkpoint every ``checkpoint_every`` and at the last
@@ -336,6 +344,6 @@ class LearnerLoop:
                 "tokens_per_second": metrics["completion_tokens"] / max(seconds["seconds/step"], 1e-9),
                 "train_tokens_per_second": metrics["completion_tokens"] / max(result["seconds/train"], 1e-9),
             }
-            record.update({f"counters/{k}": v for k, v in self.counters.as_dict().items()})
+            record.update(self.counters.figures())
             record["stream/scored/recovered"] = self.consumer.stats.recovered
             self.sink.write(step, record)

@@ -76,7 +76,7 @@ from services.learner.objective.loss import (
     entropy_threshold,
     high_entropy_mask,
 )
-from services.learner.optimizer import OptimizerStep
+from services.learner.optimizer import NONFINITE_STEP, OptimizerStep
 from services.learner.ranks import RankChannel
 from shared.config.learner import LearnerSettings
 from shared.config.objective import Objective
@@ -380,11 +380,14 @@ class Trainer:
         return [self._optimizer_step(batch, prepared) for _ in range(self.settings.num_iterations)]
 
     def _optimizer_step(self, batch: TrainBatch, prepared: PreparedBatch) -> dict[str, float]:
-        """One optimizer step on the prepared batch; its metrics."""
+        """One optimizer step on the prepared batch; its metrics. A step whose loss or gradient norm is not finite
+        is not applied (:meth:`OptimizerStep.apply`): its figures hold ``NONFINITE_STEP``, the loss and the norm."""
         started = time.perf_counter()
         self.optimizer.zero_grad()
         result = self.accumulate_gradients(batch, prepared)
-        applied = self.optimizer.apply()
+        applied = self.optimizer.apply(result.metrics["loss"])
+        if NONFINITE_STEP in applied:  # not applied: the entropy controller does not move either
+            return {**result.metrics, **applied}
         return {
             **result.metrics,
             **self.entropy_control.update(result.acting_entropy),

@@ -7,7 +7,7 @@ import sys
 import httpx
 
 from services.scorer.app import ScorerAppState, build_app
-from services.scorer.scoring_loop import ScoringLoop
+from services.scorer.scoring_loop import ScoringLoop, scorer_collector
 from services.scorer.startup import build_rewards
 from shared.config.scorer import ScorerSettings
 from shared.keys import Keys
@@ -26,7 +26,7 @@ async def start(service: Service[ScorerSettings]) -> None:
     )
     scored = service.producer(keys.scored, settings.max_scored_backlog)
     loop = ScoringLoop.from_settings(consumer, scored, functions, settings, service.producer(keys.evaluated, None))
-    service.prometheus.register(loop.collector())
+    service.prometheus.register(scorer_collector(loop))
     state.not_ready_reason = loop.not_ready_reason
     service.announce(f"scorer {settings.scorer_id} {loop.intake_summary()}")
     await service.run_until_stopped(loop.run)

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from pydantic import ValidationError
 
 from services.scorer.holding import HoldPolicy, Released
 from services.scorer.rewards.batching import RewardBatcher
@@ -48,6 +49,7 @@ from services.scorer.rewards.functions import (
 )
 from services.scorer.scoring import evaluated_group, reward_batch, scored_group
 from shared.codec import encode
+from shared.config.bounds import EntryBoundsSettings
 from shared.config.scorer import ScorerSettings
 from shared.intake import decode_or_reject, reject
 from shared.records import AdvantageSpec, Rollout, ScoredGroup
@@ -71,6 +73,7 @@ class ScorerStats:
     group_retries: int = 0  # retries of held groups' required rewards
     failures: int = 0
     rejected: int = 0  # bad records: undecodable or invalid, or a reward could not be given the group
+    groups_nonfinite: int = 0  # rewards or advantages not finite (shared.finite): dead-lettered
     last_metrics: dict[str, float] = field(default_factory=dict)
 
     def scored(self, group: ScoredGroup) -> None:
@@ -93,6 +96,7 @@ class ScorerStats:
             "scorer/group_retries": self.group_retries,
             "scorer/failures": self.failures,
             "scorer/rejected": self.rejected,
+            "scorer/groups_nonfinite": self.groups_nonfinite,
         }
 
 
@@ -114,9 +118,11 @@ class ScoringLoop:
         batch_groups: int | None = None,
         batch_wait_s: float = 0.0,
         max_steps: int | None = None,
+        bounds: EntryBoundsSettings | None = None,
     ) -> None:
         """``batch_groups`` (None: ``max_in_flight``) and ``batch_wait_s``: a batched reward's most groups per
-        call and longest wait for them; ``max_steps``: the learner's, for the rewards' ``trainer_state``."""
+        call and longest wait for them; ``max_steps``: the learner's, for the rewards' ``trainer_state``;
+        ``bounds``: the rollouts it takes (None: the defaults)."""
         self.consumer, self.scored, self.evaluated = consumer, scored, evaluated
         self.functions, self.weights = list(functions), list(weights)
         self.names = [f.name for f in self.functions]
@@ -128,7 +134,7 @@ class ScoringLoop:
         self._stop = asyncio.Event()
         self.redis = RedisRetry()
         self.bug: RewardBugError | None = None  # set when a required reward's bug stops the loop
-        self.max_steps = max_steps
+        self.max_steps, self.bounds = max_steps, bounds or EntryBoundsSettings()
         groups = batch_groups or max_in_flight
         self.batchers = {
             index: RewardBatcher(function, groups, batch_wait_s)
@@ -160,36 +166,8 @@ class ScoringLoop:
             batch_groups=settings.batch_groups,
             batch_wait_s=settings.reward_batch_wait_s,
             max_steps=settings.max_steps,
+            bounds=settings,
         )
-
-    def collector(self) -> CallbackCollector:
-        """The scorer's Prometheus figures, read at scrape time; ``rewards/<function>/<figure>`` are exported
-        as ``asyncgrpo_rewards_<figure>{function="<function>"}``."""
-
-        def counters() -> dict[str, float]:
-            stream = self.consumer.stats
-            out = self.stats.counters() | {
-                "stream/rollouts/claimed": stream.claimed,
-                "stream/rollouts/recovered": stream.recovered,
-                "stream/rollouts/dead_lettered": stream.dead_lettered,
-                "stream/rollouts/duplicates": stream.duplicates,
-            }
-            for function in self.functions:
-                out.update(function.stats.as_metrics(function.name))
-            return out
-
-        def gauges() -> dict[str, float]:
-            out = {k: v for k, v in self.stats.last_metrics.items() if v == v}  # last group's figures, NaN left out
-            out["scorer/groups_held"] = self.stats.groups_held
-            out["scorer/intake_paused"] = float(bool(self.not_ready_reason()))
-            for function in self.functions:
-                if function.breaker is not None:
-                    out[f"rewards/{function.name}/breaker_open"] = float(function.breaker.state != "closed")
-                if function.threads is not None:  # a Python plugin's threads still running abandoned calls
-                    out[f"rewards/{function.name}/hung_threads"] = function.threads.hung
-            return out
-
-        return CallbackCollector(counters, gauges)
 
     def not_ready_reason(self) -> str:
         """Why the scorer takes no (or only trial) rollouts now; empty when it takes them freely."""
@@ -237,7 +215,7 @@ class ScoringLoop:
                 await asyncio.wait_for(self._stop.wait(), timeout=_IDLE_POLL_S)
 
     async def handle(self, delivery: Delivery) -> None:
-        rollout = await decode_or_reject(self.consumer, self.redis, delivery, Rollout, "a rollout")
+        rollout = await decode_or_reject(self.consumer, self.redis, delivery, Rollout, "a rollout", self.bounds)
         if rollout is None:
             self.stats.rejected += 1
             return
@@ -317,7 +295,14 @@ class ScoringLoop:
         self.stats.groups_dead_lettered += 1
 
     async def _commit(self, delivery: Delivery, rollout: Rollout, per_func: np.ndarray) -> None:
-        output = self._output(rollout, per_func)
+        try:
+            output = self._output(rollout, per_func)
+        except ValidationError as exc:  # the rewards or advantages it makes cannot be trained on (shared.finite)
+            self.stats.groups_nonfinite += 1
+            problem = exc.errors()[0]["msg"]
+            log.error("group %s dead-lettered: its scored group is invalid: %s", delivery.record_id, problem)
+            await reject(self.consumer, self.redis, delivery, ValueError(problem), "a group that cannot be scored")
+            return
         group = output.record
         committed = await self.redis.run(
             lambda: self.consumer.commit(delivery, [output.entry]), "writing a scored group"
@@ -344,6 +329,36 @@ class ScoringLoop:
             raise RuntimeError("an evaluation rollout reached a scorer that has no evaluated stream")
         group = evaluated_group(rollout, self.names, self.weights, per_func, scorer_id=scorer_id)
         return _Scored(group, Output(self.evaluated, group.group_id, encode(group)))
+
+
+def scorer_collector(loop: ScoringLoop) -> CallbackCollector:
+    """The scorer's Prometheus figures, read at scrape time; ``rewards/<function>/<figure>`` are exported
+    as ``asyncgrpo_rewards_<figure>{function="<function>"}``."""
+
+    def counters() -> dict[str, float]:
+        stream = loop.consumer.stats
+        out = loop.stats.counters() | {
+            "stream/rollouts/claimed": stream.claimed,
+            "stream/rollouts/recovered": stream.recovered,
+            "stream/rollouts/dead_lettered": stream.dead_lettered,
+            "stream/rollouts/duplicates": stream.duplicates,
+        }
+        for function in loop.functions:
+            out.update(function.stats.as_metrics(function.name))
+        return out
+
+    def gauges() -> dict[str, float]:
+        out = {k: v for k, v in loop.stats.last_metrics.items() if v == v}  # last group's figures, NaN left out
+        out["scorer/groups_held"] = loop.stats.groups_held
+        out["scorer/intake_paused"] = float(bool(loop.not_ready_reason()))
+        for function in loop.functions:
+            if function.breaker is not None:
+                out[f"rewards/{function.name}/breaker_open"] = float(function.breaker.state != "closed")
+            if function.threads is not None:  # a Python plugin's threads still running abandoned calls
+                out[f"rewards/{function.name}/hung_threads"] = function.threads.hung
+        return out
+
+    return CallbackCollector(counters, gauges)
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,12 @@ class EnvServerSettings(BaseModel):
     max_request_bytes: int = Field(
         4 << 20, ge=1024, description="Largest request body taken (413 past it): a dataset row or one turn's calls."
     )
+    max_sessions: int = Field(
+        1024,
+        ge=1,
+        description="Most sessions open at once: a create past it gets 429 (counted), so the server's memory is "
+        "bounded whoever holds the token; at least the generators' prompts in flight times the group size.",
+    )
 
     def start_problems(self) -> list[str]:
         """Why the server will not start (no token, a weak one), each naming the fix."""

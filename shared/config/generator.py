@@ -9,11 +9,12 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
+from shared.config.bounds import EntryBoundsSettings
 from shared.config.environment import EnvironmentSettings
 from shared.placement import leasable_gpus, parse_gpu_list
 
 
-class GeneratorSettings(ServiceSettings):
+class GeneratorSettings(EntryBoundsSettings, ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="GENERATOR_", extra="forbid", env_nested_delimiter="__")
     toml_table = "generator"
     extra_toml_tables: ClassVar[dict[str, str]] = {"environment": "environment"}

@@ -34,6 +34,11 @@ class LauncherSettings(BaseModel):
         "kept). N: generator i listens on N + i, scorer i on N + 90 + i, the learner on its own ports.",
     )
     stop_timeout_s: float = Field(60.0, gt=0, description="Grace period before SIGKILL at shutdown.")
+    redis_allow_no_auth: bool = Field(
+        False,
+        description="Use a Redis named by REDIS_URL that takes commands without a password (a warning at every "
+        "start); false: refused. Without REDIS_URL, asyncgrpo run starts its own, with a password.",
+    )
 
 
 def model_placeholder_problem(table: str, model: str) -> str | None:

@@ -1,12 +1,10 @@
-"""Learner settings: ``[learner]`` in the TOML file (``[data]`` is :mod:`shared.config.data`), ``LEARNER_*`` in the
-environment.
+"""Learner settings: ``[learner]`` in TOML (``[data]``: :mod:`shared.config.data`), ``LEARNER_*`` in the environment.
 
 Batch vocabulary (the README's "Batch arithmetic" section draws it):
 
 * ``groups_per_step`` prompts per optimizer step, each sampled ``group_size`` (G) times, so
   ``completions per step = groups_per_step * G``;
-* ``micro_batch_size`` completions per forward/backward; gradient accumulation is derived:
-  ``completions per step / micro_batch_size`` micro-batches;
+* ``micro_batch_size`` completions per forward/backward (accumulation: ``completions per step / micro_batch_size``);
 * ``num_iterations`` optimizer steps on each batch (TRL's mu), ``sync_every`` steps between weight pushes;
 * ``max_staleness``: groups sampled more than this many policy versions ago are dropped;
 * admission: at most ``(max_staleness + 1) * groups_per_step`` groups in flight.
@@ -33,6 +31,7 @@ from pydantic_settings import SettingsConfigDict
 
 from shared.allowed_hosts import LOOPBACK, HostAllowList
 from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
+from shared.config.bounds import EntryBoundsSettings
 from shared.config.data import DataSettings, parse_split
 from shared.config.objective import Objective
 from shared.config.sampling import SamplingSettings
@@ -399,6 +398,7 @@ class LearnerSettings(
     SamplingSettings,
     BatchSettings,
     ModelSettings,
+    EntryBoundsSettings,
     ServiceSettings,
     Objective,
 ):

@@ -13,6 +13,7 @@ from pydantic_settings import SettingsConfigDict
 
 from shared.config import endpoint
 from shared.config.base import HOSTNAME_BASED, ServiceSettings
+from shared.config.bounds import EntryBoundsSettings
 from shared.config.objective import AlgorithmRecipe
 from shared.records import AdvantageSpec
 
@@ -120,7 +121,7 @@ class RewardSpec(BaseModel):
         return "http" if self.url else "python" if self.function else "builtin"
 
 
-class ScorerSettings(ServiceSettings, AlgorithmRecipe):
+class ScorerSettings(EntryBoundsSettings, ServiceSettings, AlgorithmRecipe):
     recipe_table: ClassVar[str] = "scorer"
     model_config = SettingsConfigDict(env_prefix="SCORER_", extra="forbid", env_nested_delimiter="__")
     toml_table = "scorer"

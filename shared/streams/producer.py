@@ -16,7 +16,9 @@ class StreamProducer:
     """Adds records to one stream, waiting while its backlog is at ``max_backlog``.
 
     The bound is exact for a single producer; with several producers on one stream it can be exceeded by
-    at most one batch each. ``max_backlog=None`` disables backpressure (control streams).
+    at most one batch each. ``max_backlog=None`` disables backpressure (control streams). ``trim``: also trim
+    what every group has finished while waiting; the services leave that to the learner
+    (:meth:`services.learner.data.admission.Admission.trim_streams`), the one user granted ``XTRIM``.
     """
 
     def __init__(
@@ -26,7 +28,7 @@ class StreamProducer:
         *,
         max_backlog: int | None = None,
         poll_interval_s: float = 0.05,
-        trim: bool = True,
+        trim: bool = False,
     ) -> None:
         if max_backlog is not None and max_backlog < 1:
             raise ValueError("max_backlog must be at least 1 (or None for no bound)")

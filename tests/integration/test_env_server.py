@@ -116,6 +116,25 @@ def test_idle_sessions_are_reclaimed_after_the_ttl(server):
     assert _step(server, session_id, 0, 1).status_code == 404
 
 
+def test_creates_past_max_sessions_get_429_and_are_counted_and_a_replacement_takes_no_place():
+    """The issue's 30,000 creates, in small: with --max-sessions 3 the fourth open session is refused (429,
+    naming the setting) and counted; a create that replaces its key's live session, and one after a close,
+    are let in."""
+    service = _start_server("--max-sessions", "3")
+    try:
+        opened = [_create(service, f"task-{i}/0") for i in range(3)]
+        assert [r.status_code for r in opened] == [201, 201, 201]
+        refused = _create(service, "task-3/0")
+        assert refused.status_code == 429 and "max_sessions (3)" in refused.json()["detail"]
+        assert _create(service, "task-0/0").status_code == 201  # replaces task-0/0's session
+        assert httpx.delete(f"{service.url}/sessions/{opened[1].json()['session_id']}", headers=AUTH).status_code == 204
+        assert _create(service, "task-3/0").status_code == 201
+        count = httpx.get(f"{service.url}/sessions/count", headers=AUTH).json()
+        assert count == {"open": 3, "reaped": 0, "refused": 1}
+    finally:
+        assert service.stop() == 0, service.output()
+
+
 async def test_the_client_against_the_real_server(server):
     env = build_environment(EnvironmentSettings(url=server.url, bearer_token=TOKEN))
     try:

@@ -26,6 +26,7 @@ from shared.keys import Keys
 from shared.records import CheckpointAnnouncement, GeneratorRegistration, ScoredGroup, WeightVersionAnnouncement
 from shared.redis_conn import make_client
 from shared.registry import (
+    MAX_REGISTRATION_BYTES,
     RegistryStats,
     latest_checkpoint,
     latest_weights_version,
@@ -217,6 +218,22 @@ def test_registration_edge_cases(redis_url):
         b"prompt": encode(make_task()),  # a valid record of another kind
     }
     asyncio.run(_registry_check(redis_url, hostile, 2))
+
+
+async def test_a_valid_registration_over_the_size_limit_is_set_aside(redis_client, keys):
+    """A generator may write a registration of any size (the ACL bounds no value): the learner's reader sets
+    one over ``MAX_REGISTRATION_BYTES`` aside before decoding it, however valid its record."""
+    huge = GeneratorRegistration(
+        generator_id="gen-huge", url="http://127.0.0.1:1", policy_version=0, device_uuids=("GPU-" + "0" * 64,) * 2000
+    )
+    assert len(encode(huge)) > MAX_REGISTRATION_BYTES
+    stats = RegistryStats()
+    await register(redis_client, keys, huge, ttl_s=60)
+    await register(redis_client, keys, _registration("gen-ok"), ttl_s=60)
+    assert [r.generator_id for r in await live_generators(redis_client, keys, stats)] == ["gen-ok"]
+    [(_, letter)] = await redis_client.xrange(keys.dead_letter)
+    assert f"over the {MAX_REGISTRATION_BYTES} a registration may take" in letter[b"reason"].decode()
+    assert stats.invalid == 1 and not await redis_client.hexists(keys.generators, "gen-huge")
 
 
 async def test_bad_announcements_are_read_as_absent_and_counted(redis_client, keys):

@@ -80,7 +80,8 @@ async def test_hostile_rollouts_are_dead_lettered_as_bad_records_and_the_plugin_
     port = free_port()
     plugin = _start_plugin(port)
     rewards = [{"name": "digit"}, {"name": "judge", "url": f"http://127.0.0.1:{port}/score", **FAST}]
-    scorer = _scorer("scorer-hostile", redis_url, keys, rewards)
+    # A group the plugin protocol cannot hold, within the scorer's own bound on group sizes.
+    scorer = _scorer("scorer-hostile", redis_url, keys, rewards, {"SCORER_MAX_GROUP_SIZE": str(MAX_ITEMS + 1)})
     try:
         wait_http_ok(f"{plugin.url}/health", 60)
         await asyncio.to_thread(scorer.wait_for_line, "scorer-hostile ready", 90)

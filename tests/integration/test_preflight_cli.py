@@ -26,8 +26,9 @@ REWARDS = """
 import os
 from pathlib import Path
 
-# Which process imported this module: its parent is the launcher when a child of the launcher did.
-Path("imported-by").open("a").write(f"{os.getpid()} {os.getppid()}\\n")
+# Which process imported this module: its parent is the launcher when a child of the launcher did. Beside the
+# module, never in the importer's working directory (a scorer started in the repository left it there once).
+Path(__file__).with_name("imported-by").open("a").write(f"{os.getpid()} {os.getppid()}\\n")
 
 
 def accuracy_reward(completions, solution, **kwargs):

@@ -6,18 +6,32 @@ cannot register a generator, a generator cannot write scored groups, nobody but 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import shutil
+import subprocess
 import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
 from services.generator.gpu_lease import GpuLease
-from services.launcher.local_redis import redis_for_run
+from services.launcher import local_redis
+from services.launcher.local_redis import (
+    RedisWithoutAuth,
+    free_port,
+    redis_for_run,
+    start_redis,
+    takes_commands_without_auth,
+)
 from shared.codec import encode
 from shared.config.scorer import ScorerSettings
 from shared.keys import Keys
 from shared.records import CheckpointAnnouncement, GeneratorRegistration, WeightVersionAnnouncement
-from shared.redis_acl import ROLES, grants, server_arguments
+from shared.redis_acl import ROLES, config_lines, deploy_script, grants, secret_name
 from shared.redis_conn import connect, make_client
 from shared.registry import (
     RegistryStats,
@@ -27,7 +41,7 @@ from shared.registry import (
     live_generators,
     register,
 )
-from shared.streams import Output, StreamConsumer, StreamProducer, group_backlog, stream_backlog
+from shared.streams import Output, StreamConsumer, StreamProducer, group_backlog, stream_backlog, trim_processed
 
 pytestmark = pytest.mark.integration
 
@@ -121,6 +135,9 @@ async def _learner_works(learner, admin, keys: Keys) -> None:
         await consumer.start()
         [delivery] = await consumer.read()
         assert await consumer.commit(delivery)
+    for stream in (keys.prompts, keys.rollouts, keys.scored, keys.evaluated):
+        await trim_processed(learner, stream)  # the learner trims what every group finished (XTRIM MINID)
+    assert [await admin.xlen(s) for s in (keys.prompts, keys.rollouts, keys.scored)] == [0, 0, 0]  # all finished
     await admin.hset(keys.generators, "gen-bad", b"not a registration")  # set aside (EVAL: HGET, HDEL, XADD)
     assert [g.generator_id for g in await live_generators(learner, keys, RegistryStats())] == ["gen-0"]
     assert not await admin.hexists(keys.generators, "gen-bad")
@@ -215,16 +232,220 @@ async def test_the_default_user_needs_the_administrator_password_and_a_wrong_one
 
 def test_the_rules_are_made_from_the_key_names_and_escape_a_prefix_that_globs():
     rules = grants(Keys("run-1"))["scorer"].rules()
-    assert rules[:3] == ["resetkeys", "resetchannels", "-@all"] and "+hset" not in rules
-    assert "~run-1:rollouts:applied:scorers:*" in rules and "%W~run-1:dead" in rules
-    assert "~a\\*b:scored" in grants(Keys("a*b"))["scorer"].rules()  # a prefix never widens the grant
-    arguments = server_arguments({role: f"pw-{role}" for role in ROLES}, Keys("run-1"))
-    assert arguments.count("--user") == 3 and ">pw-learner" in arguments
+    assert rules[:3] == ["resetkeys", "resetchannels", "-@all"] and not any("hset" in rule for rule in rules)
+    assert "(~run-1:rollouts:applied:scorers:* +exists +set +watch)" in rules and "(%W~run-1:dead +xadd)" in rules
+    assert "(~a\\*b:scored +xadd +xinfo|groups +xlen)" in grants(Keys("a*b"))["scorer"].rules()  # never widens
+    lines = config_lines({role: f"pw-{role}" for role in ROLES}, Keys("run-1"))
+    assert [line.split()[:4] for line in lines] == [["user", role, "on", f'">pw-{role}"'] for role in ROLES]
 
 
 def test_the_launcher_uses_an_operators_redis_as_its_url_says(redis_url, monkeypatch):
-    urls, server = redis_for_run("any-prefix", redis_url)
+    urls, server = redis_for_run("any-prefix", redis_url, allow_no_auth=True)
     assert server is None and urls == {f"{role.upper()}_REDIS_URL": redis_url for role in ROLES}
     monkeypatch.setenv("REDIS_URL", "redis://elsewhere:6379/0")
     monkeypatch.setenv("SCORER_REDIS_URL", "redis://scorer:pw@127.0.0.1:6379/0")
     assert ScorerSettings().redis_url == "redis://scorer:pw@127.0.0.1:6379/0"  # the service's own wins
+
+
+# Every key of a pipeline (and one of another pipeline's), by a short name.
+def _every_key(keys: Keys) -> dict[str, str]:
+    return {
+        "prompts": keys.prompts,
+        "rollouts": keys.rollouts,
+        "scored": keys.scored,
+        "evaluated": keys.evaluated,
+        "dead": keys.dead_letter,
+        "generators": keys.generators,
+        "alive": keys.generator_alive("gen-x"),
+        "weights": keys.weights,
+        "checkpoint": keys.checkpoint,
+        "learner_state": keys.learner_state,
+        "gpu": keys.gpu_lease("box", 0),
+        "prompts_applied": keys.applied(keys.prompts, Keys.GENERATORS, "r"),
+        "rollouts_applied": keys.applied(keys.rollouts, Keys.SCORERS, "r"),
+        "scored_applied": keys.applied(keys.scored, Keys.LEARNER, "r"),
+        "evaluated_applied": keys.applied(keys.evaluated, Keys.LEARNER, "r"),
+        "other_pipeline": "other:prompts",
+    }
+
+
+# Destructive or retyping commands on one key ``k`` (``k2``: a second key beside it).
+DESTRUCTIVE = {
+    "DEL": ("DEL", "{k}"),
+    "UNLINK": ("UNLINK", "{k}"),
+    "SET": ("SET", "{k}", "x"),
+    "RENAME": ("RENAME", "{k}", "{k2}"),
+    "EXPIRE": ("EXPIRE", "{k}", "1"),
+    "XTRIM": ("XTRIM", "{k}", "MAXLEN", "0"),
+    "XDEL": ("XDEL", "{k}", "1-1"),
+    "XGROUP DESTROY": ("XGROUP", "DESTROY", "{k}", "g"),
+    "XGROUP SETID": ("XGROUP", "SETID", "{k}", "g", "0"),
+    "XGROUP DELCONSUMER": ("XGROUP", "DELCONSUMER", "{k}", "g", "c"),
+    "RESTORE": ("RESTORE", "{k}", "0", "\x00not a dump", "REPLACE"),
+    "COPY": ("COPY", "{k2}", "{k}", "REPLACE"),
+    "EVAL DEL": ("EVAL", "return redis.call('DEL', KEYS[1])", "1", "{k}"),
+    "EVAL SET": ("EVAL", "return redis.call('SET', KEYS[1], 'x')", "1", "{k}"),
+    "EVAL XTRIM": ("EVAL", "return redis.call('XTRIM', KEYS[1], 'MAXLEN', 0)", "1", "{k}"),
+    "FCALL": ("FCALL", "f", "1", "{k}"),
+}
+# What each user owns and may do there by design, (command, key): its heartbeat and the GPU leases (a
+# generator), its own applied markers (every consumer), the announcements it makes and the streams' retention
+# (the learner). Every other destructive command on every key is refused.
+OWNED = {
+    "generator": {
+        *(("SET", k) for k in ("alive", "gpu", "prompts_applied")),
+        ("DEL", "alive"),
+        *((c, "gpu") for c in ("DEL", "EVAL DEL", "EVAL SET")),
+    },
+    "scorer": {("SET", "rollouts_applied")},
+    "learner": {
+        *(("SET", k) for k in ("scored_applied", "evaluated_applied", "weights", "checkpoint")),
+        *(("XTRIM", k) for k in ("prompts", "rollouts", "scored", "evaluated")),
+        *(("EVAL XTRIM", k) for k in ("scored", "evaluated")),  # it reads them (EVAL) and trims them
+    },
+}
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """An ACL refusal: NOPERM, or a script's command refused for a key its user may not touch."""
+    message = str(exc)
+    return isinstance(exc, NoPermissionError) or any(
+        words in message for words in ("can't access", "can't run", "no permissions")
+    )
+
+
+async def test_no_user_can_destroy_or_retype_a_key_it_does_not_own(users):
+    """Each user, each key of the pipeline, each destructive or retyping command: refused by the ACL unless
+    the user owns that key for that command (``OWNED``). The keys exist and hold their real types first, so
+    a refusal cannot be a type error or a missing key."""
+    keys, clients, admin = users
+    every = _every_key(keys)
+    for name in ("prompts", "rollouts", "scored", "evaluated", "dead"):
+        await admin.xadd(every[name], {"id": "x", "data": "x"})
+        await admin.xgroup_create(every[name], "g", id="0")
+    await admin.hset(keys.generators, "gen-x", b"x")
+    await admin.hset(keys.learner_state, "runtime", b"x")
+    for name in ("alive", "weights", "checkpoint", "gpu", "other_pipeline"):
+        await admin.set(every[name], b"x")
+    wrongly_allowed, wrongly_refused = [], []
+    for role, client in clients.items():
+        for key_name, key in every.items():
+            for command_name, template in DESTRUCTIVE.items():
+                args = [part.format(k=key, k2=f"{keys.prefix}:copy") for part in template]
+                try:
+                    await client.execute_command(*args)
+                    refused = False
+                except ResponseError as exc:
+                    refused = _is_refusal(exc)
+                    if not refused and (command_name, key_name) not in OWNED[role]:
+                        wrongly_allowed.append((role, command_name, key_name, str(exc)))
+                    continue
+                if not refused and (command_name, key_name) not in OWNED[role]:
+                    wrongly_allowed.append((role, command_name, key_name, "ran"))
+        for command_name, key_name in OWNED[role]:
+            args = [part.format(k=every[key_name], k2="-") for part in DESTRUCTIVE[command_name]]
+            try:
+                await client.execute_command(*args)
+            except ResponseError as exc:
+                if _is_refusal(exc):
+                    wrongly_refused.append((role, command_name, key_name))
+    assert not wrongly_allowed, wrongly_allowed
+    assert not wrongly_refused, wrongly_refused
+    # Nothing another user owns was touched: every stream and its group are still there.
+    for name in ("prompts", "rollouts", "scored", "evaluated", "dead"):
+        assert await admin.type(every[name]) == b"stream", name
+    assert await admin.hget(keys.generators, "gen-x") == b"x" and await admin.get(every["other_pipeline"]) == b"x"
+
+
+@pytest.mark.parametrize("kind", ["compose", "k8s"])
+async def test_the_deployments_script_starts_redis_with_every_user_and_no_password_in_its_arguments(kind, tmp_path):
+    """The redis container's script (docker-compose.yml, redis.yaml), run by ``sh`` as the container runs it,
+    with the passwords in its environment: every service logs in as its own user and is refused what it does
+    not own, and redis-server's arguments (recorded by a stand-in on PATH that then runs the real one) hold
+    no password."""
+    port = free_port()
+    passwords = {"REDIS_PASSWORD": f"admin-{uuid.uuid4().hex}"} | {
+        secret_name(r): f"{r}-{uuid.uuid4().hex}" for r in ROLES
+    }
+    stand_in = tmp_path / "bin" / "redis-server"
+    stand_in.parent.mkdir()
+    stand_in.write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/argv\n'
+        f'exec {shutil.which("redis-server")} "$@" --port {port} --dir {tmp_path} --bind 127.0.0.1\n'
+    )
+    stand_in.chmod(0o755)
+    script = deploy_script(kind).replace("$$", "$")  # what compose hands the shell
+    env = {"PATH": f"{stand_in.parent}:/usr/bin:/bin", "STREAM_PREFIX": "grpo", **passwords}
+    process = subprocess.Popen(["sh", "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    admin = make_client(f"redis://:{passwords['REDIS_PASSWORD']}@127.0.0.1:{port}/0")
+    try:
+        for _ in range(200):
+            with contextlib.suppress(Exception):
+                if await admin.ping():
+                    break
+            assert process.poll() is None, "redis-server stopped"
+            await asyncio.sleep(0.05)
+        arguments = (tmp_path / "argv").read_text()
+        cmdline = Path(f"/proc/{process.pid}/cmdline").read_bytes().decode(errors="replace")
+        assert not [p for p in passwords.values() if p in arguments or p in cmdline], arguments
+        keys = Keys("grpo")
+        for role in ROLES:
+            client = make_client(f"redis://{role}:{passwords[secret_name(role)]}@127.0.0.1:{port}/0")
+            try:
+                assert await client.ping()
+                with pytest.raises(NoPermissionError):
+                    await client.execute_command("DEL", keys.prompts if role != "learner" else keys.rollouts)
+            finally:
+                await client.aclose()
+    finally:
+        await admin.aclose()
+        process.terminate()
+        process.wait(10)
+
+
+def test_the_launchers_redis_gets_no_password_on_its_command_line():
+    """``asyncgrpo run``'s own Redis: the administrator's and every service's password reach redis-server on its
+    standard input; neither the arguments it was started with nor its /proc/<pid>/cmdline hold one."""
+    urls, server = redis_for_run(f"argv-{uuid.uuid4().hex[:8]}", NOTHING_ANSWERS)
+    assert server is not None and server.process is not None
+    try:
+        secrets = [server.password, *(urlsplit(url).password for url in urls.values())]
+        assert all(secrets) and len(set(secrets)) == 4
+        started_with = " ".join(str(arg) for arg in server.process.args)
+        cmdline = Path(f"/proc/{server.process.pid}/cmdline").read_bytes().decode(errors="replace")
+        assert not [s for s in secrets if s in started_with or s in cmdline], started_with
+    finally:
+        server.stop()
+
+
+def test_the_launcher_refuses_a_named_redis_without_a_password_unless_allowed_with_a_warning(redis_url, caplog):
+    """The test Redis takes commands from anyone: refused when ``redis_allow_no_auth`` is false, used with a
+    warning at every start when it is true; a Redis with a password is used without one."""
+    assert takes_commands_without_auth(redis_url)
+    with pytest.raises(RedisWithoutAuth, match=r"takes commands without a password.*redis_allow_no_auth = true"):
+        redis_for_run("any-prefix", redis_url, allow_no_auth=False)
+    with caplog.at_level(logging.WARNING, logger="services.launcher.local_redis"):
+        for _ in range(2):
+            assert redis_for_run("any-prefix", redis_url, allow_no_auth=True)[1] is None
+    assert sum("takes commands without a password" in r.getMessage() for r in caplog.records) == 2
+    protected = start_redis(password="pw-" + uuid.uuid4().hex)
+    try:
+        assert not takes_commands_without_auth(protected.url)
+        caplog.clear()
+        urls, server = redis_for_run("any-prefix", protected.url, allow_no_auth=False)
+        assert server is None and set(urls.values()) == {protected.url} and not caplog.records
+    finally:
+        protected.stop()
+
+
+def test_the_launcher_starts_its_own_redis_when_none_is_named_whatever_answers(redis_url, monkeypatch):
+    """Nothing named (no ``$REDIS_URL``): a Redis of its own with a password, even with one answering on the
+    default port (the test Redis stands for it)."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.setattr(local_redis, "DEFAULT_URL", redis_url)
+    urls, server = redis_for_run(f"own-{uuid.uuid4().hex[:8]}")
+    try:
+        assert server is not None and server.password and redis_url not in urls.values()
+        assert all(url.startswith(f"redis://{role}:") for role, url in zip(ROLES, urls.values(), strict=True))
+    finally:
+        server.stop()

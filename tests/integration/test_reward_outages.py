@@ -102,8 +102,11 @@ async def _wait_done(client, keys: Keys, n: int, timeout_s: float, alive=lambda:
         await asyncio.sleep(0.1)
 
 
-async def _score_in_process(client, keys, specs, fed: list[str], *, max_wait_s=30.0, during=None, in_flight=4):
-    """Run the scoring loop until every fed group is scored or dead-lettered (``during`` runs meanwhile)."""
+async def _score_in_process(
+    client, keys, specs, fed: list[str], *, max_wait_s=30.0, during=None, in_flight=4, bounds=None
+):
+    """Run the scoring loop until every fed group is scored or dead-lettered (``during`` runs meanwhile;
+    ``bounds``: the loop's entry bounds, None for the defaults)."""
     async with httpx.AsyncClient() as http:
         functions, plugins = build_functions(specs, http)
         await asyncio.gather(*(p.probe(attempts=1) for p in plugins))
@@ -120,6 +123,7 @@ async def _score_in_process(client, keys, specs, fed: list[str], *, max_wait_s=3
             max_reward_wait_s=max_wait_s,
             retry_backoff_s=0.05,
             retry_backoff_max_s=0.5,
+            bounds=bounds,
         )
         stop = asyncio.Event()
         runner = asyncio.create_task(loop.run(stop))

@@ -178,7 +178,7 @@ async def test_producer_blocks_at_backlog_bound_and_resumes(redis_client, keys):
     source, sink_stream = f"{keys.prefix}:in", f"{keys.prefix}:out"
     consumer = _consumer(redis_client, keys, source, "c1")
     await consumer.start()
-    producer = StreamProducer(redis_client, source, max_backlog=5, poll_interval_s=0.01)
+    producer = StreamProducer(redis_client, source, max_backlog=5, poll_interval_s=0.01, trim=True)
     total = 40
     produced = []
 
@@ -238,7 +238,7 @@ async def test_entry_finished_between_backlog_read_and_trim_is_not_left_uncounte
     backlog, trim = producer_module.stream_backlog, producer_module.trim_processed
     monkeypatch.setattr(producer_module, "stream_backlog", lambda *a, **k: then_commit(backlog, *a, **k))
     monkeypatch.setattr(producer_module, "trim_processed", lambda *a, **k: then_commit(trim, *a, **k))
-    producer = StreamProducer(redis_client, source, max_backlog=5)
+    producer = StreamProducer(redis_client, source, max_backlog=5, trim=True)
     await producer.add("n0", b"x")
     added = 1
     while producer._credit > 0:  # the room that one look at Redis gave, used up without asking again

@@ -77,13 +77,14 @@ def test_one_row_per_completion_with_each_reward_and_nan_as_none():
 
 
 def test_a_conversation_prompt_is_kept_as_its_messages_and_a_reward_named_reward_keeps_its_own_column():
-    group = _group(None, ["a", "b"], [[1.0], [0.0]], [NAN, 0.0], [0.0, 0.0], names=("reward",))
+    # Weight 0.5: the function's 1.0 and the combined 0.5 are two columns.
+    group = _group(None, ["a", "b"], [[1.0], [0.0]], [0.5, 0.0], [0.0, 0.0], names=("reward",))
     row = completion_rows([group], limit=1, decode=ids_text)[0]
     assert row["prompt"] == [
         {"role": "system", "content": "Answer."},
         {"role": "user", "content": "What is 2+3?"},
     ]
-    assert (row["rewards/reward"], row["reward"]) == (1.0, None)
+    assert (row["rewards/reward"], row["reward"]) == (1.0, 0.5)
 
 
 def test_the_limit_takes_the_batch_first_completions_group_by_group():

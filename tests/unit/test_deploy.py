@@ -22,9 +22,8 @@ from shared.config.generator import GeneratorSettings
 from shared.config.learner import LearnerSettings
 from shared.config.pipeline import PipelineConfig, PipelineError, load_service
 from shared.config.scorer import ScorerSettings
-from shared.keys import Keys
 from shared.placement import leasable_gpus, memory_share_error, parse_gpu_list
-from shared.redis_acl import ROLES, secret_name, server_arguments
+from shared.redis_acl import ROLES, deploy_script, secret_name
 from tests.support import compose
 from tests.support.processes import ROOT
 
@@ -51,7 +50,7 @@ def test_compose_is_safe_and_complete(files):
         assert "ports" not in service, f"{name} publishes a port nobody asked for"
         assert service.get("restart") in {"unless-stopped", "on-failure"}, name
     redis = services["redis"]
-    assert "--requirepass" in " ".join(redis["command"]) and "REDISCLI_AUTH" in " ".join(redis["healthcheck"]["test"])
+    assert "requirepass" in " ".join(redis["command"]) and "REDISCLI_AUTH" in " ".join(redis["healthcheck"]["test"])
     for name in ("generator", "scorer", "learner"):  # each its own Redis user, never the administrator
         url = f"redis://{name}:{compose.REQUIRED_ENV[secret_name(name)]}@redis:6379/0"
         assert compose.environment(services[name])["REDIS_URL"] == url, name
@@ -73,14 +72,28 @@ def test_compose_is_safe_and_complete(files):
         assert services[name]["image"] == f"asyncgrpo-scorer:{VERSION}"
 
 
+def test_compose_runs_shared_redis_acls_script_with_the_passwords_from_its_environment():
+    """The redis container's script is exactly shared.redis_acl's; compose passes every password to it in the
+    environment, never on a command line (tests/integration/test_redis_acl.py runs the script)."""
+    redis = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["redis"]
+    assert redis["command"] == ["sh", "-c", deploy_script("compose")]
+    assert set(redis["environment"]) == {"REDIS_PASSWORD", *(secret_name(role) for role in ROLES)}
+    assert all(value.startswith("${") for value in redis["environment"].values())
+    assert "${REDIS" not in deploy_script("compose").replace("$${REDIS", "")  # compose never fills one in
+
+
 @needs_compose
-def test_compose_makes_one_redis_user_per_service_from_shared_redis_acl():
-    """The redis container's --user arguments are exactly shared.redis_acl's, with .env's passwords and prefix."""
-    passwords = {role: compose.REQUIRED_ENV[secret_name(role)] for role in ROLES}
+def test_compose_leaves_the_redis_passwords_to_the_containers_shell():
+    """Resolved by compose with .env's passwords: the prefix is filled in, no password is (the shell does it)."""
     for prefix in ("grpo", "run-7"):
-        command = compose.resolved(DEFAULT, {"STREAM_PREFIX": prefix})["services"]["redis"]["command"]
-        base = ["redis-server", "--appendonly", "yes", "--appendfsync", "everysec", "--requirepass"]
-        assert command == [*base, compose.REQUIRED_ENV["REDIS_PASSWORD"], *server_arguments(passwords, Keys(prefix))]
+        redis = compose.resolved(DEFAULT, {"STREAM_PREFIX": prefix})["services"]["redis"]
+        script = redis["command"][2]
+        assert f"(~{prefix}:prompts " in script and "${REDIS_GENERATOR_PASSWORD}" in script
+        secrets = [compose.REQUIRED_ENV[name] for name in ("REDIS_PASSWORD", *(secret_name(r) for r in ROLES))]
+        assert not [secret for secret in secrets if secret in " ".join(redis["command"])]
+        assert {name: redis["environment"][name] for name in (secret_name(r) for r in ROLES)} == {
+            secret_name(r): compose.REQUIRED_ENV[secret_name(r)] for r in ROLES
+        }
 
 
 @needs_compose
@@ -288,14 +301,11 @@ def test_k8s_pods_run_without_privilege():
 def test_k8s_services_log_in_to_redis_as_their_own_users_made_by_shared_redis_acl():
     redis = _k8s("redis.yaml", "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
     env = _env(redis)
-
-    def expand(arg: str) -> str:  # as the kubelet expands $(NAME) from the container's variables
-        return re.sub(r"\$\((\w+)\)", lambda m: f"value-of-{env[m.group(1)].removeprefix('secret:')}", arg)
-
-    args = [expand(arg) for arg in redis["args"]]
-    passwords = {role: f"value-of-{secret_name(role)}" for role in ROLES}
-    assert args[args.index("--user") :] == server_arguments(passwords, Keys())
-    assert args[args.index("--requirepass") + 1] == "value-of-REDIS_PASSWORD"
+    assert redis["command"] == ["sh", "-c", deploy_script("k8s")] and "args" not in redis
+    assert "$(" not in deploy_script("k8s")  # the kubelet would put a $(NAME) on the command line
+    assert {name: env[name] for name in ("REDIS_PASSWORD", *(secret_name(r) for r in ROLES))} == {
+        name: f"secret:{name}" for name in ("REDIS_PASSWORD", *(secret_name(r) for r in ROLES))
+    }
     for file, kind, role in [
         ("generator.yaml", "Deployment", "generator"),
         ("scorer.yaml", "Deployment", "scorer"),

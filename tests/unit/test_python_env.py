@@ -70,9 +70,33 @@ async def test_tool_exception_and_unknown_tool_are_error_results_not_faults():
         first, second, third = response.results
         assert json.loads(first.content) == {"error": "ZeroDivisionError: division by zero"} and first.error
         assert second.error and "unknown tool 'nope'" in json.loads(second.content)["error"]
-        assert third.error and json.loads(third.content)["error"].startswith("TypeError: ")
+        assert third.error and json.loads(third.content)["error"] == (
+            "the arguments of increment do not match its schema: step: 'x' is not of type 'integer'"
+        )
     assert env.stats.calls["tool_error"] == 3 and env.stats.calls["fault"] == 0
     assert env.accepting()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "problem"),
+    [
+        ({"self": 1}, "unexpected argument(s) 'self'; the tool takes: step"),
+        ({"step": 1, "extra": 2}, "unexpected argument(s) 'extra'; the tool takes: step"),
+        ({}, "'step' is a required property"),
+        ({"step": 1.5}, "step: 1.5 is not of type 'integer'"),
+    ],
+)
+async def test_arguments_outside_the_tools_schema_never_reach_it(arguments, problem):
+    """The model reads the schema's complaint (a failed call, counted), never Python's TypeError, and the tool
+    is not called: ``{"self": 1}`` does not reach a method."""
+    env = _env()
+    before = tool_envs.calls["increment"]
+    async with env.session({"prompt": "p"}, "k") as session:
+        [result] = (await session.step([_call("increment", 0, **arguments)])).results
+    assert result.error and json.loads(result.content) == {
+        "error": f"the arguments of increment do not match its schema: {problem}"
+    }
+    assert tool_envs.calls["increment"] == before and env.stats.calls["tool_error"] == 1
 
 
 async def test_a_sync_tool_past_timeout_is_a_fault_and_the_instance_is_discarded():

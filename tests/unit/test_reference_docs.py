@@ -282,7 +282,7 @@ def called_metric_names() -> frozenset[str]:
             *sampling_logp_difference_metrics(torch.zeros(1, 2), torch.ones(1, 2), mask),
             *clip_ratio_extremes([{"clip_ratio/low_mean": 0.1, "clip_ratio/high_mean": 0.2}]),
             *importance_weight_metrics(weights, mask),
-            *(f"counters/{name}" for name in Counters().as_dict()),
+            *Counters().figures(),
             *_loss_metric_names(),
             *_batch_and_eval_names(),
         }

@@ -44,7 +44,7 @@ def _rates(optimizer: OptimizerStep, steps: int) -> list[float]:
     for _ in range(steps):
         optimizer.zero_grad()
         optimizer.model(torch.ones(1, 3)).sum().backward()
-        rates.append(optimizer.apply()["learning_rate"])
+        rates.append(optimizer.apply(loss=0.0)["learning_rate"])
     return rates
 
 

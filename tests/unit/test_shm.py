@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,30 @@ def test_probes_match_only_their_token_directory_and_name(tmp_path):
     assert not probe_matches(str(impostor), token, tmp_path)
     probe.close()
     assert not probe_matches(str(probe.path), token, tmp_path)
+
+
+def test_a_fifo_or_a_link_planted_as_a_probe_is_refused_at_once(tmp_path):
+    """The probe's directory (default /dev/shm) is writable by anyone: a FIFO under a probe's name must not block
+    the learner that checks it (an open without O_NONBLOCK waits for a writer forever), nor a link lead it to a
+    file of this user's that holds the token."""
+    token = "a" * 32
+    fifo = tmp_path / f"{PROBE}fifo"
+    os.mkfifo(fifo)
+    answer: list[bool] = []
+    checking = threading.Thread(target=lambda: answer.append(probe_matches(str(fifo), token, tmp_path)), daemon=True)
+    checking.start()
+    checking.join(5)
+    blocked = checking.is_alive()
+    if blocked:  # in open(), waiting for a writer: let it go (a writer's open ends the wait) before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        checking.join(5)
+    assert not blocked, "probe_matches blocked on a FIFO"
+    assert answer == [False]
+    target = tmp_path / "real"
+    target.write_text(token)
+    link = tmp_path / f"{PROBE}link"
+    link.symlink_to(target)
+    assert not probe_matches(str(link), token, tmp_path)
 
 
 def test_a_generator_maps_only_a_segment_of_its_own_user_that_no_one_else_can_write(tmp_path, monkeypatch):

@@ -5,12 +5,14 @@
 In flight: prompts not yet sampled + rollouts not yet scored + scored groups not yet read (the three streams'
 backlogs) + groups read but not yet trained (the collector's buffer). Each prompt is published in one
 MULTI/EXEC with the feeder's new position, so a restarted learner resumes exactly after the last admitted
-prompt. Every measurement first checks that Redis still holds the run (:class:`RedisStateLost`).
+prompt. Every measurement first checks that Redis still holds the run (:class:`RedisStateLost`), and every
+``TRIM_EVERY_S`` trims what every group has finished from the pipeline's streams.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -21,10 +23,11 @@ from shared.codec import encode
 from shared.config.learner import LearnerSettings
 from shared.keys import Keys
 from shared.redis_conn import RedisRetry
-from shared.streams import StreamProducer, group_backlog
+from shared.streams import StreamProducer, group_backlog, trim_processed
 
 FEEDER_POSITION = b"feeder_position"
 RUNTIME = b"runtime"  # written into ``learner_state`` at start; its absence means Redis lost the run's state
+TRIM_EVERY_S = 5.0  # trimming reads every group's pending entries: not on every measurement
 
 
 class RedisStateLost(RuntimeError):
@@ -56,12 +59,25 @@ class Admission:
         self.counters, self.redis, self.version = counters, redis, version
         self.prompts = StreamProducer(client, keys.prompts)
         self.in_flight = 0  # at the last measurement, plus what was admitted since
+        self.next_trim_at = 0.0
+
+    async def trim_streams(self) -> int:
+        """Trim, from each stream of the pipeline, the entries every group has finished (``XTRIM MINID``): the
+        learner is the one user allowed to (:mod:`shared.redis_acl`), so no producer can cut what its consumers
+        have not read. Returns how many entries went."""
+        self.next_trim_at = time.monotonic() + TRIM_EVERY_S
+        keys = self.keys
+        return sum(
+            [await trim_processed(self.client, s) for s in (keys.prompts, keys.rollouts, keys.scored, keys.evaluated)]
+        )
 
     async def measure_in_flight(self, buffered: int) -> int:
         """The groups in flight: the streams' backlogs plus ``buffered`` (read, not yet trained)."""
 
         async def measure() -> int:
             await self.check_redis_state()
+            if time.monotonic() >= self.next_trim_at:
+                await self.trim_streams()
             prompts = await group_backlog(self.client, self.keys.prompts, Keys.GENERATORS)
             rollouts = await group_backlog(self.client, self.keys.rollouts, Keys.SCORERS)
             scored = await group_backlog(self.client, self.keys.scored, Keys.LEARNER, include_pending=False)

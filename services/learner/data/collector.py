@@ -94,7 +94,7 @@ class BatchCollector:
         self.drained = False  # every epoch admitted and every group in flight back (see collect)
 
     async def _accept(self, delivery: Delivery) -> None:
-        group = await decode_or_reject(self.consumer, self.redis, delivery, ScoredGroup, "a group")
+        group = await decode_or_reject(self.consumer, self.redis, delivery, ScoredGroup, "a group", self.settings)
         if group is None:
             self.counters.rejected()
             return

@@ -25,9 +25,11 @@ class Counters:
     groups_from_lost_versions: int = 0
     groups_already_trained: int = 0
     groups_rejected: int = 0
+    groups_nonfinite: int = 0  # groups of a batch none of whose optimizer steps was applied (not finite)
     weight_pushes: int = 0
     weight_push_failures: int = 0
     input_tokens_seen: int = 0  # prompt + completion tokens of every trained completion (TRL's num_tokens)
+    nonfinite_steps: int = 0  # optimizer steps not applied: their loss or gradient norm was not finite
 
     @classmethod
     def restore(cls, saved: Mapping[str, float]) -> Counters:
@@ -37,6 +39,17 @@ class Counters:
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+    def figures(self) -> dict[str, float]:
+        """The counts as a step record writes them: ``counters/<name>``, and ``train/nonfinite_steps``."""
+        counts = self.as_dict()
+        nonfinite = counts.pop("nonfinite_steps")
+        return {**{f"counters/{name}": float(n) for name, n in counts.items()}, "train/nonfinite_steps": nonfinite}
+
+    def skipped_steps(self, steps: int, groups: int) -> None:
+        """``steps`` optimizer steps not applied; ``groups``: the batch's, when none of its steps was."""
+        self.nonfinite_steps += steps
+        self.groups_nonfinite += groups
 
     def admitted(self, groups: int) -> None:
         self.groups_admitted += groups

@@ -58,6 +58,7 @@ from services.scorer.rewards.columns import (
     unaccepted_keywords_message,
 )
 from services.scorer.rewards.threads import RewardThreads, RewardTimeoutError
+from shared.redaction import redact, redacted_error
 from shared.resilience import CircuitBreaker, CircuitOpenError
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ _NOT_USER_CODE = _SCORER_CODE + tuple(
 # What Python's TypeError says when a call's keywords do not fit the function's parameters.
 _UNEXPECTED_KEYWORD = re.compile(r"got an unexpected keyword argument '(\w+)'")
 _MISSING_ARGUMENTS = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (.+)$")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # a reward past it is inf once on the wire
 
 
 class RewardError(RuntimeError):
@@ -228,6 +230,8 @@ def validate_rewards(name: str, values: Any, expected: int) -> list[float]:
             number = float(value)
             if math.isinf(number):
                 raise RewardError(f"{name} returned an infinite reward")
+            if abs(number) > _FLOAT32_MAX:
+                raise RewardError(f"{name} returned {number:.6g}, beyond float32 (the wire's rewards), where it is inf")
             out.append(number)
         else:
             raise RewardError(f"{name} returned a {type(value).__name__} among its rewards")
@@ -359,14 +363,14 @@ def failure_detail(exc: BaseException, source: str | None = None) -> str:
     raised it (:func:`user_frame`; ``source``: the function's file), e.g. ``ValueError: x (at my_rewards.py:12
     in accuracy)``."""
     if isinstance(exc, RewardError):
-        return str(exc)
+        return redact(str(exc))
     if isinstance(exc, RewardTimeoutError):
-        return f"{type(exc).__name__}: {exc}"  # where the call was abandoned says nothing
+        return redacted_error(exc)  # where the call was abandoned says nothing
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip() or type(exc).__name__
     frame = user_frame(traceback.extract_tb(exc.__traceback__), source)
     if frame is not None:
         text += f" (at {Path(frame.filename).name}:{frame.lineno} in {frame.name})"
-    return text
+    return redact(text)
 
 
 def user_frame(frames: Sequence[traceback.FrameSummary], source: str | None) -> traceback.FrameSummary | None:
