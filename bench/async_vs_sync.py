@@ -70,6 +70,7 @@ GENERATOR_CORE, LEARNER_CORE = 0, 1
 def _config(tmp: Path, model: Path, mode: str, steps: int, groups: int, context: int, in_flight: str) -> Path:
     document = {
         "launcher": {
+            "redis_allow_no_auth": True,  # the bench's own Redis on loopback, or the one --unpinned-rest names
             "generators": 1,
             "generator_cpus": [str(GENERATOR_CORE)],
             "learner_cpus": str(LEARNER_CORE),

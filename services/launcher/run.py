@@ -18,8 +18,9 @@ Before Redis or any service starts:
 * the file is copied into the run directory (:mod:`services.launcher.run_config`: ``config.toml``, with the
   folders its relative names resolve against), and every service reads that copy.
 
-Then Redis (the one at ``$REDIS_URL`` if it answers, else one started here for the run, with one ACL user per
-service: :func:`~services.launcher.local_redis.redis_for_run`), and the
+Then Redis (the one ``$REDIS_URL`` names, if it answers: refused without a password unless ``[launcher]
+redis_allow_no_auth``; else one started here for the run, with a password and one ACL user per service:
+:func:`~services.launcher.local_redis.redis_for_run`), and the
 :class:`~services.launcher.supervisor.Supervisor` runs the services to the learner's end, every one bound to
 127.0.0.1.
 """
@@ -34,12 +35,12 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from services.launcher.local_redis import redis_for_run
+from services.launcher.local_redis import RedisServer, RedisWithoutAuth, redis_for_run
 from services.launcher.preflight import Problem, isolated_preflight
 from services.launcher.prepare_model import prepare_smollm2
 from services.launcher.run_config import Overrides, write_run_config
 from services.launcher.supervisor import Supervisor
-from shared.config.launcher import MODEL_PLACEHOLDERS
+from shared.config.launcher import MODEL_PLACEHOLDERS, LauncherSettings
 from shared.config.learner import LearnerSettings
 from shared.config.pipeline import PipelineConfig, launch_or_exit
 from shared.runs import ResumeRefused, checkpoint_to_resume, run_identity
@@ -86,13 +87,22 @@ def run(
         Path(learner.log_dir) / "metrics.jsonl",
         log_dir,
     )
-    redis_urls, redis_server = redis_for_run(env["STREAM_PREFIX"])
+    redis_urls, redis_server = _redis(env["STREAM_PREFIX"], pipeline.launcher)
     env.update(redis_urls)
     try:
         return _supervise(Supervisor(run_config, env, pipeline.launcher, learner, log_dir))
     finally:
         if redis_server is not None:
             redis_server.stop()
+
+
+def _redis(prefix: str, launcher: LauncherSettings) -> tuple[dict[str, str], RedisServer | None]:
+    """The run's Redis (:func:`~services.launcher.local_redis.redis_for_run`); a named one without a password
+    is refused (exit status 2) unless ``[launcher] redis_allow_no_auth``."""
+    try:
+        return redis_for_run(prefix, allow_no_auth=launcher.redis_allow_no_auth)
+    except RedisWithoutAuth as exc:
+        refuse(str(exc))
 
 
 def _named(learner: LearnerSettings, overrides: Overrides | None) -> dict[str, Any]:

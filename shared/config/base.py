@@ -19,12 +19,14 @@ import tomllib
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic.config import JsonDict
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from shared.redaction import redact
 
 CONFIG_ENV = "ASYNCGRPO_CONFIG"
 COMMON_TABLE = "common"
@@ -209,15 +211,8 @@ def token_problem(token: str, name: str) -> str | None:
 
 
 def mask_url(url: str) -> str:
-    """``redis://:secret@host/0`` -> ``redis://:***@host/0``."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    """``redis://:secret@host/0`` -> ``redis://:***@host/0``: :func:`shared.redaction.redact`, the one redaction."""
+    return redact(url)
 
 
 def _mask(data: Any, model: Any) -> Any:

@@ -269,12 +269,7 @@ class StreamConsumer:
             log.warning("read again %d entries of %s a failed read left with %s", len(raw), self.stream, self.consumer)
         elif source == "claimed":
             self.stats.claimed += len(raw)
-            log.info(
-                "claimed %d entries of %s idle past claim_idle_ms (a consumer died holding them, or released them "
-                "for a retry)",
-                len(raw),
-                self.stream,
-            )
+            log.info("claimed %d entries of %s idle past claim_idle_ms (dead holder, or let go)", len(raw), self.stream)
         counts = await self._reader.delivery_counts([entry_id for entry_id, _ in raw]) if source != "new" else {}
         deliveries = []
         for entry_id, fields in raw:

@@ -58,6 +58,7 @@ def _config(tmp: Path, model: Path, environment: str) -> Path:
 [launcher]
 generators = 1
 generator_cpus = ["0"]
+redis_allow_no_auth = true  # the test's Redis, on loopback
 
 [generator]
 model = "{model}"

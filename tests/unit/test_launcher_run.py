@@ -58,7 +58,7 @@ def no_processes(monkeypatch, tmp_path):
     model.mkdir()
     (model / "config.json").write_text("{}")
     monkeypatch.setattr(run_module, "prepare_smollm2", lambda cache=None: model)
-    monkeypatch.setattr(run_module, "redis_for_run", lambda prefix: ({"REDIS_URL": "redis://127.0.0.1:1/0"}, None))
+    monkeypatch.setattr(run_module, "redis_for_run", lambda prefix, **_: ({"REDIS_URL": "redis://127.0.0.1:1/0"}, None))
     monkeypatch.setattr(run_module, "Supervisor", _FakeSupervisor)
     _FakeSupervisor.made.clear()
     return model
