@@ -4,7 +4,6 @@ overflow in the forward does): those steps are never applied, their groups are l
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -17,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from services.learner.nonfinite import MAX_NONFINITE_STEPS_IN_A_ROW, NonFiniteTraining
 from services.learner.startup import build_learner
 from tests.integration.test_learner import _batches, _settings
-from tests.support.fake_pipeline import run_fake_pipeline
+from tests.support.fake_pipeline import run_loop_to_end
 from tests.support.tiny_model import build_tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -64,14 +63,7 @@ async def _run(settings, redis_client, keys, poisoned_calls: set[int], seen: lis
         snapshots = _poison(loop, poisoned_calls)
         if seen is not None:
             seen.extend((loop, snapshots))
-        stop = asyncio.Event()
-        fake = asyncio.create_task(run_fake_pipeline(redis_client, keys, stop))
-        try:
-            await asyncio.wait_for(loop.run(stop, resumed=False), timeout=300)
-        finally:
-            stop.set()
-            await fake
-            loop.sink.close()
+        await run_loop_to_end(loop, redis_client, keys)
     return loop, snapshots
 
 

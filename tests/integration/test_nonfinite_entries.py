@@ -5,7 +5,6 @@ numbers at admission. Valid groups around them are scored and trained as usual."
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import httpx
@@ -22,7 +21,7 @@ from shared.streams import StreamProducer
 from tests.integration.test_learner import _settings
 from tests.integration.test_reward_outages import _feed, _score_in_process
 from tests.support.factories import make_rollout, make_scored, make_task
-from tests.support.fake_pipeline import run_fake_pipeline
+from tests.support.fake_pipeline import run_loop_to_end
 from tests.support.tiny_model import build_tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -102,14 +101,7 @@ async def test_the_learner_dead_letters_scored_groups_with_non_finite_numbers_at
         await loop.consumer.start()
         poisoned = [_poisoned_group(seed) for seed in (1, 2)]
         await StreamProducer(redis_client, keys.scored).add_many([(g.group_id, encode(g)) for g, _ in poisoned])
-        stop = asyncio.Event()
-        fake = asyncio.create_task(run_fake_pipeline(redis_client, keys, stop))
-        try:
-            await asyncio.wait_for(loop.run(stop, resumed=False), timeout=300)
-        finally:
-            stop.set()
-            await fake
-            loop.sink.close()
+        await run_loop_to_end(loop, redis_client, keys)
     dead = {f[b"id"].decode(): f[b"reason"].decode() for _, f in await redis_client.xrange(keys.dead_letter)}
     assert set(dead) == {g.group_id for g, _ in poisoned}
     for group, named in poisoned:

@@ -76,3 +76,16 @@ async def run_fake_pipeline(
             group = scored_group_for(task, version)
             stream = scored if task.eval_step is None else evaluated
             await consumer.commit(delivery, [Output(stream, group.group_id, encode(group))])
+
+
+async def run_loop_to_end(loop, redis_client, keys: Keys, timeout_s: float = 300) -> None:
+    """Run a built learner ``loop`` to its end against :func:`run_fake_pipeline`, then stop the fake and close
+    the loop's metrics sink, whatever happened."""
+    stop = asyncio.Event()
+    fake = asyncio.create_task(run_fake_pipeline(redis_client, keys, stop))
+    try:
+        await asyncio.wait_for(loop.run(stop, resumed=False), timeout=timeout_s)
+    finally:
+        stop.set()
+        await fake
+        loop.sink.close()
