@@ -32,6 +32,7 @@ RUN --mount=type=secret,id=pipconf --mount=type=secret,id=cacert \
 COPY shared ./shared
 COPY services ./services
 COPY weight_sync ./weight_sync
+COPY environments ./environments
 # The services run as a user of their own (uid 10001), never root: they need no privilege. The directories
 # compose mounts its named volumes at are that user's here, so new volumes start out writable by it; a volume an
 # older, root image made keeps root's files: give them over once with

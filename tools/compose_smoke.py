@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -84,7 +85,7 @@ class Smoke:
         self.model = Path(os.environ.get("MODEL_DIR", Path.home() / ".cache/asyncgrpo/smollm2-135m-instruct"))
         if not (self.model / "config.json").is_file():
             raise SmokeFailed(f"MODEL_DIR={self.model} holds no model: run `asyncgrpo prepare-model` or set MODEL_DIR")
-        self.env = {**os.environ, **{name: secrets.token_hex(24) for name in SECRETS}, "MODEL_DIR": str(self.model)}
+        self.env = {**os.environ, **{name: secrets.token_hex(24) for name in SECRETS}}
         self.env["REDIS_IMAGE"] = "redis:7.2" if os.environ.get("SMOKE_BASES") == "public" else LOCAL_REDIS
         self.pip_server: subprocess.Popen[bytes] | None = None
         self.phases: list[tuple[str, float]] = []
@@ -128,7 +129,18 @@ class Smoke:
         options = ["--network=host", *pip_secrets, *build_args, "-f", dockerfile, "-t", tag]
         sh(self.docker, "build", *options, str(ROOT), env=env)
 
+    def model_copy(self) -> None:
+        """MODEL_DIR copied into the work folder, readable by the services' uid 10001 (a model directory only
+        root may read fails every service's start: the containers never run as root)."""
+        copy = self.work / "model"
+        shutil.copytree(self.model, copy)
+        for path in [copy, *copy.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        self.work.chmod(0o755)
+        self.env["MODEL_DIR"] = str(copy)
+
     def up(self) -> None:
+        self.model_copy()
         resolved = sh(*self.compose, "-f", "docker-compose.yml", "-f", "deploy/cpu.yml", "config", env=self.cwd_env())
         self.file = self.work / "compose.yml"  # holds the run's passwords: the work folder is the user's only
         self.file.write_text(yaml.safe_dump(without_gpu_reservations(yaml.safe_load(resolved))))
@@ -206,7 +218,10 @@ class Smoke:
 
     def wait(self, done, what: str, deadline: float) -> None:
         while not done():
-            if self.learner_state()["Status"] == "exited" and what != "the learner's exit":
+            state = self.learner_state()
+            if state["Restarting"] or self.inspect(self.containers("learner")[0])["RestartCount"]:
+                raise SmokeFailed(f"the learner failed (exit {state['ExitCode']}) and was restarted, before {what}")
+            if state["Status"] == "exited" and what != "the learner's exit":
                 raise SmokeFailed(f"the learner exited ({self.learner_state()['ExitCode']}) before {what}")
             if time.monotonic() > deadline:
                 raise SmokeFailed(f"no {what} within the time limit (SMOKE_TIMEOUT_S)")
@@ -305,8 +320,13 @@ print(json.dumps({
 """
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SmokeFailed(f"stopped by signal {signum}")
+
+
 def main() -> int:
     os.chdir(ROOT)
+    signal.signal(signal.SIGTERM, _terminated)
     with tempfile.TemporaryDirectory(prefix="asyncgrpo-smoke-") as work:
         smoke = None
         try:
@@ -327,6 +347,10 @@ def main() -> int:
                 smoke.report_failure()
                 smoke.down()
             return 1
+        except BaseException:
+            if smoke:
+                smoke.down()
+            raise
         smoke.phase("down", smoke.down)
         print("compose smoke passed: " + ", ".join(f"{name} {seconds:.0f} s" for name, seconds in smoke.phases))
         return 0

@@ -1,0 +1,81 @@
+"""What a built image holds, checked inside it (no GPU needed).
+
+    docker run --rm -i --entrypoint python IMAGE - --expect cuda < deploy/image_check.py
+
+Imports torch, vLLM and every module of services/, shared/, weight_sync/ and environments/ (an image missing a file or a
+package fails here, not at a user's first start), and prints the versions the learner and each generator
+compare before a weight push (weight_sync.plan.version_mismatches: torch, NCCL, vLLM) with the build each
+comes in. --expect cuda (the GPU image) fails unless torch and vLLM are their CUDA builds; --expect cpu, unless
+they are the CPU builds. Nothing is put on a device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pkgutil
+import sys
+
+PACKAGES = ("shared", "services", "weight_sync", "environments")
+
+
+def import_all() -> list[str]:
+    """Imports every module of PACKAGES; the names imported."""
+    names = []
+    for package in PACKAGES:
+        root = importlib.import_module(package)
+        names.append(package)
+        for module in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
+            importlib.import_module(module.name)
+            names.append(module.name)
+    return names
+
+
+def builds() -> dict[str, object]:
+    """The versions weight pushes compare, and the builds of torch and vLLM."""
+    import torch
+    import vllm
+
+    from weight_sync.protocol import nccl_version, vllm_version
+
+    cuda = torch.version.cuda
+    return {
+        "python": sys.version.split()[0],
+        "torch": str(torch.__version__),
+        "torch_cuda": cuda,
+        "nccl": nccl_version(torch.device("cuda")) if cuda else None,  # no device is opened to read it
+        "vllm": vllm_version(),
+        "vllm_module": vllm.__version__,
+        "vllm_cuda_ops": _has_cuda_ops(),
+    }
+
+
+def _has_cuda_ops() -> bool:
+    """Whether vLLM's compiled CUDA kernels are in the image (the CUDA build ships vllm/_C.abi3.so linked to
+    libcudart; the CPU build ships its CPU kernels instead)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm._C")
+    if spec is None or spec.origin is None:
+        return False
+    with open(spec.origin, "rb") as library:
+        return b"libcudart" in library.read()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--expect", choices=["cuda", "cpu"], required=True)
+    args = parser.parse_args()
+    found = builds()
+    found["modules_imported"] = len(import_all())
+    print(json.dumps(found))
+    cuda = bool(found["torch_cuda"]) and bool(found["vllm_cuda_ops"]) and found["nccl"] is not None
+    if (args.expect == "cuda") != cuda:
+        print(f"image_check: expected the {args.expect} builds of torch and vLLM, found {found}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
