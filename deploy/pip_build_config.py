@@ -97,10 +97,14 @@ def build_config(settings: dict[str, str], out: Path, port: int) -> list[str]:
     return lines
 
 
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """pip fetches hundreds of pages in a build: no line for each."""
+
+
 def serve_forever(out: Path, port: int) -> None:
     """Serves OUT/serve/ on 127.0.0.1:PORT (the host's local indexes, for a build on the host network)."""
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(out / "serve"))
-    handler.log_message = lambda *args: None  # type: ignore[method-assign]
+    handler = functools.partial(_QuietHandler, directory=str(out / "serve"))
     with http.server.ThreadingHTTPServer(("127.0.0.1", port), handler) as server:
         server.serve_forever()
 
