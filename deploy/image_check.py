@@ -48,7 +48,18 @@ def builds() -> dict[str, object]:
         "vllm": vllm_version(),
         "vllm_module": vllm.__version__,
         "vllm_cuda_ops": _has_cuda_ops(),
+        "vllm_ops_load": _ops_load(),
     }
+
+
+def _ops_load() -> str:
+    """Whether vLLM's compiled kernels load: "yes", or the error (a library the image lacks). The CUDA build's
+    need the NVIDIA driver's libcuda, which only a GPU machine has."""
+    try:
+        importlib.import_module("vllm._C")
+    except ImportError as error:
+        return str(error)
+    return "yes"
 
 
 def _has_cuda_ops() -> bool:
@@ -71,6 +82,9 @@ def main() -> int:
     found["modules_imported"] = len(import_all())
     print(json.dumps(found))
     cuda = bool(found["torch_cuda"]) and bool(found["vllm_cuda_ops"]) and found["nccl"] is not None
+    if args.expect == "cpu" and found["vllm_ops_load"] != "yes":
+        print(f"image_check: vLLM's CPU kernels do not load: {found['vllm_ops_load']}", file=sys.stderr)
+        return 1
     if (args.expect == "cuda") != cuda:
         print(f"image_check: expected the {args.expect} builds of torch and vLLM, found {found}", file=sys.stderr)
         return 1

@@ -39,6 +39,7 @@ RUN_NAME = "compose-cpu"  # configs/compose-cpu.toml's run_name and max_steps
 MAX_STEPS, GROUPS_PER_STEP = 8, 2
 KILL_AT_STEP = 3
 PIP_PORT = 8765
+CPU_LOCKS = "requirements/torch-cpu.txt requirements/cpu.txt"  # deploy/cpu.yml's build arguments
 SECRETS = ("API_TOKEN", "REDIS_PASSWORD", "REDIS_GENERATOR_PASSWORD", "REDIS_SCORER_PASSWORD")
 SECRETS += ("REDIS_LEARNER_PASSWORD", "PLUGIN_TOKEN")
 
@@ -89,6 +90,7 @@ class Smoke:
         self.env["REDIS_IMAGE"] = "redis:7.2" if os.environ.get("SMOKE_BASES") == "public" else LOCAL_REDIS
         self.pip_server: subprocess.Popen[bytes] | None = None
         self.phases: list[tuple[str, float]] = []
+        self.killed: set[str] = set()
 
     # Phases ------------------------------------------------------------------------------------------------
     def phase(self, name: str, action) -> None:
@@ -116,7 +118,7 @@ class Smoke:
         public = os.environ.get("SMOKE_BASES") == "public"
         python_311 = None if public else LOCAL_PYTHON
         self.build("deploy/scorer.Dockerfile", SCORER_IMAGE, python_311, {"TORCH_INDEX": torch_index}, secret)
-        cpu = {"TORCH_INDEX": torch_index, "LOCKS": "requirements/torch-cpu.txt requirements/cpu.txt"}
+        cpu = {"TORCH_INDEX": torch_index, "LOCKS": CPU_LOCKS, "APT_PACKAGES": "libnuma1"}
         if public:  # the scorer image's pinned Python 3.11 (the CPU lock's)
             cpu["BASE_IMAGE"] = scorer_base()
         self.build("deploy/gpu.Dockerfile", CPU_IMAGE, python_311, cpu, secret)
@@ -138,6 +140,19 @@ class Smoke:
             path.chmod(0o755 if path.is_dir() else 0o644)
         self.work.chmod(0o755)
         self.env["MODEL_DIR"] = str(copy)
+
+    def check_images(self) -> None:
+        """Inside each image: every module imports and torch/vLLM are the CPU builds (deploy/image_check.py);
+        no index setting or host certificate in its history or files (tools/image_leaks.py)."""
+        with open(ROOT / "deploy/image_check.py") as check:
+            command = ["docker", "run", "--rm", "-i", "--entrypoint", "python", CPU_IMAGE, "-", "--expect", "cpu"]
+            result = subprocess.run(command, stdin=check, capture_output=True, text=True, check=False)
+        must(result.returncode == 0, f"the import check failed in {CPU_IMAGE}:\n{result.stderr[-3000:]}")
+        print(f"   {CPU_IMAGE}: {result.stdout.strip().splitlines()[-1]}")
+        leaks = subprocess.run(
+            [sys.executable, str(ROOT / "tools/image_leaks.py"), SCORER_IMAGE, CPU_IMAGE], check=False
+        )
+        must(leaks.returncode == 0, "an image holds this machine's index settings or certificates (above)")
 
     def up(self) -> None:
         self.model_copy()
@@ -170,6 +185,7 @@ class Smoke:
         deadline = time.monotonic() + limit
         self.wait(lambda: self.step() >= KILL_AT_STEP, f"step {KILL_AT_STEP}", deadline)
         generator, scorer = self.containers("generator")[0], self.containers("scorer")[0]
+        self.killed |= {generator, scorer}
         sh("docker", "kill", generator, scorer)
         print(f"   docker kill one generator and the scorer at step {self.step()}", flush=True)
         time.sleep(5)
@@ -218,14 +234,22 @@ class Smoke:
 
     def wait(self, done, what: str, deadline: float) -> None:
         while not done():
+            self.no_restarts()
             state = self.learner_state()
-            if state["Restarting"] or self.inspect(self.containers("learner")[0])["RestartCount"]:
-                raise SmokeFailed(f"the learner failed (exit {state['ExitCode']}) and was restarted, before {what}")
             if state["Status"] == "exited" and what != "the learner's exit":
                 raise SmokeFailed(f"the learner exited ({self.learner_state()['ExitCode']}) before {what}")
             if time.monotonic() > deadline:
                 raise SmokeFailed(f"no {what} within the time limit (SMOKE_TIMEOUT_S)")
             time.sleep(5)
+
+    def no_restarts(self) -> None:
+        """SmokeFailed if a container the smoke did not kill failed and was restarted."""
+        for service in ("redis", "reward-plugin", "generator", "scorer", "learner"):
+            for container in self.containers(service):
+                info = self.inspect(container)
+                if container not in self.killed and (info["RestartCount"] or info["State"]["Restarting"]):
+                    code = info["State"]["ExitCode"]
+                    raise SmokeFailed(f"{service} {container[:12]} failed (exit {code}) and was restarted")
 
     def probe(self, code: str, *, volumes: bool = False) -> str:
         """Runs Python in a throw-away scorer container on the run's network (Redis as its administrator)."""
@@ -335,6 +359,7 @@ def main() -> int:
                 ("engine", smoke.engine),
                 ("bases", smoke.bases),
                 ("images", smoke.images),
+                ("images checked", smoke.check_images),
                 ("up", smoke.up),
                 ("least privilege", smoke.least_privilege),
                 ("train, kill, restart", smoke.train_with_kills),

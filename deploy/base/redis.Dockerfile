@@ -9,6 +9,8 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && mkdir -p /data && chown redis:redis /data
 WORKDIR /data
+# Debian's redis user (its uid is the one the package made)
+# hadolint ignore=DL3066
 USER redis
 EXPOSE 6379
 CMD ["redis-server"]
