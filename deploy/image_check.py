@@ -6,7 +6,8 @@ Imports torch, vLLM and every module of services/, shared/, weight_sync/ and env
 package fails here, not at a user's first start), and prints the versions the learner and each generator
 compare before a weight push (weight_sync.plan.version_mismatches: torch, NCCL, vLLM) with the build each
 comes in. --expect cuda (the GPU image) fails unless torch and vLLM are their CUDA builds; --expect cpu, unless
-they are the CPU builds. Nothing is put on a device.
+they are the CPU builds, vLLM's CPU kernels load and torch.compile works (a C++
+compiler: vLLM's CPU sampling needs it). Nothing is put on a device.
 """
 
 from __future__ import annotations
@@ -74,6 +75,18 @@ def _has_cuda_ops() -> bool:
         return b"libcudart" in library.read()
 
 
+def _inductor_compiles() -> str:
+    """Whether torch.compile works on the CPU ("yes", or the error): vLLM's CPU sampler is compiled with it even
+    in eager mode, and inductor needs a C++ compiler."""
+    import torch
+
+    try:
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(4))
+    except Exception as error:  # inductor raises many kinds; the message says which
+        return f"{type(error).__name__}: {str(error)[:300]}"
+    return "yes"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--expect", choices=["cuda", "cpu"], required=True)
@@ -85,6 +98,14 @@ def main() -> int:
     if args.expect == "cpu" and found["vllm_ops_load"] != "yes":
         print(f"image_check: vLLM's CPU kernels do not load: {found['vllm_ops_load']}", file=sys.stderr)
         return 1
+    if args.expect == "cpu":
+        compiled = _inductor_compiles()
+        if compiled != "yes":
+            print(
+                f"image_check: torch's inductor cannot compile here (vLLM's CPU sampling needs it): {compiled}",
+                file=sys.stderr,
+            )
+            return 1
     if (args.expect == "cuda") != cuda:
         print(f"image_check: expected the {args.expect} builds of torch and vLLM, found {found}", file=sys.stderr)
         return 1

@@ -40,6 +40,7 @@ MAX_STEPS, GROUPS_PER_STEP = 8, 2
 KILL_AT_STEP = 3
 PIP_PORT = 8765
 CPU_LOCKS = "requirements/torch-cpu.txt requirements/cpu.txt"  # deploy/cpu.yml's build arguments
+CPU_APT_PACKAGES = "libnuma1 g++"
 SECRETS = ("API_TOKEN", "REDIS_PASSWORD", "REDIS_GENERATOR_PASSWORD", "REDIS_SCORER_PASSWORD")
 SECRETS += ("REDIS_LEARNER_PASSWORD", "PLUGIN_TOKEN")
 
@@ -118,7 +119,7 @@ class Smoke:
         public = os.environ.get("SMOKE_BASES") == "public"
         python_311 = None if public else LOCAL_PYTHON
         self.build("deploy/scorer.Dockerfile", SCORER_IMAGE, python_311, {"TORCH_INDEX": torch_index}, secret)
-        cpu = {"TORCH_INDEX": torch_index, "LOCKS": CPU_LOCKS, "APT_PACKAGES": "libnuma1"}
+        cpu = {"TORCH_INDEX": torch_index, "LOCKS": CPU_LOCKS, "APT_PACKAGES": CPU_APT_PACKAGES}
         if public:  # the scorer image's pinned Python 3.11 (the CPU lock's)
             cpu["BASE_IMAGE"] = scorer_base()
         self.build("deploy/gpu.Dockerfile", CPU_IMAGE, python_311, cpu, secret)
