@@ -17,6 +17,7 @@ import importlib
 import json
 import pkgutil
 import sys
+from pathlib import Path
 
 PACKAGES = ("shared", "services", "weight_sync", "environments")
 
@@ -53,26 +54,32 @@ def builds() -> dict[str, object]:
     }
 
 
-def _ops_load() -> str:
-    """Whether vLLM's compiled kernels load: "yes", or the error (a library the image lacks). The CUDA build's
-    need the NVIDIA driver's libcuda, which only a GPU machine has."""
-    try:
-        importlib.import_module("vllm._C")
-    except ImportError as error:
-        return str(error)
-    return "yes"
+def _kernel_modules() -> dict[str, Path]:
+    """vLLM's compiled kernel libraries by module name: ``vllm._C`` in the CPU build, ``vllm._C_stable_libtorch``
+    (and others) in the CUDA build."""
+    import vllm
+
+    root = Path(vllm.__file__).parent
+    return {f"vllm.{path.name.split('.')[0]}": path for path in sorted(root.glob("_C*.so"))}
 
 
 def _has_cuda_ops() -> bool:
-    """Whether vLLM's compiled CUDA kernels are in the image (the CUDA build ships vllm/_C.abi3.so linked to
-    libcudart; the CPU build ships its CPU kernels instead)."""
-    import importlib.util
+    """Whether vLLM's kernels are its CUDA build's (linked to libcudart; the CPU build's are not)."""
+    return any(b"libcudart" in path.read_bytes() for path in _kernel_modules().values())
 
-    spec = importlib.util.find_spec("vllm._C")
-    if spec is None or spec.origin is None:
-        return False
-    with open(spec.origin, "rb") as library:
-        return b"libcudart" in library.read()
+
+def _ops_load() -> str:
+    """Whether vLLM's kernel libraries load: "yes", or the first error (a library the image lacks). The CUDA
+    build's need the NVIDIA driver's libcuda, which only a GPU machine has."""
+    modules = _kernel_modules()
+    if not modules:
+        return "no kernel library in the vllm package"
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            return f"{name}: {error}"
+    return "yes"
 
 
 def _inductor_compiles() -> str:

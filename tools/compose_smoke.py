@@ -249,8 +249,8 @@ class Smoke:
             for container in self.containers(service):
                 info = self.inspect(container)
                 if container not in self.killed and (info["RestartCount"] or info["State"]["Restarting"]):
-                    code = info["State"]["ExitCode"]
-                    raise SmokeFailed(f"{service} {container[:12]} failed (exit {code}) and was restarted")
+                    count = info["RestartCount"]
+                    raise SmokeFailed(f"{service} {container[:12]} stopped and was restarted by its policy ({count}x)")
 
     def probe(self, code: str, *, volumes: bool = False) -> str:
         """Runs Python in a throw-away scorer container on the run's network (Redis as its administrator)."""
