@@ -54,31 +54,39 @@ def builds() -> dict[str, object]:
     }
 
 
-def _kernel_modules() -> dict[str, Path]:
-    """vLLM's compiled kernel libraries by module name: ``vllm._C`` in the CPU build, ``vllm._C_stable_libtorch``
-    (and others) in the CUDA build."""
+_KERNELS = ("_C", "_C_stable_libtorch")  # vLLM's main kernel library: the CPU build's, the CUDA build's
+
+
+def _kernel_library() -> tuple[str, Path] | None:
+    """vLLM's main kernel library (module name, file), the first of _KERNELS the package holds. The CPU build
+    also ships one per instruction set (_C_AVX2, …), loaded only on CPUs that need it: importing one of those
+    where vLLM would not can crash the interpreter, so only the main one is loaded here."""
     import vllm
 
     root = Path(vllm.__file__).parent
-    return {f"vllm.{path.name.split('.')[0]}": path for path in sorted(root.glob("_C*.so"))}
+    for name in _KERNELS:
+        found = sorted(root.glob(f"{name}.*.so"))
+        if found:
+            return f"vllm.{name}", found[0]
+    return None
 
 
 def _has_cuda_ops() -> bool:
     """Whether vLLM's kernels are its CUDA build's (linked to libcudart; the CPU build's are not)."""
-    return any(b"libcudart" in path.read_bytes() for path in _kernel_modules().values())
+    library = _kernel_library()
+    return library is not None and b"libcudart" in library[1].read_bytes()
 
 
 def _ops_load() -> str:
-    """Whether vLLM's kernel libraries load: "yes", or the first error (a library the image lacks). The CUDA
-    build's need the NVIDIA driver's libcuda, which only a GPU machine has."""
-    modules = _kernel_modules()
-    if not modules:
-        return "no kernel library in the vllm package"
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError as error:
-            return f"{name}: {error}"
+    """Whether vLLM's main kernel library loads: "yes", or the error (a library the image lacks). The CUDA
+    build's needs the NVIDIA driver's libcuda, which only a GPU machine has."""
+    library = _kernel_library()
+    if library is None:
+        return f"none of {', '.join(_KERNELS)} in the vllm package"
+    try:
+        importlib.import_module(library[0])
+    except ImportError as error:
+        return f"{library[0]}: {error}"
     return "yes"
 
 
