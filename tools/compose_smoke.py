@@ -321,7 +321,8 @@ print(json.dumps({
 ACCOUNTING_PROBE = """
 import collections, json, os, pathlib, redis
 run = pathlib.Path("/checkpoints/RUN_NAME")
-last = max((p for p in run.glob("step-*") if p.name.split("-")[1].isdigit()), key=lambda p: int(p.name.split("-")[1]))
+steps = [p for p in (run / "checkpoints").glob("step-*") if p.name.split("-")[1].isdigit()]
+last = max(steps, key=lambda p: int(p.name.split("-")[1]))
 state = json.loads((last / "state.json").read_text())
 trained = collections.Counter(state["trained_group_ids"])
 drops_file = run / "dropped.jsonl"
