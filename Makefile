@@ -18,7 +18,7 @@ PYTHON_GPU ?= python3.12
 GPU_VENV ?= .venv-gpu
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-gpu compose-env lock lock-check check-fresh-setup test test-fast lint docs demo demo-tools bench bench-env bench-trl clean-venv
+.PHONY: setup setup-gpu compose-env local-bases compose-smoke ci-compose image-gpu lock lock-check check-fresh-setup test test-fast lint docs demo demo-tools bench bench-env bench-trl clean-venv
 
 setup: $(STAMP)
 
@@ -131,6 +131,36 @@ bench-env: .venv-bench/.installed
 
 bench-trl: $(STAMP) bench-env
 	$(BIN)/python bench/vs_trl.py
+
+# The stack users start, for real, on this CPU machine (no GPU, no venv: Docker and Debian's packages): the
+# engine if missing, the base images from Debian's archive, the images, `up --scale generator=2`, a short
+# training run with one generator and the scorer killed mid-run, its accounting and `down -v`
+# (tools/compose_smoke.py; docs/guides/development.md, "The compose smoke").
+COMPOSE_SMOKE_PYTHON ?= /usr/bin/python3
+
+local-bases:
+	deploy/engine.sh
+	deploy/local-base.sh
+
+compose-smoke:
+	deploy/engine.sh
+	$(COMPOSE_SMOKE_PYTHON) tools/compose_smoke.py
+
+# CI's own entry for the compose smoke (not in .ci/run: it would not fit CI's time with the suite).
+ci-compose: compose-smoke
+
+# The GPU image built here without a GPU (its wheels from the package index, requirements/gpu.txt), then checked
+# inside: vLLM's and torch's CUDA builds and every service module import, and it prints the versions a weight push
+# compares (deploy/image_check.py). Where no registry is reachable, its Python 3.12 base is made from a CPython
+# 3.12 built on this machine (PYTHON312_PREFIX; default: pyenv's newest 3.12). GPU_BASE_IMAGE=public builds on the
+# Dockerfile's pinned python:3.12 image instead.
+PYTHON312_PREFIX ?= $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12*)))
+GPU_BASE_IMAGE ?= local
+GPU_IMAGE ?= asyncgrpo-gpu:0.1.0
+
+image-gpu:
+	deploy/engine.sh
+	deploy/build-gpu-image.sh $(GPU_IMAGE) $(GPU_BASE_IMAGE) $(PYTHON312_PREFIX)
 
 clean-venv:
 	rm -rf $(VENV) $(COMPOSE_VENV)

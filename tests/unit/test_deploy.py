@@ -362,7 +362,7 @@ def test_k8s_configuration_is_valid_and_the_reward_plugin_takes_a_token(tmp_path
 
 
 def test_dockerfiles_pass_hadolint():
-    result = _run(str(BIN / "hadolint"), *sorted(str(p) for p in (ROOT / "deploy").glob("*.Dockerfile")))
+    result = _run(str(BIN / "hadolint"), *sorted(str(p) for p in (ROOT / "deploy").rglob("*.Dockerfile")))
     assert result.returncode == 0, result.stdout + result.stderr
 
 

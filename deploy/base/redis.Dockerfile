@@ -1,0 +1,16 @@
+# asyncgrpo-local/redis:7.0 (deploy/local-base.sh): Debian bookworm's redis-server 7.0, standing in for the
+# redis:7.2 image docker-compose.yml names by default where no registry is reachable. It runs as user redis
+# with its data in /data, as the official image does after its entry point drops root.
+ARG DEBIAN_IMAGE=asyncgrpo-local/debian:bookworm
+FROM ${DEBIAN_IMAGE}
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends redis-server redis-tools \
+    && rm -rf /var/lib/apt/lists/* \
+    && mkdir -p /data && chown redis:redis /data
+WORKDIR /data
+# Debian's redis user (its uid is the one the package made)
+# hadolint ignore=DL3066
+USER redis
+EXPOSE 6379
+CMD ["redis-server"]
