@@ -66,6 +66,15 @@ def _convert(gguf: Path, target: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
+    make_readable(staging)
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     log.info("SmolLM2-135M-Instruct ready at %s", target)
+
+
+def make_readable(directory: Path) -> None:
+    """Every file of ``directory`` readable by all (0644, the folder 0755): safetensors writes its file 0600, and
+    the model directory is mounted into containers whose services run as another user (uid 10001)."""
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o755 if path.is_dir() else 0o644)

@@ -215,3 +215,20 @@ def test_a_run_whose_learner_would_refuse_its_own_generators_is_refused_before_s
     config.write_text(text.replace("[learner]\n", '[learner]\nallowed_generator_hosts = ["10.0.0.0/8"]\n', 1))
     assert any("leaves out 127.0.0.1" in p for p in PipelineConfig.load(config).launch_problems())
     assert not any("127.0.0.1" in p for p in PipelineConfig.load(DEMO).launch_problems())
+
+
+def test_a_prepared_model_is_readable_by_the_containers_user(tmp_path):
+    """safetensors writes model.safetensors 0600; the compose services (uid 10001) must read MODEL_DIR."""
+    from services.launcher.prepare_model import make_readable
+
+    model = tmp_path / "smollm2"
+    model.mkdir(mode=0o700)
+    for name in ("model.safetensors", "config.json"):
+        (model / name).write_text("x")
+        (model / name).chmod(0o600)
+    make_readable(model)
+    assert {p.name: p.stat().st_mode & 0o777 for p in model.iterdir()} == {
+        "model.safetensors": 0o644,
+        "config.json": 0o644,
+    }
+    assert model.stat().st_mode & 0o777 == 0o755
