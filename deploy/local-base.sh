@@ -43,13 +43,13 @@ if ! have "$DEBIAN_IMAGE"; then
     rm -rf "$rootfs"
     echo "local-base.sh: $DEBIAN_IMAGE imported"
 fi
+# Built every time: Docker's layer cache makes an unchanged one instant, and a changed Dockerfile is never
+# answered by a stale image of the same tag.
 for pair in "python:$PYTHON_IMAGE" "redis:$REDIS_IMAGE"; do
     name=${pair%%:*} image=${pair#*:}
-    if ! have "$image"; then
-        "$DOCKER" build -q --build-arg DEBIAN_IMAGE="$DEBIAN_IMAGE" -t "$image" \
-            -f "$HERE/base/$name.Dockerfile" "$HERE/base" >/dev/null
-        echo "local-base.sh: $image built"
-    fi
+    "$DOCKER" build -q --build-arg DEBIAN_IMAGE="$DEBIAN_IMAGE" -t "$image" \
+        -f "$HERE/base/$name.Dockerfile" "$HERE/base" >/dev/null
+    echo "local-base.sh: $image built"
 done
 if [[ -n $python312 ]] && ! have asyncgrpo-local/python:3.12; then
     [[ -x $python312/bin/python3.12 ]] || { echo "local-base.sh: no $python312/bin/python3.12" >&2; exit 1; }
