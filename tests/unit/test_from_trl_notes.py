@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.launcher.from_trl import from_trl
-from services.launcher.translation import summary
+from services.launcher.interop.translation import summary
+from services.launcher.interop.trl import from_trl
 from services.learner.data.sources import split_problems
 from shared.config.data import DataSettings
 from tests.unit.test_translation import trl_defaults
