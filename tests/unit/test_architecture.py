@@ -6,12 +6,13 @@ Layers, lowest first (a module may import its own layer's package and the layers
 2. ``weight_sync``: both halves of the weight push (torch, vLLM imported lazily); imports ``shared`` and itself.
    ``environments``: both halves of the environment protocol (no torch, no vLLM); imports ``shared`` and itself.
    The two are separate packages of one layer: neither imports the other.
-3. ``services.generator``, ``services.scorer``, ``services.learner``, ``services.reward_plugin``: each imports
-   itself and ``shared`` only (services talk through the wire records, never through each other's code);
-   the generator and the learner, the two ends of a weight push, import ``weight_sync`` too; the generator and
-   the environment server, the two ends of the environment protocol, import ``environments``.
-4. ``services.launcher``: starts the services as processes; imports ``shared``, itself, and for its start-up
-   check (``services.launcher.preflight``) the scorer's reward loading and the learner's data reading.
+3. ``services.generator``, ``services.scorer``, ``services.learner``, ``services.reward_plugin``,
+   ``services.env_server`` and ``services.launcher``: each imports itself and ``shared`` only (services talk
+   through the wire records, never through each other's code; what two of them must do alike, such as reading
+   the data and importing reward functions for the learner, the scorer and the launcher's start-up check,
+   lives in ``shared``); the generator and the learner, the two ends of a weight push, import ``weight_sync``
+   too; the generator and the environment server, the two ends of the environment protocol, import
+   ``environments``.
 
 Every import counts, also one inside a function; only ``if TYPE_CHECKING:`` blocks are left out.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("generator", "scorer", "learner", "reward_plugin", "env_server")
+SERVICES = ("generator", "scorer", "learner", "reward_plugin", "env_server", "launcher")
 WEIGHT_SYNC_USERS = ("services.generator", "services.learner")  # the two ends of a weight push
 ENVIRONMENT_USERS = ("services.generator", "services.env_server")  # the two ends of the environment protocol
 MAX_MODULE_LINES = 500
@@ -115,8 +116,6 @@ def layer_of(module: str) -> tuple[int, str]:
         return 2, parts[0]
     if len(parts) > 1 and parts[1] in SERVICES:
         return 3, f"services.{parts[1]}"
-    if len(parts) > 1 and parts[1] == "launcher":
-        return 4, "services.launcher"
     return 0, module  # services/__init__.py: a namespace, imports nothing
 
 
@@ -134,6 +133,30 @@ def test_no_module_imports_a_layer_above_or_another_service():
             if target_layer > layer or (target_layer == layer and target_package != package):
                 wrong.append(f"{module} imports {target}")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_a_service_importing_another_is_found():
+    """The launcher's start-up check is a service like the others: importing the learner's code fails."""
+    assert layer_of("services.launcher.preflight") == layer_of("services.launcher.cli")
+    assert layer_of("services.launcher.preflight")[1] != layer_of("services.learner.data.feeder")[1]
+
+
+def _reached_from(package: str) -> set[str]:
+    """Every project module a module of ``package`` imports, directly or through others."""
+    seen = {module for module in GRAPH if module.startswith(package)}
+    todo = list(seen)
+    while todo:
+        for target in GRAPH[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+@pytest.mark.parametrize("service", ["services.scorer", "services.reward_plugin"])
+def test_the_scorer_image_never_imports_the_prompt_data(service):
+    """The scorer's image lacks ``datasets``, which ``shared.dataset`` needs to read a Hub or disk dataset."""
+    reached = sorted(module for module in _reached_from(service) if module.startswith("shared.dataset"))
+    assert not reached, reached
 
 
 def test_only_the_generator_and_the_learner_import_weight_sync():

@@ -8,8 +8,8 @@ import pytest
 
 from services.launcher.interop.translation import summary
 from services.launcher.interop.trl import from_trl
-from services.learner.data.sources import split_problems
 from shared.config.data import DataSettings
+from shared.dataset.sources import split_problems
 from tests.unit.test_translation import trl_defaults
 
 BASE = {"model_name_or_path": "some/model", "per_device_train_batch_size": 8, "num_generations": 8, "max_steps": 20}

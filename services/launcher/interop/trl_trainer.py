@@ -17,7 +17,8 @@ from typing import Any
 
 from services.launcher.interop.translation import Draft, ours, run_from_directory, trackers, warmup_from_share
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # the files the learner reads as data (data/sources.py)
+# The files the learner reads as data (shared/dataset/sources.py).
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 # transformers' lr_scheduler_type -> our min_lr_ratio (warm-up, then cosine decay to min_lr_ratio x lr).
 _SCHEDULES = {"constant": 1.0, "constant_with_warmup": 1.0, "cosine": 0.0, "linear": 0.0}
 
