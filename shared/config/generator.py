@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
 from shared.config.bounds import EntryBoundsSettings
 from shared.config.environment import EnvironmentSettings
-from shared.placement import leasable_gpus, parse_gpu_list
+from shared.gpu_leases import leasable_gpus, parse_gpu_list
 
 
 class GeneratorSettings(EntryBoundsSettings, ServiceSettings):

@@ -299,6 +299,37 @@ def test_ninety_percent_of_functions_are_twenty_five_lines_or_shorter():
     assert p90 <= MAX_P90_FUNCTION_LINES, f"90th percentile {p90} lines over {len(lengths)} functions"
 
 
+# File names the house style repeats on purpose: each is a role every package or service has, so a reader who
+# knows one knows all; any other name means one concept in the whole tree.
+ROLE_FILE_NAMES = {
+    "__init__.py": "a package",
+    "__main__.py": "a service's wiring (python -m services.X)",
+    "app.py": "a service's thin FastAPI shell (shared/app.py builds them)",
+    "startup.py": "what a service checks and builds before it serves",
+    "cli.py": "a command line's arguments (asyncgrpo, the reward plugin's)",
+    "protocol.py": "the records of one byte-exact protocol (weight_sync's push, environments' sessions)",
+}
+
+
+def repeated_file_names(paths: list[Path]) -> dict[str, list[str]]:
+    """File name -> its paths, for the names more than one module has and ``ROLE_FILE_NAMES`` does not list."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    return {name: sorted(found) for name, found in by_name.items() if len(found) > 1 and name not in ROLE_FILE_NAMES}
+
+
+def test_no_two_modules_share_a_file_name():
+    """One name per concept: two ``placement.py`` with different meanings cost every reader a lookup."""
+    repeated = repeated_file_names(list(MODULES.values()))
+    assert not repeated, "\n".join(f"{name}: {', '.join(paths)}" for name, paths in sorted(repeated.items()))
+
+
+def test_the_file_name_check_finds_a_repeat():
+    paths = [ROOT / "shared" / "x.py", ROOT / "weight_sync" / "x.py", ROOT / "a" / "app.py", ROOT / "b" / "app.py"]
+    assert repeated_file_names(paths) == {"x.py": ["shared/x.py", "weight_sync/x.py"]}
+
+
 def test_the_size_checks_find_an_offender():
     assert _over({"a.py:1 long": 61, "a.py:9 short": 60}, 60) == "   61 a.py:1 long"
 

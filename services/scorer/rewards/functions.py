@@ -12,7 +12,7 @@ A failure is an *outage*, a *bug* or a *bad input*. An HTTP plugin's failures, a
 ``OSError`` (``ConnectionError``, ``TimeoutError``, what ``requests`` and ``urllib`` raise) or
 ``httpx.HTTPError``, say "not now": something the function needs is out of reach, and a later call may
 succeed. A Python plugin that gives no answer within its ``timeout_s`` is such an outage too (its call is
-abandoned, see :mod:`services.scorer.rewards.threads`). Any other exception
+abandoned, see :mod:`services.scorer.rewards.reward_threads`). Any other exception
 from a Python function (built-in or plugin), or an answer that is not G numbers, is a bug in the function:
 the same group would fail the same way again. A bug's traceback is logged at ERROR the first time each
 function has one (later ones are one line each) and counted in ``rewards/<name>/bugs``; the scoring loop
@@ -51,7 +51,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from services.scorer.rewards.threads import RewardThreads, RewardTimeoutError
+from services.scorer.rewards.reward_threads import RewardThreads, RewardTimeoutError
 from shared.redaction import redact, redacted_error
 from shared.resilience import CircuitBreaker, CircuitOpenError
 from shared.reward_columns import (
