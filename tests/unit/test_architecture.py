@@ -330,6 +330,41 @@ def test_the_file_name_check_finds_a_repeat():
     assert repeated_file_names(paths) == {"x.py": ["shared/x.py", "weight_sync/x.py"]}
 
 
+def redeclared_fields(classes: list[type]) -> list[str]:
+    """``Class.field`` for each settings field a class declares again over a base's, unless its ``OVERRIDES``
+    gives the reason."""
+    found = []
+    for cls in classes:
+        own = set(vars(cls).get("__annotations__", {})) & set(cls.model_fields)  # fields, not ClassVars
+        for base in cls.__mro__[1:]:
+            inherited = own & set(vars(base).get("__annotations__", {})) - set(getattr(cls, "OVERRIDES", {}))
+            found += [f"{cls.__name__}.{name} (also {base.__name__}'s)" for name in sorted(inherited)]
+    return found
+
+
+def test_no_settings_field_is_declared_twice():
+    """A setting is declared once, with one default; a service declares it again only with its reason."""
+    from shared.config.generator import GeneratorSettings
+    from shared.config.learner import LearnerSettings
+    from shared.config.scorer import ScorerSettings
+
+    assert not redeclared_fields([GeneratorSettings, ScorerSettings, LearnerSettings])
+    for name in ("host", "max_request_bytes", "api_docs"):
+        assert name not in vars(ScorerSettings).get("__annotations__", {})
+
+
+def test_the_redeclaration_check_finds_one():
+    from pydantic import BaseModel
+
+    class Base(BaseModel):
+        port: int = 1
+
+    class Service(Base):
+        port: int = 2
+
+    assert redeclared_fields([Service]) == ["Service.port (also Base's)"]
+
+
 def test_the_size_checks_find_an_offender():
     assert _over({"a.py:1 long": 61, "a.py:9 short": 60}, 60) == "   61 a.py:1 long"
 
