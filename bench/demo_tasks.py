@@ -1,6 +1,6 @@
 """Which built-in task can the CPU demo's model partly do? SmolLM2-135M-Instruct's base accuracy per task.
 
-For each candidate (a built-in task of ``services/learner/data/tasks.py`` at one ``max_operand``) and prompt
+For each candidate (a built-in task of ``shared/dataset/tasks.py`` at one ``max_operand``) and prompt
 variant, on ``--n`` held-out problems (drawn from another seed than the demo's training rows, and unlike
 them where the task has enough distinct questions):
 
@@ -41,10 +41,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.record import add_record_flag, record  # noqa: E402
 from services.learner.data.feeder import build_prompt  # noqa: E402
-from services.learner.data.tasks import held_out_rows, training_rows  # noqa: E402
 from services.scorer.rewards.builtin import correctness, extract_answer, hard_format  # noqa: E402
 from shared.config.data import DataSettings  # noqa: E402
 from shared.config.learner import LearnerSettings  # noqa: E402
+from shared.dataset.tasks import held_out_rows, training_rows  # noqa: E402
 from shared.records import ChatMessage, SamplingSpec  # noqa: E402
 
 ANSWER_ONLY_SYSTEM = "Give only the final number inside <answer></answer>."

@@ -51,8 +51,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "configs"))  # calculator_env, as [environment] finds it beside the configuration
 
 from bench.record import add_record_flag, record  # noqa: E402
-from services.learner.data.tasks import CALCULATOR_EXAMPLES, held_out_rows  # noqa: E402
 from services.scorer.rewards.builtin import answers_equal, extract_answer  # noqa: E402
+from shared.dataset.tasks import CALCULATOR_EXAMPLES, held_out_rows  # noqa: E402
 from shared.records import ChatMessage, PromptTask, SamplingSpec  # noqa: E402
 from shared.trajectory import ToolCall, ToolFunction  # noqa: E402
 
@@ -105,7 +105,7 @@ VARIANTS = ("plain", "tools-zero", "tools-oneshot", "tools-twoshot", "tools-syst
 def task_rows(task: Task, size: int, seed: int) -> list[dict[str, str]]:
     """``size`` distinct problems of ``task`` (``question``/``answer`` text, as the built-in tasks' rows), none of
     them a worked example's; the same seed gives the same rows. ``mul3x2`` is the demo's ``builtin:calculator``
-    (its rows come from services/learner/data/tasks.py, as the demo's held-out evaluation draws them)."""
+    (its rows come from shared/dataset/tasks.py, as the demo's held-out evaluation draws them)."""
     if task.name == "mul3x2":
         return held_out_rows("calculator", size, task.left[1], seed)
     rng, seen = random.Random(seed), {task.question(*task.example), task.question(*task.second)}

@@ -38,7 +38,7 @@ RENDERINGS = ("continue", "no-prefill")
 
 def held_out_problems(demo: dict[str, Any], size: int, exclude_seeds: list[int]) -> list[dict[str, str]]:
     """``size`` problems of the demo's task, none of them a training row of any of ``exclude_seeds``."""
-    from services.learner.data.tasks import HELD_OUT_SEED_OFFSET, held_out_rows, training_rows
+    from shared.dataset.tasks import HELD_OUT_SEED_OFFSET, held_out_rows, training_rows
 
     data = demo["data"]
     name = data["source"].removeprefix("builtin:")

@@ -54,7 +54,7 @@ def conversation(demo: dict[str, Any], question: str, *, prefill: bool = True) -
 
 def demo_rows(demo: dict[str, Any]) -> list[dict[str, str]]:
     """The built-in arithmetic problems our seed-0 run trains on (``question``, ``answer``)."""
-    from services.learner.data.tasks import training_rows
+    from shared.dataset.tasks import training_rows
 
     data = demo["data"]
     size, max_operand = data.get("builtin_size", 2000), data.get("builtin_max_operand", 50)

@@ -54,8 +54,8 @@ from shared.registry import RegistryStats, live_generators  # noqa: E402
 from tests.support.processes import start_service  # noqa: E402
 from tests.support.redis_server import free_port, use_or_start_redis  # noqa: E402
 from tests.support.tiny_model import build_tiny_llama  # noqa: E402
-from weight_sync.placement import place_parameters  # noqa: E402
 from weight_sync.protocol import pack_bucket, plan_buckets  # noqa: E402
+from weight_sync.send_buffers import place_parameters  # noqa: E402
 from weight_sync.sender import WeightPusher  # noqa: E402
 
 TOKEN = "bench-token-0123456789abcdef0123456789"

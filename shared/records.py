@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from shared.arrays import Float32Array, Float32Matrix, Int32Array
 from shared.columns import column_problem
 from shared.finite import finite_problem, reward_problem
-from shared.staleness import trajectory_version
+from shared.sampled_versions import trajectory_version
 from shared.trajectory import ChatMessage, Completion, SinceV2, uses_v2
 
 # The newest schema this build reads and writes. A record is written as the lowest version that carries it
@@ -181,7 +181,7 @@ class Rollout(WireModel):
                 raise ValueError(
                     f"policy_version ({self.policy_version}) exceeds completion {i}'s oldest sampled token version "
                     f"({oldest}); policy_version must be the version when sampling started, at most every "
-                    "sampled token's (shared.staleness.trajectory_version)"
+                    "sampled token's (shared.sampled_versions.trajectory_version)"
                 )
 
     @property

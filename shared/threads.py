@@ -6,7 +6,7 @@ each runner has threads of its own, at most ``size`` at once, and a thread's slo
 really ends: code whose every thread hangs times out on every call instead of piling up threads or starving the
 event loop's default executor, where DNS lookups for Redis and the plugins run. The threads are daemons, so a
 hung one never keeps the process from exiting. Hung threads are counted (``hung``, a gauge) and logged when a
-call is abandoned and when it finally returns. The scorer (``services/scorer/rewards/threads.py``) and the
+call is abandoned and when it finally returns. The scorer (``services/scorer/rewards/reward_threads.py``) and the
 Python environments (``environments/python_env.py``) both run user code here.
 """
 

@@ -8,7 +8,7 @@ functions that need it, and nothing here imports a service (``tests/unit/test_ar
 * :mod:`weight_sync.plan`: the push plan (transport per generator, ranks, dtype), pure.
 * :mod:`weight_sync.collective` (gloo, NCCL), :mod:`weight_sync.transport_ipc` (CUDA IPC),
   :mod:`weight_sync.transport_shm` (shared memory): each transport's sending and receiving halves.
-* :mod:`weight_sync.sender`: the learner's pusher; :mod:`weight_sync.placement`: parameters kept in its
+* :mod:`weight_sync.sender`: the learner's pusher; :mod:`weight_sync.send_buffers`: parameters kept in its
   send buffers.
 * :mod:`weight_sync.receiver`: the vLLM worker extension; :mod:`weight_sync.direct_load`: its load paths.
 """

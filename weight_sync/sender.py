@@ -30,7 +30,7 @@ larger than that gets a bucket of its own). Tensors are cast to the generators' 
 packed (float32 master weights travel as bf16 to bf16 engines, at half the bytes). When every generator of a
 push repacks its linear layers (``transposed_linear``: vLLM-CPU's oneDNN handles, which reorder a transposed
 weight about twice as fast), the linear weights are stored transposed in the buckets; a parameter placed in
-its slot (:func:`weight_sync.placement.place_parameters`) is then a transposed view there, which trains the same.
+its slot (:func:`weight_sync.send_buffers.place_parameters`) is then a transposed view there, which trains the same.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from shared.records import (
 )
 from shared.shm import sweep_stale, usable_dir
 from weight_sync.collective import GroupKeeper, listening_store
-from weight_sync.placement import slot_views
 from weight_sync.plan import LearnerDevice, PushPlan, PushRefused, plan_push
 from weight_sync.protocol import (
     announcement,
@@ -70,7 +69,8 @@ from weight_sync.protocol import (
     plan_buckets,
     vllm_version,
 )
-from weight_sync.sending import BucketPush, SendThread, send
+from weight_sync.push_thread import BucketPush, SendThread, send
+from weight_sync.send_buffers import slot_views
 from weight_sync.transport_ipc import IpcExports
 from weight_sync.transport_shm import ShmSegments, shm_receivers
 

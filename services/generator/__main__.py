@@ -13,9 +13,9 @@ from shared.service import main
 
 async def start(service: Service[GeneratorSettings]) -> None:
     from services.generator.app import GeneratorAppState, build_app  # imports vLLM: after the config check
+    from services.generator.heartbeat import GeneratorTelemetry
     from services.generator.rollout_loop import RolloutLoop
     from services.generator.startup import load_engine, take_gpus, trajectory_runner
-    from services.generator.telemetry import GeneratorTelemetry
 
     settings, keys, name = service.settings, service.keys, service.settings.generator_id
     lease = await take_gpus(service)

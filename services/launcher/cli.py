@@ -22,12 +22,12 @@ from pathlib import Path
 from services.launcher.demo import demo_config, run_demo
 from services.launcher.docs_tables import settings_tables
 from services.launcher.explain import explain
-from services.launcher.from_trl import PINNED_TRL_VERSION, from_trl, installed_trl_defaults, pinned_trl_defaults
-from services.launcher.from_verl import from_verl
+from services.launcher.interop.translation import UnmappedError, check, read_mapping, summary, to_toml
+from services.launcher.interop.trl import PINNED_TRL_VERSION, from_trl, trl_defaults
+from services.launcher.interop.verl import from_verl
 from services.launcher.preflight import isolated_preflight
 from services.launcher.prepare_model import prepare_smollm2
 from services.launcher.run import run
-from services.launcher.translation import UnmappedError, check, read_mapping, summary, to_toml
 from shared.config.pipeline import PipelineConfig
 
 
@@ -151,7 +151,7 @@ def _translate(args: argparse.Namespace) -> int:
             else "asyncgrpo's defaults (no --verl-defaults: verl's own are not read)"
         )
     else:
-        defaults, defaults_from = _trl_defaults(args.trl_defaults)
+        defaults, defaults_from = trl_defaults(args.trl_defaults)
         result, kind = from_trl(data, defaults), "TRL"
     if result.unmapped and not args.allow_unmapped:
         raise UnmappedError(result.unmapped)
@@ -165,19 +165,3 @@ def _translate(args: argparse.Namespace) -> int:
         print(text)
         print(closing, file=sys.stderr)
     return 0
-
-
-def _trl_defaults(path: Path | None) -> tuple[dict, str]:
-    """GRPOConfig's defaults, from ``path``, else the installed TRL, else the pinned TRL's packaged ones, and
-    where they came from (the TOML's header says it)."""
-    if path is not None:
-        return read_mapping(path), f"GRPOConfig defaults from {path}"
-    defaults = installed_trl_defaults()
-    if defaults is None:
-        return pinned_trl_defaults(), (
-            f"TRL {PINNED_TRL_VERSION}'s GRPOConfig defaults, packaged with asyncgrpo (TRL is not installed here; "
-            "install it, or pass --trl-defaults FILE, to use another version's)"
-        )
-    import trl
-
-    return defaults, f"the installed TRL {trl.__version__}'s GRPOConfig defaults"

@@ -4,18 +4,18 @@ start, found before Redis, the model or any process is started.
 A configuration that loads can still fail seconds into a run, after vLLM has loaded the model:
 
 * a Python reward function, environment class or tool that does not import (a misspelled name is answered
-  with the closest names its module has: :mod:`services.scorer.rewards.imports`, the scorer's own check);
+  with the closest names its module has: :mod:`shared.reward_imports`, the scorer's own check);
 * a Python reward function with a parameter (no default) that is not a column of the dataset's rows: the
   first rows are read by the learner's reader and prepared by its rules (``rename_columns``,
   ``answer_column``, the prompt column taken out), and a missing column is reported with the scorer's message
-  (:func:`~services.scorer.rewards.columns.missing_columns_message`);
+  (:func:`~shared.reward_columns.missing_columns_message`);
 * a Python reward function without ``**kwargs`` that cannot take every keyword the scorer passes it (the first
   rows' columns, ``max_completion_length``, ...): every call would fail, so it is reported with the scorer's
-  message (:func:`~services.scorer.rewards.columns.unaccepted_keywords_message`).
+  message (:func:`~shared.reward_columns.unaccepted_keywords_message`).
 
 Modules and data files are looked up as the services look them up (:mod:`shared.config.locations`): beside
 the configuration file, in the working directory, then (modules) on ``sys.path``. Only the first ``FIRST_ROWS``
-rows are read (:func:`~services.learner.data.sources.read_source` with a limit), and only when a reward needs a
+rows are read (:func:`~shared.dataset.sources.read_source` with a limit), and only when a reward needs a
 column or has no ``**kwargs``, so a run of built-in rewards starts as fast as before.
 
 ``asyncgrpo run`` and ``config explain`` run the check in a child process (:func:`isolated_preflight`): the user's
@@ -35,9 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.learner.data.feeder import Row, prepare_rows
-from services.learner.data.sources import DataError, read_source, split_problems
-from services.scorer.rewards.columns import (
+from shared.config.base import CONFIG_ENV, ConfigFileError, config_path
+from shared.config.data import DataSettings
+from shared.config.environment import EnvironmentSettings
+from shared.config.pipeline import PipelineConfig, PipelineError
+from shared.config.scorer import RewardSpec
+from shared.dataset.rows import Row, prepare_rows
+from shared.dataset.sources import DataError, read_source, split_problems
+from shared.reward_columns import (
     missing_columns,
     missing_columns_message,
     passed_keywords,
@@ -46,12 +51,7 @@ from services.scorer.rewards.columns import (
     unaccepted_keywords,
     unaccepted_keywords_message,
 )
-from services.scorer.rewards.imports import import_callable
-from shared.config.base import CONFIG_ENV, ConfigFileError, config_path
-from shared.config.data import DataSettings
-from shared.config.environment import EnvironmentSettings
-from shared.config.pipeline import PipelineConfig, PipelineError
-from shared.config.scorer import RewardSpec
+from shared.reward_imports import import_callable
 
 FIRST_ROWS = 8  # rows whose columns are checked: enough to see the dataset's columns, few to prepare
 

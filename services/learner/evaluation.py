@@ -26,8 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from services.learner.data.feeder import Row, prepare_rows
-from services.learner.data.sources import (
+from services.learner.metrics.batch_metrics import trajectory_metrics
+from shared.advantages import completion_metrics, reward_function_metrics
+from shared.codec import encode
+from shared.config.data import unsliced
+from shared.config.learner import LearnerSettings
+from shared.config.locations import locate, search_dirs
+from shared.dataset.rows import Row, prepare_rows
+from shared.dataset.sources import (
     DataError,
     overlap,
     read_eval_source,
@@ -35,12 +41,6 @@ from services.learner.data.sources import (
     read_keyed,
     read_source,
 )
-from services.learner.metrics.batch_metrics import trajectory_metrics
-from shared.advantages import completion_metrics, reward_function_metrics
-from shared.codec import encode
-from shared.config.data import unsliced
-from shared.config.learner import LearnerSettings
-from shared.config.locations import locate, search_dirs
 from shared.intake import decode_or_reject
 from shared.records import PromptTask, SamplingSpec, ScoredGroup
 from shared.redis_conn import RedisRetry

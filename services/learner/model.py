@@ -215,7 +215,7 @@ class WeightExport:
     @property
     def pushes_parameters(self) -> bool:
         """Whether :meth:`full_weights` hands out the parameters themselves (one process, no LoRA), which a
-        push may then move into its kept buffers (``weight_sync.placement.place_parameters``)."""
+        push may then move into its kept buffers (``weight_sync.send_buffers.place_parameters``)."""
         return not self.topology.distributed and not hasattr(self.model, "get_base_model")
 
     @functools.cached_property

@@ -126,7 +126,7 @@ class OptimizerStep:
     def _flat(self, param: torch.Tensor) -> bool:
         """Whether a parameter, its gradient and its AdamW moments are contiguous: the fused kernel updates
         element i of each at its memory offset i, so a parameter that lives in a transposed or sliced view (the
-        weight push's buffers, :func:`weight_sync.placement.place_parameters`) takes the per-tensor loop."""
+        weight push's buffers, :func:`weight_sync.send_buffers.place_parameters`) takes the per-tensor loop."""
         state = self.adamw.state.get(param, {})
         tensors = [param, param.grad, state.get("exp_avg"), state.get("exp_avg_sq")]
         return all(t is None or t.is_contiguous() for t in tensors)

@@ -23,7 +23,7 @@ from services.learner.data.feeder import PromptFeeder, load_rows
 from services.learner.distributed import Topology
 from services.learner.evaluation import Evaluator, eval_sampling, eval_source, load_eval_rows
 from services.learner.hardware import resolve_precision
-from services.learner.metrics.telemetry import MetricsSink
+from services.learner.metrics.metric_sinks import MetricsSink
 from services.learner.metrics.trackers import TrackingRun
 from services.learner.model import load_policy, reference_model
 from services.learner.train_loop import LearnerLoop

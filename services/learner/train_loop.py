@@ -51,7 +51,7 @@ from services.learner.evaluation import Evaluator
 from services.learner.metrics.batch_metrics import batch_metrics, finalize_advantages
 from services.learner.metrics.completions_log import completion_rows, completions_due
 from services.learner.metrics.counters import Counters
-from services.learner.metrics.telemetry import MetricsSink
+from services.learner.metrics.metric_sinks import MetricsSink
 from services.learner.nonfinite import NonfiniteSteps, NonFiniteTraining
 from services.learner.optimizer import NONFINITE_STEP
 from services.learner.trainer import Trainer

@@ -7,7 +7,7 @@ pushed the weights again: with no group left to train, the learner would otherwi
 everything that generator samples could stay too stale to train.
 
 On one process without LoRA a push moves the parameters into the pusher's kept buffers
-(``weight_sync.placement``), so the next push packs them by no copy; a failed push takes them back.
+(``weight_sync.send_buffers``), so the next push packs them by no copy; a failed push takes them back.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from shared.keys import Keys
 from shared.records import GeneratorRegistration, WeightVersionAnnouncement
 from shared.redis_conn import RedisRetry
 from shared.registry import RegistryStats, live_generators
-from weight_sync.placement import own_parameters, place_parameters
+from weight_sync.send_buffers import own_parameters, place_parameters
 from weight_sync.sender import PushReport, WeightPusher, WeightPushError
 
 log = logging.getLogger(__name__)

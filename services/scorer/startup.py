@@ -1,5 +1,5 @@
 """The scorer's start-up check of its Python rewards: each ``function = "module:name"`` imports, and a name
-that is not there is refused with the closest names the module has (:mod:`services.scorer.rewards.imports`).
+that is not there is refused with the closest names the module has (:mod:`shared.reward_imports`).
 
 The scorer runs it before it builds its reward functions (``__main__``), so a misspelled function stops it
 with one line (exit status 2) instead of a traceback; ``asyncgrpo run`` and ``asyncgrpo config explain`` run
@@ -14,10 +14,10 @@ import httpx
 
 from services.scorer.rewards.functions import RewardFunction
 from services.scorer.rewards.http_plugin import HttpRewardPlugin
-from services.scorer.rewards.imports import reward_problems
 from services.scorer.scoring import build_functions
 from shared.config.scorer import RewardSpec
 from shared.lifecycle import NotStarting
+from shared.reward_imports import reward_problems
 
 
 def build_rewards(

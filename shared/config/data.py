@@ -3,7 +3,7 @@
 A table of its own beside ``[learner]`` (the learner's settings hold it as ``data``); the learner's feeder reads
 it, and the checks here are the ones a row's columns must pass to reach the reward functions. Its splits are
 datasets' split strings (``train[:90%]``), read here by :func:`parse_split` so that a file with a bad one is
-refused when it is loaded; the rows they select are :mod:`services.learner.data.sources`'.
+refused when it is loaded; the rows they select are :mod:`shared.dataset.sources`'.
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ from pydantic_settings import SettingsConfigDict
 from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
 from shared.config.bounds import EntryBoundsSettings
 from shared.config.environment import EnvironmentSettings
-from shared.placement import leasable_gpus, parse_gpu_list
+from shared.config.http_server import HttpServerSettings
+from shared.gpu_leases import leasable_gpus, parse_gpu_list
 
 
-class GeneratorSettings(EntryBoundsSettings, ServiceSettings):
+class GeneratorSettings(EntryBoundsSettings, HttpServerSettings, ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="GENERATOR_", extra="forbid", env_nested_delimiter="__")
     toml_table = "generator"
     extra_toml_tables: ClassVar[dict[str, str]] = {"environment": "environment"}
@@ -68,7 +69,10 @@ class GeneratorSettings(EntryBoundsSettings, ServiceSettings):
         description="This replica's name (unique).",
         json_schema_extra=HOSTNAME_BASED,
     )
-    host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
+    OVERRIDES: ClassVar[dict[str, str]] = {
+        "port": "each service its own port, so all of them run on one host",
+        "max_request_bytes": "POST /generate and the weight announcement carry bodies of megabytes",
+    }
     port: int = Field(8001, ge=0, le=65535, description="HTTP port (0 picks a free one).")
     max_request_bytes: int = Field(
         16 << 20,
@@ -77,9 +81,6 @@ class GeneratorSettings(EntryBoundsSettings, ServiceSettings):
         "legitimate ones: POST /generate, 256 prompts at ~8 bytes of JSON per prompt token (256 prompts of 8k "
         "tokens: 16 MiB), and the learner's weight announcement, ~140 bytes per parameter tensor (a 94-layer, "
         "128-expert MoE: 36k tensors, 5 MB). Raise it for longer prompts.",
-    )
-    api_docs: bool = Field(
-        False, description="Serve /docs, /redoc and /openapi.json (behind the API token, like every non-probe path)."
     )
     public_url: str = Field(
         "", description="URL the learner reaches this replica at; default http://<this host's IP>:<port>."

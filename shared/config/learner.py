@@ -33,6 +33,7 @@ from shared.allowed_hosts import LOOPBACK, HostAllowList
 from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
 from shared.config.bounds import EntryBoundsSettings
 from shared.config.data import DataSettings, parse_split
+from shared.config.http_server import HttpServerSettings
 from shared.config.objective import Objective
 from shared.config.sampling import SamplingSettings
 
@@ -399,6 +400,7 @@ class LearnerSettings(
     BatchSettings,
     ModelSettings,
     EntryBoundsSettings,
+    HttpServerSettings,
     ServiceSettings,
     Objective,
 ):
@@ -411,17 +413,8 @@ class LearnerSettings(
     extra_toml_tables: ClassVar[dict[str, str]] = {"data": "data"}
 
     data: DataSettings = Field(default_factory=DataSettings)
-    host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
+    OVERRIDES: ClassVar[dict[str, str]] = {"port": "each service its own port, so all of them run on one host"}
     port: int = Field(8003, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
-    max_request_bytes: int = Field(
-        64 << 10,
-        ge=1024,
-        description="Largest HTTP request body taken (413 past it). The learner's endpoints take no body "
-        "(its one POST, /shutdown, has none): 64 KiB is ample, and bounds what a client can make it read.",
-    )
-    api_docs: bool = Field(
-        False, description="Serve /docs, /redoc and /openapi.json (behind the API token, like every non-probe path)."
-    )
     claim_idle_ms: int = Field(600_000, ge=100, description="Learner entries are claimed only after this.")
     max_deliveries: int = Field(5, ge=1, description="Deliveries of a scored group before dead-lettering.")
     gpu_memory_share: float = Field(

@@ -14,6 +14,7 @@ from pydantic_settings import SettingsConfigDict
 from shared.config import endpoint
 from shared.config.base import HOSTNAME_BASED, ServiceSettings
 from shared.config.bounds import EntryBoundsSettings
+from shared.config.http_server import HttpServerSettings
 from shared.config.objective import AlgorithmRecipe
 from shared.records import AdvantageSpec
 
@@ -121,7 +122,7 @@ class RewardSpec(BaseModel):
         return "http" if self.url else "python" if self.function else "builtin"
 
 
-class ScorerSettings(EntryBoundsSettings, ServiceSettings, AlgorithmRecipe):
+class ScorerSettings(EntryBoundsSettings, HttpServerSettings, ServiceSettings, AlgorithmRecipe):
     recipe_table: ClassVar[str] = "scorer"
     model_config = SettingsConfigDict(env_prefix="SCORER_", extra="forbid", env_nested_delimiter="__")
     toml_table = "scorer"
@@ -193,17 +194,8 @@ class ScorerSettings(EntryBoundsSettings, ServiceSettings, AlgorithmRecipe):
         1.0, gt=0, description="First delay before a held group's failed required rewards are retried (doubles)."
     )
     retry_backoff_max_s: float = Field(30.0, gt=0, description="Longest delay between a held group's retries.")
-    host: str = Field("0.0.0.0", description="Address the HTTP server binds.")
+    OVERRIDES: ClassVar[dict[str, str]] = {"port": "each service its own port, so all of them run on one host"}
     port: int = Field(8002, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
-    max_request_bytes: int = Field(
-        64 << 10,
-        ge=1024,
-        description="Largest HTTP request body taken (413 past it). The scorer's endpoints take no body "
-        "(its one POST, /shutdown, has none): 64 KiB is ample, and bounds what a client can make it read.",
-    )
-    api_docs: bool = Field(
-        False, description="Serve /docs, /redoc and /openapi.json (behind the API token, like every non-probe path)."
-    )
 
     @field_validator("rewards")
     @classmethod

@@ -126,7 +126,8 @@ def main():
     from tests.gpu import standin
     from tests.gpu.test_weight_path import _pusher
     from tests.gpu.weight_path import push, stop_receiver
-    from weight_sync import sending, transport_ipc
+    from weight_sync import push_thread as sending
+    from weight_sync import transport_ipc
 
     print(torch.cuda.get_device_name(0), torch.__version__)
     wrap(transport_ipc, "_memory_key", "S")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.generator.host_memory import engine_tunables
+from services.generator.engine_memory import engine_tunables
 from shared.codec import decode, encode
 from shared.records import ChatMessage, PromptTask, Rollout, SamplingSpec, WeightVersionAnnouncement
 from shared.registry import RegistryStats, live_generators

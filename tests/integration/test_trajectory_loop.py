@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from environments.build import build_environment
+from services.generator.heartbeat import GeneratorTelemetry
 from services.generator.rollout_loop import RolloutLoop
-from services.generator.telemetry import GeneratorTelemetry
 from services.generator.trajectory.runner import TrajectoryRunner, TrajectorySettings
 from shared.codec import decode, encode
 from shared.config.environment import EnvironmentSettings

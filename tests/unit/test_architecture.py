@@ -6,12 +6,13 @@ Layers, lowest first (a module may import its own layer's package and the layers
 2. ``weight_sync``: both halves of the weight push (torch, vLLM imported lazily); imports ``shared`` and itself.
    ``environments``: both halves of the environment protocol (no torch, no vLLM); imports ``shared`` and itself.
    The two are separate packages of one layer: neither imports the other.
-3. ``services.generator``, ``services.scorer``, ``services.learner``, ``services.reward_plugin``: each imports
-   itself and ``shared`` only (services talk through the wire records, never through each other's code);
-   the generator and the learner, the two ends of a weight push, import ``weight_sync`` too; the generator and
-   the environment server, the two ends of the environment protocol, import ``environments``.
-4. ``services.launcher``: starts the services as processes; imports ``shared``, itself, and for its start-up
-   check (``services.launcher.preflight``) the scorer's reward loading and the learner's data reading.
+3. ``services.generator``, ``services.scorer``, ``services.learner``, ``services.reward_plugin``,
+   ``services.env_server`` and ``services.launcher``: each imports itself and ``shared`` only (services talk
+   through the wire records, never through each other's code; what two of them must do alike, such as reading
+   the data and importing reward functions for the learner, the scorer and the launcher's start-up check,
+   lives in ``shared``); the generator and the learner, the two ends of a weight push, import ``weight_sync``
+   too; the generator and the environment server, the two ends of the environment protocol, import
+   ``environments``.
 
 Every import counts, also one inside a function; only ``if TYPE_CHECKING:`` blocks are left out.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICES = ("generator", "scorer", "learner", "reward_plugin", "env_server")
+SERVICES = ("generator", "scorer", "learner", "reward_plugin", "env_server", "launcher")
 WEIGHT_SYNC_USERS = ("services.generator", "services.learner")  # the two ends of a weight push
 ENVIRONMENT_USERS = ("services.generator", "services.env_server")  # the two ends of the environment protocol
 MAX_MODULE_LINES = 500
@@ -115,8 +116,6 @@ def layer_of(module: str) -> tuple[int, str]:
         return 2, parts[0]
     if len(parts) > 1 and parts[1] in SERVICES:
         return 3, f"services.{parts[1]}"
-    if len(parts) > 1 and parts[1] == "launcher":
-        return 4, "services.launcher"
     return 0, module  # services/__init__.py: a namespace, imports nothing
 
 
@@ -134,6 +133,30 @@ def test_no_module_imports_a_layer_above_or_another_service():
             if target_layer > layer or (target_layer == layer and target_package != package):
                 wrong.append(f"{module} imports {target}")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_a_service_importing_another_is_found():
+    """The launcher's start-up check is a service like the others: importing the learner's code fails."""
+    assert layer_of("services.launcher.preflight") == layer_of("services.launcher.cli")
+    assert layer_of("services.launcher.preflight")[1] != layer_of("services.learner.data.feeder")[1]
+
+
+def _reached_from(package: str) -> set[str]:
+    """Every project module a module of ``package`` imports, directly or through others."""
+    seen = {module for module in GRAPH if module.startswith(package)}
+    todo = list(seen)
+    while todo:
+        for target in GRAPH[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+@pytest.mark.parametrize("service", ["services.scorer", "services.reward_plugin"])
+def test_the_scorer_image_never_imports_the_prompt_data(service):
+    """The scorer's image lacks ``datasets``, which ``shared.dataset`` needs to read a Hub or disk dataset."""
+    reached = sorted(module for module in _reached_from(service) if module.startswith("shared.dataset"))
+    assert not reached, reached
 
 
 def test_only_the_generator_and_the_learner_import_weight_sync():
@@ -274,6 +297,72 @@ def test_ninety_percent_of_functions_are_twenty_five_lines_or_shorter():
     lengths = sorted(function_lengths().values())
     p90 = lengths[int(0.9 * (len(lengths) - 1))]
     assert p90 <= MAX_P90_FUNCTION_LINES, f"90th percentile {p90} lines over {len(lengths)} functions"
+
+
+# File names the house style repeats on purpose: each is a role every package or service has, so a reader who
+# knows one knows all; any other name means one concept in the whole tree.
+ROLE_FILE_NAMES = {
+    "__init__.py": "a package",
+    "__main__.py": "a service's wiring (python -m services.X)",
+    "app.py": "a service's thin FastAPI shell (shared/app.py builds them)",
+    "startup.py": "what a service checks and builds before it serves",
+    "cli.py": "a command line's arguments (asyncgrpo, the reward plugin's)",
+    "protocol.py": "the records of one byte-exact protocol (weight_sync's push, environments' sessions)",
+}
+
+
+def repeated_file_names(paths: list[Path]) -> dict[str, list[str]]:
+    """File name -> its paths, for the names more than one module has and ``ROLE_FILE_NAMES`` does not list."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    return {name: sorted(found) for name, found in by_name.items() if len(found) > 1 and name not in ROLE_FILE_NAMES}
+
+
+def test_no_two_modules_share_a_file_name():
+    """One name per concept: two ``placement.py`` with different meanings cost every reader a lookup."""
+    repeated = repeated_file_names(list(MODULES.values()))
+    assert not repeated, "\n".join(f"{name}: {', '.join(paths)}" for name, paths in sorted(repeated.items()))
+
+
+def test_the_file_name_check_finds_a_repeat():
+    paths = [ROOT / "shared" / "x.py", ROOT / "weight_sync" / "x.py", ROOT / "a" / "app.py", ROOT / "b" / "app.py"]
+    assert repeated_file_names(paths) == {"x.py": ["shared/x.py", "weight_sync/x.py"]}
+
+
+def redeclared_fields(classes: list[type]) -> list[str]:
+    """``Class.field`` for each settings field a class declares again over a base's, unless its ``OVERRIDES``
+    gives the reason."""
+    found = []
+    for cls in classes:
+        own = set(vars(cls).get("__annotations__", {})) & set(cls.model_fields)  # fields, not ClassVars
+        for base in cls.__mro__[1:]:
+            inherited = own & set(vars(base).get("__annotations__", {})) - set(getattr(cls, "OVERRIDES", {}))
+            found += [f"{cls.__name__}.{name} (also {base.__name__}'s)" for name in sorted(inherited)]
+    return found
+
+
+def test_no_settings_field_is_declared_twice():
+    """A setting is declared once, with one default; a service declares it again only with its reason."""
+    from shared.config.generator import GeneratorSettings
+    from shared.config.learner import LearnerSettings
+    from shared.config.scorer import ScorerSettings
+
+    assert not redeclared_fields([GeneratorSettings, ScorerSettings, LearnerSettings])
+    for name in ("host", "max_request_bytes", "api_docs"):
+        assert name not in vars(ScorerSettings).get("__annotations__", {})
+
+
+def test_the_redeclaration_check_finds_one():
+    from pydantic import BaseModel
+
+    class Base(BaseModel):
+        port: int = 1
+
+    class Service(Base):
+        port: int = 2
+
+    assert redeclared_fields([Service]) == ["Service.port (also Base's)"]
 
 
 def test_the_size_checks_find_an_offender():

@@ -48,8 +48,8 @@ def test_the_final_reward_is_the_mean_of_the_last_three_steps():
 def test_the_judge_s_problems_are_no_training_row_of_any_seed_and_the_same_every_time():
     from bench.held_out import held_out_problems
     from bench.trl_side import load_demo
-    from services.learner.data.sources import _builtin_task
     from shared.config.data import DataSettings
+    from shared.dataset.sources import _builtin_task
 
     demo = load_demo()
     problems = held_out_problems(demo, 50, [0, 1])

@@ -16,9 +16,9 @@ import pytest
 from pydantic import ValidationError
 
 from services.launcher.explain import explain, trl_batch, verl_batch
-from services.launcher.from_trl import from_trl
-from services.launcher.from_verl import from_verl
-from services.launcher.translation import to_toml
+from services.launcher.interop.translation import to_toml
+from services.launcher.interop.trl import from_trl
+from services.launcher.interop.verl import from_verl
 from shared.config.base import ConfigFileError
 from shared.config.generator import GeneratorSettings
 from shared.config.learner import LearnerSettings

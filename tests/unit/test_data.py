@@ -11,11 +11,12 @@ import pandas as pd
 import pytest
 from pydantic import ValidationError
 
-from services.learner.data.feeder import DataError, PromptFeeder, build_prompt, load_rows, plain_value
-from services.learner.data.sources import read_eval_source, read_source
+from services.learner.data.feeder import PromptFeeder
 from services.scorer.scoring import reward_batch
 from shared.config.data import DataSettings
 from shared.config.pipeline import PipelineConfig
+from shared.dataset.rows import DataError, build_prompt, load_rows, plain_value
+from shared.dataset.sources import read_eval_source, read_source
 from shared.records import ChatMessage, Completion, SamplingSpec
 from tests.support.factories import make_rollout
 from tests.support.trl_doc_rewards import format_reward_func, reward_func, reward_len

@@ -13,10 +13,10 @@ import pytest
 from pydantic import ValidationError
 
 from services.learner.data.feeder import PromptFeeder, load_rows
-from services.learner.data.sources import DataError, held_out_count, overlap, read_eval_source, read_source
 from services.learner.evaluation import eval_source, load_eval_rows, may_share_rows
 from shared.config.data import DataSettings, SplitPart, parse_split, unsliced
 from shared.config.learner import LearnerSettings
+from shared.dataset.sources import DataError, held_out_count, overlap, read_eval_source, read_source
 from shared.records import SamplingSpec
 
 ROWS = [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)]

@@ -51,9 +51,9 @@ def test_the_config_validates_with_its_environment_and_template():
 
 def test_the_held_out_problems_are_new_products_never_a_worked_example():
     """What the evaluation publishes: the [data] prompt (system turn, both worked exchanges) then a new problem."""
-    from services.learner.data.sources import read_source
     from services.learner.evaluation import load_eval_rows
     from shared.config.learner import LearnerSettings
+    from shared.dataset.sources import read_source
 
     settings = LearnerSettings.load(CONFIG)
     rows = load_eval_rows(settings)

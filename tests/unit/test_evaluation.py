@@ -11,11 +11,11 @@ import pytest
 from pydantic import ValidationError
 
 from services.learner.data.feeder import load_rows
-from services.learner.data.sources import DataError
 from services.learner.evaluation import EvalRound, eval_metrics, eval_sampling, load_eval_rows
 from services.learner.startup import sampling_spec
 from services.scorer.scoring import evaluated_group
 from shared.config.learner import LearnerSettings
+from shared.dataset.sources import DataError
 from shared.records import ChatMessage, Completion, PromptTask, Rollout, RolloutTimings, SamplingSpec, ScoredGroup
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.launcher.from_trl import from_trl
-from services.launcher.translation import summary
-from services.learner.data.sources import split_problems
+from services.launcher.interop.translation import summary
+from services.launcher.interop.trl import from_trl
 from shared.config.data import DataSettings
+from shared.dataset.sources import split_problems
 from tests.unit.test_translation import trl_defaults
 
 BASE = {"model_name_or_path": "some/model", "per_device_train_batch_size": 8, "num_generations": 8, "max_steps": 20}

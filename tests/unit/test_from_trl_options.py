@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher.from_trl import _TRL_READ, PINNED_TRL_VERSION, from_trl, pinned_trl_defaults
-from services.launcher.translation import BUILTIN_SOURCE, Translation, check, to_toml
-from services.launcher.trl_training import TRL_NO_EFFECT
+from services.launcher.interop.translation import BUILTIN_SOURCE, Translation, check, to_toml
+from services.launcher.interop.trl import PINNED_TRL_VERSION, TRL_NO_EFFECT, TRL_READ, from_trl, pinned_trl_defaults
 from shared.config.data import DataSettings
 
 DATASET = {"dataset_name": "openai/gsm8k", "dataset_config": "main", "max_steps": 200}
@@ -23,7 +22,7 @@ def translate(**fields) -> Translation:
 def test_the_packaged_defaults_hold_every_option_read_that_trl_1_16_has():
     """Options read but absent from TRL 1.16 / transformers 5.19 (kept for older files) are the only gaps."""
     assert PINNED_TRL_VERSION == "1.16.0"
-    missing = set(_TRL_READ) - set(pinned_trl_defaults())
+    missing = set(TRL_READ) - set(pinned_trl_defaults())
     assert missing == {"max_prompt_length", "warmup_ratio", "model_name_or_path"}
     assert "_comment" not in pinned_trl_defaults()
 

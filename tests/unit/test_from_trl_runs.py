@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher.from_trl import from_trl
-from services.launcher.from_verl import from_verl
+from services.launcher.interop.trl import from_trl
+from services.launcher.interop.verl import from_verl
 from shared.config.learner import LearnerSettings
 from shared.runs import checkpoint_to_resume, run_identity, write_run_file
 from tests.unit.test_translation import trl_defaults

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from services.generator.host_memory import KEEP_FREED, TUNABLES_ENV, engine_tunables, keep_freed_in_engines
+from services.generator.engine_memory import KEEP_FREED, TUNABLES_ENV, engine_tunables, keep_freed_in_engines
 
 OURS = ":".join(KEEP_FREED)
 

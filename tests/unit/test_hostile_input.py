@@ -22,15 +22,15 @@ import pytest
 from pydantic import ValidationError
 
 from services.learner.data.feeder import load_rows
-from services.learner.data.sources import DataError
 from services.scorer.rewards.functions import RewardBatch, RewardFailure, run_function, trl_style
 from services.scorer.rewards.http_plugin import HttpRewardPlugin, request_body
-from services.scorer.rewards.threads import RewardThreads
+from services.scorer.rewards.reward_threads import RewardThreads
 from services.scorer.scoring import build_functions, reward_batch
 from shared.codec import WireError, decode, encode
 from shared.columns import RESERVED_COLUMNS, column_problem
 from shared.config.data import DataSettings
 from shared.config.scorer import RewardSpec
+from shared.dataset.sources import DataError
 from shared.records import PromptTask, Rollout
 from shared.reward_protocol import RewardItem
 from tests.support.factories import make_rollout, make_task

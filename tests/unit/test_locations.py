@@ -100,7 +100,7 @@ def test_a_module_found_whose_own_import_fails_says_what_it_lacks(folders, monke
 
 
 def test_a_data_file_beside_the_config_is_read_from_another_directory(folders, monkeypatch):
-    from services.learner.data.sources import DataError, read_source
+    from shared.dataset.sources import DataError, read_source
 
     experiment, elsewhere = folders
     (experiment / "rows.jsonl").write_text('{"prompt": "2+2?", "answer": "4"}\n{"prompt": "3+3?", "answer": "6"}\n')

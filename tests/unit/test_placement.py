@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shared.config.generator import GeneratorSettings
-from shared.placement import (
+from shared.gpu_leases import (
     PlacementError,
     first_free,
     leasable_gpus,

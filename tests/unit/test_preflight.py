@@ -15,14 +15,14 @@ import pytest
 import services.launcher.preflight as preflight_module
 from services.launcher.explain import explain
 from services.launcher.preflight import FIRST_ROWS, Problem, first_row_columns, isolated_preflight, preflight
-from services.learner.data.sources import read_source
-from services.scorer.rewards.columns import missing_columns_message, unaccepted_keywords_message
-from services.scorer.rewards.imports import closest_names_hint, public_callables, reward_problems
 from services.scorer.startup import build_rewards
 from shared.config.data import DataSettings
 from shared.config.pipeline import PipelineConfig
 from shared.config.scorer import RewardSpec
+from shared.dataset.sources import read_source
 from shared.lifecycle import NotStarting
+from shared.reward_columns import missing_columns_message, unaccepted_keywords_message
+from shared.reward_imports import closest_names_hint, public_callables, reward_problems
 
 REWARDS = """
 import math

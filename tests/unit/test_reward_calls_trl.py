@@ -16,7 +16,6 @@ from pydantic import ValidationError
 
 import services.scorer.rewards.functions as functions_module
 from services.scorer.rewards.batching import RewardBatcher, merge_batches, split_result
-from services.scorer.rewards.columns import missing_columns_message, unaccepted_keywords_message
 from services.scorer.rewards.functions import (
     RewardBatch,
     RewardBugError,
@@ -36,6 +35,7 @@ from shared.advantages import reward_function_metrics
 from shared.config.learner import LearnerSettings
 from shared.config.scorer import RewardSpec, ScorerSettings
 from shared.records import AdvantageSpec
+from shared.reward_columns import missing_columns_message, unaccepted_keywords_message
 from shared.reward_protocol import load_reward_function
 from tests.support.factories import make_rollout, make_task
 

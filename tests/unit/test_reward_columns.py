@@ -1,9 +1,9 @@
-"""services/scorer/rewards/columns.py: the columns a reward function needs, the keywords it cannot take, and the
+"""shared/reward_columns.py: the columns a reward function needs, the keywords it cannot take, and the
 messages for both."""
 
 from __future__ import annotations
 
-from services.scorer.rewards.columns import (
+from shared.reward_columns import (
     missing_columns,
     missing_columns_message,
     passed_keywords,

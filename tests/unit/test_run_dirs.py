@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from services.learner.metrics.telemetry import MetricsSink
+from services.learner.metrics.metric_sinks import MetricsSink
 from shared.config.learner import LearnerSettings
 from shared.runs import RUN_FILE, ResumeRefused, checkpoint_to_resume, run_identity
 from shared.telemetry import MetricsGauges

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from services.learner.data.sources import DataError, read_eval_source, read_source, split_problems
 from shared.config.data import DataSettings
+from shared.dataset.sources import DataError, read_eval_source, read_source, split_problems
 
 ROWS = [{"prompt": f"q{i}", "solution": str(i)} for i in range(10)]
 

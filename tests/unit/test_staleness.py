@@ -1,4 +1,4 @@
-"""``shared.staleness.trajectory_version`` and the ``Rollout.policy_version`` check it backs
+"""``shared.sampled_versions.trajectory_version`` and the ``Rollout.policy_version`` check it backs
 (docs/concepts/multi-turn-design.md §2.2, build step 3).
 
 The oldest version over sampled tokens only (masked -1 context ignored), None where nothing bounds it; a rollout
@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from shared.codec import WireError, decode, encode
 from shared.records import Rollout
-from shared.staleness import trajectory_version
+from shared.sampled_versions import trajectory_version
 from tests.support.factories import (
     make_rollout,
     make_scored,

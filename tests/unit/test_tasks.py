@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from services.learner.data.tasks import (
+from shared.dataset.tasks import (
     BUILTIN_TASKS,
     CALCULATOR_EXAMPLES,
     ITEMS,

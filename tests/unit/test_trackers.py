@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from services.learner.metrics.telemetry import MetricsSink
+from services.learner.metrics.metric_sinks import MetricsSink
 from services.learner.metrics.trackers import TrackingRun, open_trackers, project_name, table_cells
 from shared.config.learner import LearnerSettings
 from shared.config.pipeline import load_or_exit

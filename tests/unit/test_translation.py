@@ -14,10 +14,9 @@ import pytest
 import yaml
 
 from services.launcher.explain import explain
-from services.launcher.from_trl import from_trl
-from services.launcher.from_verl import from_verl
-from services.launcher.translation import InvalidTranslationError, Translation, check, summary, to_toml
-from services.launcher.verl_hydra import HydraDefaultsError, resolve
+from services.launcher.interop.translation import InvalidTranslationError, Translation, check, summary, to_toml
+from services.launcher.interop.trl import from_trl
+from services.launcher.interop.verl import HydraDefaultsError, from_verl, resolve
 from shared.config.pipeline import PipelineConfig
 from tests.support.processes import ROOT
 

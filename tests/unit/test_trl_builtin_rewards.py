@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from services.launcher.from_trl import from_trl
+from services.launcher.interop.trl import from_trl
 from shared import trl_rewards
 from shared.trl_rewards import (
     accuracy_reward,

@@ -24,7 +24,6 @@ from weight_sync.direct_load import (
     source_names,
     stack_rows,
 )
-from weight_sync.placement import slot_views
 from weight_sync.protocol import (
     bucket_byte_sizes,
     bucket_views,
@@ -36,6 +35,7 @@ from weight_sync.protocol import (
     stacked_order,
     unpack_bucket,
 )
+from weight_sync.send_buffers import slot_views
 from weight_sync.sender import _PHASES, _describe, _phases_of, _slowest_phases
 from weight_sync.transport_ipc import ipc_rebuild_args, ipc_record_from_args
 
@@ -464,7 +464,7 @@ def test_slot_views_are_where_pack_bucket_puts_each_tensor_that_travels_uncast(d
 
 
 def test_placed_parameters_are_packed_by_no_copy_and_stay_exact_and_can_be_owned_again(monkeypatch):
-    from weight_sync.placement import own_parameters, place_parameters
+    from weight_sync.send_buffers import own_parameters, place_parameters
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
@@ -510,8 +510,8 @@ def test_placed_parameters_are_packed_by_no_copy_and_stay_exact_and_can_be_owned
 def test_the_pusher_packs_into_the_same_cpu_buffers_while_the_layout_holds():
     import threading
 
+    from weight_sync.push_thread import SendThread
     from weight_sync.sender import WeightPusher
-    from weight_sync.sending import SendThread
 
     pusher = WeightPusher(bind_port=0, advertise_host="127.0.0.1", api_token="t", bucket_bytes=96)
     named = _named()
@@ -579,8 +579,8 @@ def test_borrowed_buffers_are_never_aliased():
 
 
 def test_the_pusher_packs_into_kept_shared_memory_segments_and_removes_them(tmp_path):
+    from weight_sync.push_thread import SendThread
     from weight_sync.sender import WeightPusher
-    from weight_sync.sending import SendThread
 
     pusher = WeightPusher(
         bind_port=0, advertise_host="127.0.0.1", api_token="t", bucket_bytes=96, shm_dir=str(tmp_path)
@@ -824,7 +824,7 @@ def _trains_like(model: torch.nn.Module, twin: torch.nn.Module) -> None:
 
 def test_placed_transposed_parameters_train_and_pack_by_no_copy(monkeypatch):
     from services.learner.model import linear_weight_names
-    from weight_sync.placement import place_parameters
+    from weight_sync.send_buffers import place_parameters
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
@@ -1144,7 +1144,7 @@ def test_a_joined_entry_must_continue_a_transposed_block_of_its_size():
 def test_a_fused_optimizer_s_learner_places_only_contiguous_parameters():
     """PyTorch's fused AdamW walks a parameter's memory flat: transposed homes are left out for it."""
     from services.learner.model import linear_weight_names
-    from weight_sync.placement import place_parameters
+    from weight_sync.send_buffers import place_parameters
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
@@ -1160,7 +1160,7 @@ def test_a_fused_optimizer_s_learner_places_only_contiguous_parameters():
 
 
 def test_placed_joined_parameters_train_the_same_and_pack_by_no_copy():
-    from weight_sync.placement import place_parameters
+    from weight_sync.send_buffers import place_parameters
 
     torch.manual_seed(0)
 

@@ -241,7 +241,7 @@ class _RecordingGroup:
 def test_the_learner_sends_one_bucket_at_a_time_in_order():
     from weight_sync.plan import PushPlan
     from weight_sync.protocol import plan_buckets
-    from weight_sync.sending import BucketPush, _pack_and_send
+    from weight_sync.push_thread import BucketPush, _pack_and_send
 
     named = [(f"w{i}", torch.full((256,), float(i))) for i in range(3)]
     _, buckets = plan_buckets(named, 1024, "float32")

@@ -11,7 +11,7 @@ import torch
 from services.learner.model import linear_weight_names
 from tests.gpu import standin
 from tests.gpu.weight_path import digests, push, start_receiver, stop_receiver
-from weight_sync.placement import own_parameters, place_parameters
+from weight_sync.send_buffers import own_parameters, place_parameters
 from weight_sync.sender import WeightPusher
 
 

@@ -33,7 +33,7 @@ from services.generator.trajectory.state import (
 from services.generator.trajectory.template import PrefixBreak, Render, check_template, make_render, turn_delta
 from shared.chat import message_dict
 from shared.records import Completion, PromptTask, SamplingSpec
-from shared.staleness import trajectory_version
+from shared.sampled_versions import trajectory_version
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from shared.records import Completion, Rollout, ScoredGroup
-from shared.staleness import trajectory_version
+from shared.sampled_versions import trajectory_version
 
 
 @dataclass
@@ -131,7 +131,7 @@ def row_prompt(rollout: Rollout, completion: Completion) -> np.ndarray:
 
 def row_version(rollout: Rollout, completion: Completion) -> int:
     """The policy version of a row for staleness: the oldest version over its sampled tokens
-    (:func:`shared.staleness.trajectory_version`), the rollout's start version when no token carries one."""
+    (:func:`shared.sampled_versions.trajectory_version`), the rollout's start version when no token carries one."""
     oldest = trajectory_version(completion.token_versions, completion.loss_mask)
     return rollout.policy_version if oldest is None else oldest
 

@@ -22,7 +22,7 @@ from services.learner.data.admission import Admission
 from services.learner.data.feeder import PromptFeeder
 from services.learner.data.staleness import is_stale
 from services.learner.metrics.counters import Counters, DropReason
-from services.learner.metrics.telemetry import MetricsSink
+from services.learner.metrics.metric_sinks import MetricsSink
 from shared.config.learner import LearnerSettings
 from shared.intake import decode_or_reject
 from shared.records import ScoredGroup
@@ -54,7 +54,7 @@ def drop_reason(
 ) -> DropReason | None:
     """Why ``group`` is not trained at ``policy_version``, or None when it is. The group's age is its rollout's
     ``policy_version``, which the record validates to be at most every sampled token's version
-    (:func:`shared.staleness.trajectory_version`): a trajectory is as old as its oldest sampled turn."""
+    (:func:`shared.sampled_versions.trajectory_version`): a trajectory is as old as its oldest sampled turn."""
     version = group.rollout.policy_version
     if group.group_id in trained:
         return "already_trained"

@@ -12,7 +12,7 @@ A failure is an *outage*, a *bug* or a *bad input*. An HTTP plugin's failures, a
 ``OSError`` (``ConnectionError``, ``TimeoutError``, what ``requests`` and ``urllib`` raise) or
 ``httpx.HTTPError``, say "not now": something the function needs is out of reach, and a later call may
 succeed. A Python plugin that gives no answer within its ``timeout_s`` is such an outage too (its call is
-abandoned, see :mod:`services.scorer.rewards.threads`). Any other exception
+abandoned, see :mod:`services.scorer.rewards.reward_threads`). Any other exception
 from a Python function (built-in or plugin), or an answer that is not G numbers, is a bug in the function:
 the same group would fail the same way again. A bug's traceback is logged at ERROR the first time each
 function has one (later ones are one line each) and counted in ``rewards/<name>/bugs``; the scoring loop
@@ -20,7 +20,7 @@ stops the scorer on a required reward's bug (as TRL's trainer stops) instead of 
 (:class:`RewardInputError`: the group cannot even be put to the function, e.g. a column a plugin's JSON
 request cannot carry) is the record's fault, not the function's: it never counts against the breaker, and
 the scoring loop dead-letters the group as a bad record. A group whose row lacks a column the function needs
-(a parameter without a default, :mod:`services.scorer.rewards.columns`) is such a bad input: it is checked
+(a parameter without a default, :mod:`shared.reward_columns`) is such a bad input: it is checked
 before the call, and a ``TypeError`` the call itself raises for a missing parameter is reported the same way.
 A function without ``**kwargs`` that takes no keyword for something the scorer passes it (a column of the row,
 not only those it uses, or ``max_completion_length``) is a bug in its signature, not a bad record: checked
@@ -51,15 +51,15 @@ from typing import Any
 import httpx
 import numpy as np
 
-from services.scorer.rewards.columns import (
+from services.scorer.rewards.reward_threads import RewardThreads, RewardTimeoutError
+from shared.redaction import redact, redacted_error
+from shared.resilience import CircuitBreaker, CircuitOpenError
+from shared.reward_columns import (
     missing_columns,
     missing_columns_message,
     unaccepted_keywords,
     unaccepted_keywords_message,
 )
-from services.scorer.rewards.threads import RewardThreads, RewardTimeoutError
-from shared.redaction import redact, redacted_error
-from shared.resilience import CircuitBreaker, CircuitOpenError
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ These come from ``transformers.TrainingArguments`` (which ``GRPOConfig`` extends
 ``ModelConfig`` (``use_peft``, ``lora_*``) and from the ``trl grpo`` script's arguments (``dataset_*``), which
 the ``trl grpo`` YAML mixes with GRPOConfig's fields. Each function takes the fields it reads out of
 ``fields``; a value with no faithful counterpart is refused with the reason, or translated to the nearest
-setting and recorded as a :class:`~translation.Difference`. Options that change nothing learned here are
-listed in ``TRL_NO_EFFECT`` with the reason, and left out without ``--allow-unmapped``.
+setting and recorded as a :class:`~services.launcher.interop.translation.Difference`. The table of the
+fields read, and of those that change nothing learned here, is :mod:`services.launcher.interop.trl`.
 """
 
 from __future__ import annotations
@@ -15,89 +15,25 @@ import math
 from pathlib import Path
 from typing import Any
 
-from services.launcher.translation import Draft, ours, run_from_directory, trackers, warmup_from_share
+from services.launcher.interop.translation import Draft, ours, run_from_directory, trackers, warmup_from_share
 
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")  # the files the learner reads as data (data/sources.py)
-# TRL's ModelConfig fields that only mean something with use_peft.
-LORA_FIELDS = (
-    "lora_r",
-    "lora_alpha",
-    "lora_dropout",
-    "lora_target_modules",
-    "lora_target_parameters",
-    "lora_modules_to_save",
-    "lora_task_type",
-    "use_rslora",
-    "use_dora",
-)
-_LOGGING = "logging only: metrics here go to metrics.jsonl every step, and to learner.report_to"
-_HUB = "the Hugging Face Hub: nothing is pushed from here; checkpoints stay in learner.checkpoint_dir"
-_LOADING = "how the Trainer loads batches, not which prompts: the learner reads the dataset itself"
-_VLLM_SERVER = "TRL's connection to its vLLM server: generators here register themselves through Redis"
-# Options that change nothing learned here, and why; listed in the output, never refused.
-TRL_NO_EFFECT = {
-    **dict.fromkeys(
-        (
-            "logging_strategy",
-            "logging_first_step",
-            "logging_nan_inf_filter",
-            "logging_dir",
-            "log_level",
-            "log_level_replica",
-            "log_on_each_node",
-            "disable_tqdm",
-            "log_unique_prompts",
-            "wandb_log_unique_prompts",
-            "log_multimodal",
-            "include_num_input_tokens_seen",
-            "skip_memory_metrics",
-            "trackio_space_id",
-        ),
-        _LOGGING,
-    ),
-    **dict.fromkeys(
-        (
-            "push_to_hub",
-            "hub_model_id",
-            "hub_strategy",
-            "hub_token",
-            "hub_private_repo",
-            "hub_always_push",
-            "hub_revision",
-            "log_completions_hub_repo",
-        ),
-        _HUB,
-    ),
-    **dict.fromkeys(
-        (
-            "dataloader_num_workers",
-            "dataloader_pin_memory",
-            "dataloader_persistent_workers",
-            "dataloader_prefetch_factor",
-            "dataset_streaming",
-        ),
-        _LOADING,
-    ),
-    **dict.fromkeys(
-        ("vllm_server_host", "vllm_server_port", "vllm_server_base_url", "vllm_server_timeout", "vllm_group_port"),
-        _VLLM_SERVER,
-    ),
-    "run_name": "the trackers' name for the run; learner.run_name here names the run's directory and continues "
-    "a run of that name: output_dir's last part gives it, asyncgrpo run --run-name overrides",
-    "overwrite_output_dir": "each run here has its own directory under learner.runs_dir",
-    "save_only_model": "checkpoints here always hold the optimizer state (resuming needs it)",
-    "save_on_each_node": "the learner's rank 0 writes every checkpoint",
-    "per_device_eval_batch_size": "evaluation completions here are sampled by the generators",
-    "eval_accumulation_steps": "evaluation completions here are sampled by the generators",
-    "gradient_checkpointing_kwargs": "how activations are recomputed, not what is computed",
-    "torch_empty_cache_steps": "memory housekeeping",
-    "ignore_bias_buffers": "a DDP workaround of the trl script",
-    "ds3_gather_for_generation": "DeepSpeed ZeRO-3 generation: generation here is vLLM's",
-    "vllm_enable_sleep_mode": "vLLM memory housekeeping in TRL's colocated mode",
-    "vllm_tensor_parallel_size": "a deployment choice: GPUs per generator replica are generator.tensor_parallel_size",
-}
+# The files the learner reads as data (shared/dataset/sources.py).
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 # transformers' lr_scheduler_type -> our min_lr_ratio (warm-up, then cosine decay to min_lr_ratio x lr).
 _SCHEDULES = {"constant": 1.0, "constant_with_warmup": 1.0, "cosine": 0.0, "linear": 0.0}
+
+
+def trl_trainer(fields: dict[str, Any], draft: Draft, steps_known: bool, lora_fields: tuple[str, ...]) -> None:
+    """The Trainer's, ModelConfig's and the script's side after the steps: the schedule, checkpoints, the output
+    directory, precision, LoRA, the data, evaluation and logging."""
+    trl_schedule(fields, draft, steps_known)
+    trl_checkpoints(fields, draft, steps_known)
+    trl_output(fields, draft)
+    trl_precision(fields, draft)
+    trl_lora(fields, draft, lora_fields)
+    test_split = trl_data(fields, draft)
+    trl_evaluation(fields, draft, steps_known, test_split)
+    trl_monitoring(fields, draft, steps_known)
 
 
 def trl_steps(fields: dict[str, Any], draft: Draft) -> bool:
@@ -281,10 +217,11 @@ def trl_precision(fields: dict[str, Any], draft: Draft) -> None:
         raise ValueError(f"dtype = {dtype!r}: the weights here are float32 or bfloat16 (param_dtype)")
 
 
-def trl_lora(fields: dict[str, Any], draft: Draft) -> None:
-    """use_peft with lora_* -> our LoRA; without use_peft TRL ignores them, and so does the translation."""
+def trl_lora(fields: dict[str, Any], draft: Draft, lora_fields: tuple[str, ...]) -> None:
+    """use_peft with ``lora_fields`` (ModelConfig's lora_*) -> our LoRA; without use_peft TRL ignores them, and
+    so does the translation."""
     use_peft = bool(fields.pop("use_peft", False))
-    lora = {name: fields.pop(name) for name in LORA_FIELDS if name in fields}
+    lora = {name: fields.pop(name) for name in lora_fields if name in fields}
     if not use_peft:
         given = sorted(set(lora) & draft.given)
         if given:
@@ -460,12 +397,3 @@ def trl_deployment(fields: dict[str, Any], draft: Draft, use_vllm: bool | None) 
         )
     else:
         raise ValueError(f"vllm_mode = {mode!r} is unknown: TRL's 'server' and 'colocate' translate")
-
-
-def trl_no_effect(fields: dict[str, Any], draft: Draft) -> None:
-    """Take out the options that change nothing learned here, listing those the file itself gives."""
-    for name, why in TRL_NO_EFFECT.items():
-        if name in fields:
-            fields.pop(name)
-            if name in draft.given:
-                draft.ignore(name, why)

@@ -3,9 +3,8 @@ LoRA, verl's rollout correction (its importance sampling), the data files, valid
 checkpointing.
 
 Each function takes the dotted keys it reads out of ``flat``; a value with no faithful counterpart is
-refused with the reason, or translated to the nearest setting and recorded as a difference. Keys that change
-nothing learned here are listed in ``VERL_NO_EFFECT`` with the reason, and left out without
-``--allow-unmapped``.
+refused with the reason, or translated to the nearest setting and recorded as a difference. The table of the
+keys read, and of those that change nothing learned here, is :mod:`services.launcher.interop.verl`.
 """
 
 from __future__ import annotations
@@ -13,58 +12,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.launcher.translation import Draft, ours, run_from_directory, trackers, warmup_from_share
+from services.launcher.interop.translation import Draft, ours, run_from_directory, trackers, warmup_from_share
 
-_OPTIM = "actor_rollout_ref.actor.optim"
-_MODEL = "actor_rollout_ref.model"
-_CORRECTION = "algorithm.rollout_correction"
-# Every key read here (filled from the composed verl defaults when they are given).
-VERL_TRAINING_READ = (
-    "trainer.total_epochs",
-    "trainer.total_training_steps",
-    "trainer.save_freq",
-    "trainer.max_actor_ckpt_to_keep",
-    "trainer.default_local_dir",
-    "trainer.resume_mode",
-    f"{_OPTIM}.betas",
-    f"{_OPTIM}.lr_scheduler_type",
-    f"{_OPTIM}.warmup_style",
-    f"{_OPTIM}.min_lr_ratio",
-    f"{_OPTIM}.num_cycles",
-    f"{_OPTIM}.lr_warmup_steps",
-    f"{_OPTIM}.lr_warmup_steps_ratio",
-    f"{_MODEL}.lora_rank",
-    f"{_MODEL}.lora_alpha",
-    f"{_MODEL}.target_modules",
-    f"{_CORRECTION}.rollout_is",
-    f"{_CORRECTION}.rollout_is_threshold",
-    "data.filter_overlong_prompts",
-    "data.truncation",
-    "trainer.test_freq",
-    "trainer.val_before_train",
-)
-_PLACEMENT = (
-    "placement: GPUs here are given at deployment, LEARNER_GPUS and one per generator replica (README, GPU box)"
-)
-_NO_GRAD_BATCH = "how log-probabilities are batched, not their values (learner.no_grad_micro_batch_size here)"
-_OFFLOAD = "where FSDP keeps weights and optimizer state, not their values"
-# Keys that change nothing learned here, and why; listed in the output, never refused.
-VERL_NO_EFFECT = {
-    "trainer.n_gpus_per_node": _PLACEMENT,
-    "trainer.nnodes": _PLACEMENT,
-    "actor_rollout_ref.rollout.name": "the rollout engine: generators here run vLLM",
-    f"{_MODEL}.use_remove_padding": "padding-free kernels compute the same loss",
-    "trainer.experiment_name": "the trackers' name for the run; learner.run_name here names the run's directory "
-    "and continues a run of that name: trainer.default_local_dir's last part gives it, --run-name overrides",
-    "trainer.log_val_generations": "logging only: learner.log_completions writes completion tables here",
-    "trainer.default_hdfs_dir": "a copy of the checkpoints on HDFS: nothing is copied from here",
-    "data.dataloader_num_workers": "how batches are loaded, not which prompts",
-    "actor_rollout_ref.actor.fsdp_config.param_offload": _OFFLOAD,
-    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": _OFFLOAD,
-    "actor_rollout_ref.ref.fsdp_config.param_offload": _OFFLOAD,
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": _NO_GRAD_BATCH,
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": _NO_GRAD_BATCH,
-}
+# The sections of verl's document this side reads (the table of its keys is services.launcher.interop.verl).
+OPTIM = "actor_rollout_ref.actor.optim"
+MODEL = "actor_rollout_ref.model"
+CORRECTION = "algorithm.rollout_correction"
 
 
 def verl_steps(flat: dict[str, Any], draft: Draft) -> bool:
@@ -90,13 +43,13 @@ def verl_steps(flat: dict[str, Any], draft: Draft) -> bool:
 
 def verl_optimizer(flat: dict[str, Any], draft: Draft, steps_known: bool) -> None:
     """AdamW's betas, and verl's constant or cosine schedule with its warm-up."""
-    betas = flat.pop(f"{_OPTIM}.betas", None)
+    betas = flat.pop(f"{OPTIM}.betas", None)
     if betas is not None:
         draft.learner["adam_beta1"], draft.learner["adam_beta2"] = (float(b) for b in betas)
-    style = flat.pop(f"{_OPTIM}.warmup_style", None)  # verl's older name of lr_scheduler_type
-    kind = flat.pop(f"{_OPTIM}.lr_scheduler_type", None) or style
-    floor = flat.pop(f"{_OPTIM}.min_lr_ratio", None)
-    cycles = flat.pop(f"{_OPTIM}.num_cycles", 0.5)
+    style = flat.pop(f"{OPTIM}.warmup_style", None)  # verl's older name of lr_scheduler_type
+    kind = flat.pop(f"{OPTIM}.lr_scheduler_type", None) or style
+    floor = flat.pop(f"{OPTIM}.min_lr_ratio", None)
+    cycles = flat.pop(f"{OPTIM}.num_cycles", 0.5)
     if kind == "constant":
         draft.learner["min_lr_ratio"] = 1.0
     elif kind == "cosine" and cycles == 0.5:
@@ -110,8 +63,8 @@ def verl_optimizer(flat: dict[str, Any], draft: Draft, steps_known: bool) -> Non
 
 
 def _verl_warmup(flat: dict[str, Any], draft: Draft, steps_known: bool) -> None:
-    steps = flat.pop(f"{_OPTIM}.lr_warmup_steps", None)
-    ratio = flat.pop(f"{_OPTIM}.lr_warmup_steps_ratio", None)
+    steps = flat.pop(f"{OPTIM}.lr_warmup_steps", None)
+    ratio = flat.pop(f"{OPTIM}.lr_warmup_steps_ratio", None)
     if steps is not None and steps > 0:
         draft.learner["warmup_steps"] = int(steps)
     elif ratio:
@@ -172,9 +125,9 @@ def _verl_directory(flat: dict[str, Any], draft: Draft) -> None:
 
 def verl_lora(flat: dict[str, Any], draft: Draft) -> None:
     """model.lora_rank (> 0: LoRA), lora_alpha and target_modules."""
-    rank = flat.pop(f"{_MODEL}.lora_rank", None)
-    alpha = flat.pop(f"{_MODEL}.lora_alpha", None)
-    targets = flat.pop(f"{_MODEL}.target_modules", None)
+    rank = flat.pop(f"{MODEL}.lora_rank", None)
+    alpha = flat.pop(f"{MODEL}.lora_alpha", None)
+    targets = flat.pop(f"{MODEL}.target_modules", None)
     if not rank:
         return
     draft.learner["lora_rank"] = int(rank)
@@ -189,8 +142,8 @@ def verl_lora(flat: dict[str, Any], draft: Draft) -> None:
 def verl_correction(flat: dict[str, Any], draft: Draft) -> None:
     """rollout_correction.rollout_is (token or sequence weights, truncated at rollout_is_threshold) -> our
     importance correction; verl's default, none, differs from ours."""
-    level = flat.pop(f"{_CORRECTION}.rollout_is", None)
-    threshold = flat.pop(f"{_CORRECTION}.rollout_is_threshold", None)
+    level = flat.pop(f"{CORRECTION}.rollout_is", None)
+    threshold = flat.pop(f"{CORRECTION}.rollout_is_threshold", None)
     if level in ("token", "sequence"):
         draft.learner.update(importance_correction=True, importance_level=level, importance_mode="truncate")
         if threshold is not None:
@@ -259,7 +212,7 @@ def verl_monitoring(flat: dict[str, Any], draft: Draft) -> None:
     project = flat.pop("trainer.project_name", None)
     if project:
         draft.learner["tracking_project"] = str(project)
-    checkpointing = flat.pop(f"{_MODEL}.enable_gradient_checkpointing", None)
+    checkpointing = flat.pop(f"{MODEL}.enable_gradient_checkpointing", None)
     if checkpointing is not None:
         draft.learner["gradient_checkpointing"] = bool(checkpointing)
     frequency = flat.pop("trainer.test_freq", None)
@@ -270,11 +223,3 @@ def verl_monitoring(flat: dict[str, Any], draft: Draft) -> None:
         draft.learner["eval_every"] = int(frequency)
     if before is not None:
         draft.learner["eval_on_start"] = bool(before)
-
-
-def verl_no_effect(flat: dict[str, Any], draft: Draft) -> None:
-    """Take out the keys that change nothing learned here, listing each."""
-    for key, why in VERL_NO_EFFECT.items():
-        if key in flat:
-            flat.pop(key)
-            draft.ignore(key, why)

@@ -1,29 +1,89 @@
-"""``asyncgrpo config from-verl``: our TOML tables from a verl ``ppo_trainer.yaml``-style document.
+"""verl's side of ``asyncgrpo config from-verl``: the one table of every verl key read, and the translation.
 
-Keys the document leaves out take verl's values from its composed configuration when one is given
-(``defaults``: ``--verl-defaults``), else ours; a Hydra ``defaults:`` file without it is refused
-(``verl_hydra``). Values that behave differently here are listed with both values. The README's verl
-mapping table is the map; keys that change nothing learned here (``VERL_NO_EFFECT``) are listed as such, and
-keys with no counterpart stay in the flattened document and are reported.
+The document is a verl ``ppo_trainer.yaml``-style mapping. Keys it leaves out take verl's values from its
+composed configuration when one is given (``defaults``: ``--verl-defaults``), else ours. Values that behave
+differently here are listed with both values. This module is the map (the README's verl mapping table is its
+prose): keys copied as they are (``VERL_DIRECT``, ``VERL_GENERATOR``), keys that change nothing learned here
+and why (``VERL_NO_EFFECT``), and every key read (``VERL_READ``, the only ones filled from the composed
+defaults); keys with no counterpart stay in the flattened document and are reported. ``verl_trainer`` holds
+the trainer's side (steps, schedule, checkpoints, LoRA, rollout correction, data, validation, loggers).
+
+verl's configuration files are Hydra's. Its ``ppo_trainer.yaml`` holds few values itself: a ``defaults:`` list
+composes the rest from config groups (``actor@actor_rollout_ref.actor: dp_actor`` is ``actor/dp_actor.yaml``
+placed at ``actor_rollout_ref.actor``), which themselves have defaults lists and ``${oc.select:...}``
+interpolations. Translating only the file's own values would quietly replace everything else with our
+defaults, so such a file is refused unless the composed configuration is given (verl ships it as
+``verl/trainer/config/_generated_ppo_trainer.yaml``, and ``--cfg job`` prints it for any Hydra config). The
+file's own values then override the composed ones, as ``_self_`` last in the list does.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
-from services.launcher.translation import Draft, Translation, fit_micro_batch, ours, staleness_difference
-from services.launcher.verl_hydra import composition, own_values, refusal, resolve
-from services.launcher.verl_training import (
-    VERL_TRAINING_READ,
+from services.launcher.interop.translation import Draft, Translation, fit_micro_batch, ours, staleness_difference
+from services.launcher.interop.verl_trainer import (
+    CORRECTION,
+    MODEL,
+    OPTIM,
     verl_checkpoints,
     verl_correction,
     verl_data,
     verl_lora,
     verl_monitoring,
-    verl_no_effect,
     verl_optimizer,
     verl_steps,
 )
+
+# The keys verl_trainer reads.
+VERL_TRAINER_READ = (
+    "trainer.total_epochs",
+    "trainer.total_training_steps",
+    "trainer.save_freq",
+    "trainer.max_actor_ckpt_to_keep",
+    "trainer.default_local_dir",
+    "trainer.resume_mode",
+    f"{OPTIM}.betas",
+    f"{OPTIM}.lr_scheduler_type",
+    f"{OPTIM}.warmup_style",
+    f"{OPTIM}.min_lr_ratio",
+    f"{OPTIM}.num_cycles",
+    f"{OPTIM}.lr_warmup_steps",
+    f"{OPTIM}.lr_warmup_steps_ratio",
+    f"{MODEL}.lora_rank",
+    f"{MODEL}.lora_alpha",
+    f"{MODEL}.target_modules",
+    f"{CORRECTION}.rollout_is",
+    f"{CORRECTION}.rollout_is_threshold",
+    "data.filter_overlong_prompts",
+    "data.truncation",
+    "trainer.test_freq",
+    "trainer.val_before_train",
+)
+_PLACEMENT = (
+    "placement: GPUs here are given at deployment, LEARNER_GPUS and one per generator replica (README, GPU box)"
+)
+_NO_GRAD_BATCH = "how log-probabilities are batched, not their values (learner.no_grad_micro_batch_size here)"
+_OFFLOAD = "where FSDP keeps weights and optimizer state, not their values"
+# Keys that change nothing learned here, and why; listed in the output, never refused.
+VERL_NO_EFFECT = {
+    "trainer.n_gpus_per_node": _PLACEMENT,
+    "trainer.nnodes": _PLACEMENT,
+    "actor_rollout_ref.rollout.name": "the rollout engine: generators here run vLLM",
+    f"{MODEL}.use_remove_padding": "padding-free kernels compute the same loss",
+    "trainer.experiment_name": "the trackers' name for the run; learner.run_name here names the run's directory "
+    "and continues a run of that name: trainer.default_local_dir's last part gives it, --run-name overrides",
+    "trainer.log_val_generations": "logging only: learner.log_completions writes completion tables here",
+    "trainer.default_hdfs_dir": "a copy of the checkpoints on HDFS: nothing is copied from here",
+    "data.dataloader_num_workers": "how batches are loaded, not which prompts",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": _OFFLOAD,
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": _OFFLOAD,
+    "actor_rollout_ref.ref.fsdp_config.param_offload": _OFFLOAD,
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": _NO_GRAD_BATCH,
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": _NO_GRAD_BATCH,
+}
 
 # verl's loss_agg_mode -> our aggregation, and the loss type that aggregates that way.
 _VERL_AGG = {
@@ -53,7 +113,7 @@ _VERL_LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "geo_mean", "kl_cov")
 
 _ACTOR = "actor_rollout_ref.actor"
 # verl key (dotted) -> our learner field, copied as they are.
-_VERL_DIRECT = {
+VERL_DIRECT = {
     f"{_ACTOR}.ppo_micro_batch_size_per_gpu": "micro_batch_size",
     f"{_ACTOR}.ppo_epochs": "num_iterations",
     f"{_ACTOR}.optim.lr": "lr",
@@ -73,16 +133,16 @@ _VERL_DIRECT = {
     "data.max_response_length": "max_completion_length",
     "actor_rollout_ref.model.path": "model",
 }
-_VERL_GENERATOR = {
+VERL_GENERATOR = {
     "actor_rollout_ref.rollout.gpu_memory_utilization": "gpu_memory_utilization",
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "tensor_parallel_size",
 }
 # Every key the translation reads (filled from verl's composed defaults when they are given).
-_VERL_READ = frozenset(
+VERL_READ = frozenset(
     {
-        *_VERL_DIRECT,
-        *_VERL_GENERATOR,
-        *VERL_TRAINING_READ,
+        *VERL_DIRECT,
+        *VERL_GENERATOR,
+        *VERL_TRAINER_READ,
         "data.train_batch_size",
         "actor_rollout_ref.rollout.n",
         f"{_ACTOR}.ppo_mini_batch_size",
@@ -97,6 +157,12 @@ _VERL_READ = frozenset(
         "algorithm.adv_estimator",
     }
 )
+
+# ${key}, ${.sibling} or ${oc.select:key,default} making up a whole value (which keeps the target's type).
+_WHOLE = re.compile(r"^\$\{(?:oc\.select:)?\s*([A-Za-z0-9_.]+)\s*(?:,(.*))?\}$")
+# ${key} inside a longer string ("checkpoints/${trainer.project_name}/...").
+_EMBEDDED = re.compile(r"\$\{([A-Za-z0-9_.]+)\}")
+_MAX_DEPTH = 8  # interpolations that lead to interpolations, followed this far
 
 
 def from_verl(document: dict[str, Any], defaults: dict[str, Any] | None = None) -> Translation:
@@ -121,7 +187,7 @@ def from_verl(document: dict[str, Any], defaults: dict[str, Any] | None = None) 
     verl_correction(flat, draft)
     verl_data(flat, draft)
     verl_monitoring(flat, draft)
-    verl_no_effect(flat, draft)
+    _verl_no_effect(flat, draft)
     staleness_difference(
         draft,
         theirs_staleness,
@@ -140,9 +206,9 @@ def _verl_flat(document: dict[str, Any], defaults: dict[str, Any] | None) -> dic
     composed: dict[str, Any] = {}
     if defaults is not None:
         _flatten("", own_values(defaults), composed)
-        fill = (_VERL_READ - {"actor_rollout_ref.model.path"}) & set(composed)  # verl's placeholder model: not one
+        fill = (VERL_READ - {"actor_rollout_ref.model.path"}) & set(composed)  # verl's placeholder model: not one
         flat = {**{k: composed[k] for k in fill if k not in flat}, **flat}
-    resolve(flat, set(_VERL_READ), {**composed, **flat})
+    resolve(flat, set(VERL_READ), {**composed, **flat})
     return flat
 
 
@@ -167,7 +233,7 @@ def _verl_batch(flat: dict[str, Any], learner: dict[str, Any]) -> int:
 
 
 def _verl_direct(flat: dict[str, Any], learner: dict[str, Any]) -> None:
-    for theirs, mine in _VERL_DIRECT.items():
+    for theirs, mine in VERL_DIRECT.items():
         value = flat.pop(theirs, None)  # null: verl's "unset", ours applies
         if value is not None:
             learner[mine] = value
@@ -235,7 +301,7 @@ def _verl_scorer(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def _verl_generator(flat: dict[str, Any], notes: list[str]) -> dict[str, Any]:
-    generator = {mine: flat.pop(theirs) for theirs, mine in _VERL_GENERATOR.items() if theirs in flat}
+    generator = {mine: flat.pop(theirs) for theirs, mine in VERL_GENERATOR.items() if theirs in flat}
     if generator.get("tensor_parallel_size", 1) > 1:
         generator["gpu_count"] = "auto"  # a replica over several GPUs leases them (README, GPU box)
         notes.append(
@@ -243,3 +309,86 @@ def _verl_generator(flat: dict[str, Any], notes: list[str]) -> dict[str, Any]:
             "here each generator replica leases its own tensor_parallel_size GPUs"
         )
     return generator
+
+
+def _verl_no_effect(flat: dict[str, Any], draft: Draft) -> None:
+    """Take out the keys that change nothing learned here, listing each."""
+    for key, why in VERL_NO_EFFECT.items():
+        if key in flat:
+            flat.pop(key)
+            draft.ignore(key, why)
+
+
+class HydraDefaultsError(ValueError):
+    """A Hydra ``defaults:`` file given without the configuration it composes to."""
+
+
+def composition(document: Mapping[str, Any]) -> list[str]:
+    """The config groups a document's ``defaults:`` list composes (``_self_`` left out); [] for none."""
+    entries = document.get("defaults")
+    if entries is None:
+        return []
+    if not isinstance(entries, list):
+        raise ValueError(f"defaults: {entries!r} is not a Hydra defaults list")
+    return [_entry(entry) for entry in entries if entry != "_self_"]
+
+
+def _entry(entry: Any) -> str:
+    if isinstance(entry, Mapping):
+        return ", ".join(f"{key}: {value}" for key, value in entry.items())
+    return str(entry)
+
+
+def own_values(document: Mapping[str, Any]) -> dict[str, Any]:
+    """The document without Hydra's own keys (``defaults``, ``hydra``): the values ``_self_`` applies."""
+    return {key: value for key, value in document.items() if key not in ("defaults", "hydra")}
+
+
+def refusal(groups: list[str]) -> HydraDefaultsError:
+    shown = "; ".join(groups[:4]) + ("; ..." if len(groups) > 4 else "")
+    return HydraDefaultsError(
+        f"this is a Hydra configuration whose defaults list ({shown}) composes most of its values from verl's "
+        "config groups, which are not read here; translating its own values alone would put asyncgrpo's "
+        "defaults where verl's are. Pass --verl-defaults FILE, the configuration it composes to (for verl's "
+        "ppo_trainer.yaml that is verl/trainer/config/_generated_ppo_trainer.yaml; for your own, print it with "
+        "`python -m verl.trainer.main_ppo --config-path DIR --config-name NAME --cfg job`), or translate "
+        "that composed file itself"
+    )
+
+
+def resolve(flat: dict[str, Any], keys: set[str], lookup: Mapping[str, Any]) -> None:
+    """Resolve the interpolations of ``keys`` in ``flat`` against ``lookup`` (dotted keys, composed values);
+    one that cannot be resolved is refused with the key named."""
+    for key in keys & set(flat):
+        flat[key] = _resolved(key, flat[key], lookup, 0)
+
+
+def _resolved(key: str, value: Any, lookup: Mapping[str, Any], depth: int) -> Any:
+    if not isinstance(value, str) or "${" not in value:
+        return value
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"{key} = {value!r}: the interpolation does not end")
+    whole = _WHOLE.match(value)
+    if whole:
+        target = _absolute(key, whole.group(1))
+        if target in lookup:
+            return _resolved(target, lookup[target], lookup, depth + 1)
+        if whole.group(2) is not None:
+            import yaml
+
+            return yaml.safe_load(whole.group(2).strip())
+        raise ValueError(f"{key} = {value!r}: {target} is not set in the configuration")
+    text = _EMBEDDED.sub(
+        lambda m: str(_resolved(m.group(1), lookup.get(m.group(1), m.group(0)), lookup, depth + 1)), value
+    )
+    if "${" in text:
+        raise ValueError(f"{key} = {value!r}: only ${{key}} and ${{oc.select:key,default}} are resolved here")
+    return text
+
+
+def _absolute(key: str, target: str) -> str:
+    """``.sibling`` is relative to the key's own node, as in OmegaConf."""
+    if not target.startswith("."):
+        return target
+    node = key.rpartition(".")[0]
+    return f"{node}.{target.lstrip('.')}" if node else target.lstrip(".")

@@ -3,7 +3,7 @@
 =======================================  ===============================================================
 ``source``                               read with
 =======================================  ===============================================================
-``builtin:arithmetic``                   :mod:`services.learner.data.tasks` (conversational: the question is
+``builtin:arithmetic``                   :mod:`shared.dataset.tasks` (conversational: the question is
                                          the user's turn); one split, ``train``
 a ``.jsonl``/``.json``/``.parquet``/     ``datasets.load_dataset("json" | "parquet" | "csv")``; a
 ``.csv`` file, a list of them, or a      directory's files are read whole, or only those whose name holds
@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.learner.data.tasks import BUILTIN_TASKS, HELD_OUT_SEED_OFFSET, held_out_rows, training_rows
 from shared.config.data import DataSettings, parse_split
 from shared.config.locations import locate, looked_in, search_dirs
+from shared.dataset.tasks import BUILTIN_TASKS, HELD_OUT_SEED_OFFSET, held_out_rows, training_rows
 
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 ONE_SPLIT = "train"  # the name of the one split of a built-in task, a file, or files read whole
