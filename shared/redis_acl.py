@@ -46,7 +46,9 @@ _VARIABLE = "\0"  # stands for the variable part of a key name while its pattern
 KEYLESS = ("ping", "select", "multi", "exec", "discard", "unwatch")  # select: the database number of REDIS_URL
 # Commands by what they serve, each granted only on the keys it serves (one ACL selector per key pattern).
 CONSUMER = ("xgroup|create", "xreadgroup", "xautoclaim", "xclaim", "xpending", "xack", "eval", "xinfo|groups", "xlen")
-APPLIED = ("exists", "set", "watch")  # a commit checks and sets its applied marker under WATCH
+# A commit checks its applied marker under WATCH and makes it with INCRBY (redis-py's incr) and EXPIRE: no command
+# granted there takes a value, so a marker holds an integer (at most 20 bytes), whatever its user sends.
+APPLIED = ("exists", "incrby", "expire", "watch")
 PRODUCER = ("xadd", "xinfo|groups", "xlen")  # adds under the backlog bound, which it reads
 RETENTION = ("xinfo|groups", "xlen", "xpending", "xtrim")  # trims what every group has finished (XTRIM MINID)
 
@@ -97,7 +99,10 @@ def _consumer(keys: Keys, stream: str, group: str, reader: str) -> tuple[KeyGran
     return (
         _grant(stream, "RW", CONSUMER, f"reads {reader} as group `{group}` (EVAL: claims its lost entries)"),
         _grant(
-            keys.applied(stream, group, _VARIABLE), "RW", APPLIED, "its applied markers, set under WATCH in a commit"
+            keys.applied(stream, group, _VARIABLE),
+            "RW",
+            APPLIED,
+            "its applied markers, made under WATCH in a commit (INCRBY: a counter, never a value sent)",
         ),
     )
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 import httpx
@@ -33,6 +35,32 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 _BODY_EXCERPT_CHARS = 200
 _RETRYABLE_STATUS = frozenset({408, 429})  # besides 5xx: the server asks to be called again later
 _MAX_BACKOFF_FACTOR = 10  # the longest wait between tries, in units of backoff_s
+# A transition as its service logs it, and the same line found in a log file: ``asyncgrpo run`` follows its
+# services' logs with it and shows each open and close on its console (services.launcher.supervisor).
+_TRANSITION = "%s %s: breaker %s (%s); last error: %s"
+_TRANSITION_LINE = re.compile(
+    r"(?P<subject>reward|environment) (?P<name>\S+): breaker (?P<state>open|closed|half-open) "
+    r"\((?P<why>[^)]*)\); last error: (?P<error>.*)$"
+)
+
+
+@dataclass(frozen=True)
+class BreakerTransition:
+    """One logged breaker transition: what it guards (``subject``, ``name``), its new state and why."""
+
+    subject: str
+    name: str
+    state: str  # "open", "closed" or "half-open", as logged
+    why: str
+    error: str  # the last error, redacted
+
+
+def breaker_transition(line: str) -> BreakerTransition | None:
+    """The breaker transition ``line`` of a service's log records, or None when it records none."""
+    match = _TRANSITION_LINE.search(line.rstrip("\n"))
+    if match is None:
+        return None
+    return BreakerTransition(**{**match.groupdict(), "error": redact(match["error"])})
 
 
 class CircuitOpenError(RuntimeError):
@@ -157,7 +185,7 @@ class CircuitBreaker:
         self._announced = state
         self._wake()
         log.warning(
-            "%s %s: breaker %s (%s); last error: %s",
+            _TRANSITION,
             self.subject,
             self.name,
             state.replace("_", "-"),

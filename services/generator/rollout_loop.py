@@ -40,7 +40,7 @@ class GeneratorStats:
     failures: int = 0
     rejected: int = 0
     rolled_back: int = 0  # groups sampled while the weights went back to an older version: sampled again
-    abandoned: int = 0  # multi-turn prompts given up after an environment fault: released and redelivered
+    abandoned: int = 0  # multi-turn prompts given up after an environment fault: handed back, claimed at once
     nonfinite: int = 0  # groups whose logprobs could not be trained on (shared.finite): dead-lettered
     _recent: deque = field(default_factory=deque)  # (time, tokens) of recent groups
 
@@ -115,7 +115,8 @@ class RolloutLoop:
 
     def _finished(self, task: asyncio.Task) -> None:
         """A prompt's task is done; a failure nobody handled is logged and counted (its prompt, released by
-        :meth:`_handle`, is delivered again after ``claim_idle_ms``)."""
+        :meth:`_handle`, is delivered again after ``claim_idle_ms``: the failure is not known to be the prompt's
+        own, so its retries are spread out)."""
         self._tasks.discard(task)
         if task.cancelled() or task.exception() is None:
             return
@@ -146,7 +147,7 @@ class RolloutLoop:
         except EnvFault as exc:
             self.stats.abandoned += 1
             log.warning("prompt %s abandoned, the environment failed: %s", delivery.record_id, exc)
-            await self.consumer.release(delivery, f"environment: {exc}")
+            await self.consumer.release(delivery, f"environment: {exc}", at_once=True)
             return
         except RolledBack as exc:
             await self._sample_again(delivery, str(exc))
@@ -186,7 +187,7 @@ class RolloutLoop:
         describes its tokens, so the prompt is released and sampled again with the weights served now."""
         self.stats.rolled_back += 1
         log.warning("prompt %s: %s while it was sampled; it is sampled again", delivery.record_id, reason)
-        await self.consumer.release(delivery, reason)
+        await self.consumer.release(delivery, reason, at_once=True)
 
     async def _commit(
         self, delivery: Delivery, task: PromptTask, group: SampledGroup | SampledTrajectories, received_at: float

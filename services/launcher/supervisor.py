@@ -7,7 +7,9 @@ per-replica values (generator id, ports, CPU cores), a per-run API token and exa
 a run is reachable from another machine. Ports are free ones by default
 (:func:`plan_ports`), so two runs on one machine do not collide, and are printed. The learner's output goes to
 the terminal (its progress bar); the others' to ``<log_dir>/<name>.log``, and when one of them exits early the
-end of its log is printed with the path. When the learner finishes, the others are stopped with SIGTERM;
+end of its log is printed with the path; every breaker of theirs that opens or closes (a reward plugin, an
+environment) is shown on the console as it happens, with the service, the breaker and the reason
+(:func:`breaker_console_line`). When the learner finishes, the others are stopped with SIGTERM;
 Ctrl-C stops everyone the same way. Only the pids started here are signalled.
 """
 
@@ -28,6 +30,8 @@ from services.launcher.local_redis import free_ports
 from shared.config.base import CONFIG_ENV
 from shared.config.launcher import LauncherSettings
 from shared.config.learner import LearnerSettings
+from shared.redaction import redact
+from shared.resilience import BreakerTransition, breaker_transition
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,7 @@ class Child:
     process: subprocess.Popen
     log_path: Path | None
     handles: list = field(default_factory=list)
+    read_to: int = 0  # how far the launcher has read its log (bytes), looking for breaker transitions
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,31 @@ def _set_or(learner: LearnerSettings, name: str, free: int) -> int:
 
 def _pinned(command: list[str], cpus: str) -> list[str]:
     return ["taskset", "-c", cpus, *command] if cpus else command
+
+
+def new_log_lines(path: Path, offset: int) -> tuple[list[str], int]:
+    """The whole lines written to ``path`` from byte ``offset`` on, and the offset after the last of them (a
+    line still being written is read next time)."""
+    if not path.exists():
+        return [], offset
+    with path.open("rb") as handle:
+        handle.seek(offset)
+        written = handle.read()
+    complete = written[: written.rfind(b"\n") + 1]
+    return complete.decode("utf-8", errors="replace").splitlines(), offset + len(complete)
+
+
+def breaker_console_line(service: str, transition: BreakerTransition) -> str | None:
+    """What the console says of ``service``'s breaker transition: one line when it opens, one when it closes
+    (half-open, the trial call, is left to the service's log)."""
+    if transition.state == "open":
+        return (
+            f"{service}: {transition.subject} {transition.name}: breaker open ({transition.why}); "
+            f"last error: {redact(transition.error)}"
+        )
+    if transition.state == "closed":
+        return f"{service}: {transition.subject} {transition.name}: breaker closed ({transition.why})"
+    return None
 
 
 def log_tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
@@ -138,10 +168,12 @@ class Supervisor:
         else:
             log_path = self.log_dir / f"{name}.log"
             handle = log_path.open("ab")
+            written_before = handle.seek(0, os.SEEK_END)  # before the service writes to it
             process = subprocess.Popen(
                 command, cwd=self.cwd, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
             )
-            child = Child(name, process, log_path, [handle])
+            # A log is appended to from run to run: only what this run writes is looked at for breakers.
+            child = Child(name, process, log_path, [handle], read_to=written_before)
         self.children.append(child)
         log.info("started %s (pid %d)%s", name, process.pid, f", log {child.log_path}" if child.log_path else "")
         return child
@@ -193,11 +225,28 @@ class Supervisor:
             code = learner.process.poll()
             if code is not None:
                 return code
+            self.show_breakers()
             for child in self.children:
                 if child is not learner and child.process.poll() is not None:
                     report_exit(child)
                     return 1
             time.sleep(0.5)
+
+    def show_breakers(self) -> None:
+        """Log, on the console, every breaker transition the services have written to their logs since the
+        last look (the learner writes to the console itself)."""
+        for child in self.children:
+            if child.log_path is None:
+                continue
+            for handle in child.handles:
+                handle.flush()
+            lines, child.read_to = new_log_lines(child.log_path, child.read_to)
+            for line in lines:
+                transition = breaker_transition(line)
+                if transition is None:
+                    continue
+                if shown := breaker_console_line(child.name, transition):
+                    log.log(logging.WARNING if transition.state == "open" else logging.INFO, "%s", shown)
 
     def stop_all(self) -> dict[str, int]:
         """SIGTERM every child still running, wait, SIGKILL stragglers; returns each exit code."""

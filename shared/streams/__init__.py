@@ -7,7 +7,9 @@ Guarantees, each tested in ``tests/integration/test_streams.py``:
   downstream (both live on the same Redis), so a crash leaves either nothing or everything done.
 * **Recovery.** A consumer first re-reads its own pending entries (a restart under a stable name). Entries
   idle longer than ``claim_idle_ms`` - their consumer died - are taken over with ``XAUTOCLAIM``. A live
-  consumer keeps its in-flight entries fresh (``XCLAIM ... JUSTID``), so slow work is not stolen. A read
+  consumer keeps its in-flight entries fresh (``XCLAIM ... JUSTID``), so slow work is not stolen, and one that
+  gives an entry up while alive can hand it back (``release(at_once=True)``: its idle time set past the bound,
+  still pending), so the next claim takes it without waiting ``claim_idle_ms``. A read
   that fails may have been carried out (a reply lost as Redis or the link went down); after it, and every
   few seconds, a read takes back what is pending under the consumer's name and not held by it
   (:meth:`StreamConsumer.recover_lost`).

@@ -84,7 +84,8 @@ class _ConsumerState:
 @dataclass
 class _GroupReader:
     """Where a consumer's next entries come from, in Redis: its own pending entries (left by its previous
-    life), lost deliveries, entries idle past ``claim_idle_ms`` under a dead consumer's name, and new entries.
+    life), lost deliveries, entries idle past ``claim_idle_ms`` (their consumer stopped, or handed them back:
+    :meth:`hand_back`), and new entries.
 
     A read that fails may have been carried out: Redis delivered the entries (they are pending under our
     name, and with AOF they outlive a restart) and the reply never arrived (the connection or the server went
@@ -180,6 +181,24 @@ class _GroupReader:
         self.claim_cursor = text(next_cursor)
         return [(text(entry_id), fields) for entry_id, fields in entries if fields]
 
+    async def hand_back(self, entry_id: str) -> None:
+        """Make our pending ``entry_id`` claimable now: its idle time set to ``claim_idle_ms`` (XCLAIM to
+        ourselves with IDLE, JUSTID so its delivery count stays), the claim cursor moved back to it and the
+        next claim due at once. It stays pending throughout, so nothing is lost, and the claim that takes it
+        counts one more delivery, so ``max_deliveries`` still ends an entry that keeps failing."""
+        await self.client.xclaim(
+            self.stream,
+            self.group,
+            self.consumer,
+            min_idle_time=0,
+            message_ids=[entry_id],
+            idle=self.claim_idle_ms,
+            justid=True,
+        )
+        if _id_order(entry_id) <= _id_order(self.claim_cursor):
+            self.claim_cursor = "0-0"
+        self.next_claim_at = 0.0
+
     async def new(self, count: int, block_ms: int) -> _Raw:
         reply = await self.client.xreadgroup(
             self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms or None
@@ -240,7 +259,7 @@ class StreamConsumer:
 
     async def read(self, count: int | None = None, block_ms: int | None = None) -> list[Delivery]:
         """Next deliveries: own pending entries first, then lost deliveries (:meth:`recover_lost`), then
-        entries claimed from dead consumers, then new.
+        entries claimed (handed back, or idle past ``claim_idle_ms`` under a consumer that stopped), then new.
 
         Entries past ``max_deliveries`` go to the dead-letter stream; entries whose record was already
         applied are acknowledged and skipped. May return an empty list after blocking ``block_ms``.
@@ -255,8 +274,8 @@ class StreamConsumer:
             return await self._deliver(raw, source)
         except BaseException:
             # A failed read may have been carried out: what Redis delivered and never reached us, or reached us
-            # and was never handed out, is found and read again (an entry released before is retried after
-            # claim_idle_ms). What was in flight before this read stays so.
+            # and was never handed out, is found and read again (an entry released before is claimed again).
+            # What was in flight before this read stays so.
             for entry_id, _ in raw:
                 if entry_id not in in_flight_before:
                     self._state.in_flight.pop(entry_id, None)
@@ -269,7 +288,12 @@ class StreamConsumer:
             log.warning("read again %d entries of %s a failed read left with %s", len(raw), self.stream, self.consumer)
         elif source == "claimed":
             self.stats.claimed += len(raw)
-            log.info("claimed %d entries of %s idle past claim_idle_ms (dead holder, or let go)", len(raw), self.stream)
+            log.info(
+                "claimed %d entries of %s: handed back by a live consumer, or idle past claim_idle_ms under one "
+                "that stopped",
+                len(raw),
+                self.stream,
+            )
         counts = await self._reader.delivery_counts([entry_id for entry_id, _ in raw]) if source != "new" else {}
         deliveries = []
         for entry_id, fields in raw:
@@ -376,7 +400,10 @@ class StreamConsumer:
                     output.producer.queue(pipe, output.record_id, output.payload)
             pipe.xack(self.stream, self.group, *[d.entry_id for d, _ in items])
             for key in applied_keys:
-                pipe.set(key, b"1", ex=self.applied_ttl_s)
+                # INCR, not SET: a marker's only value is a counter (its user is granted INCR alone there), so no
+                # consumer can store anything large under the marker pattern.
+                pipe.incr(key)
+                pipe.expire(key, self.applied_ttl_s)
             await pipe.execute()
 
     def _committed(self, items: Sequence[Commit]) -> None:
@@ -394,14 +421,20 @@ class StreamConsumer:
         log.info("record %s of %s was already applied; acknowledged without effect", delivery.record_id, self.stream)
         return False
 
-    async def release(self, delivery: Delivery, error: str) -> None:
-        """Give up on a delivery for now (processing failed); it is retried after ``claim_idle_ms``.
+    async def release(self, delivery: Delivery, error: str, *, at_once: bool = False) -> None:
+        """Give up on a delivery for now (processing failed); it is retried after ``claim_idle_ms``, or, with
+        ``at_once``, by the next claim of any consumer of the group (this one's next read claims it): for a
+        delivery this consumer gave up on while it is alive (an environment fault, weights that went back),
+        where waiting ``claim_idle_ms`` would only stall the prompt. A failure that may heal with time (a
+        reward service down) keeps the wait, so its deliveries are not spent in a burst.
 
         After ``max_deliveries`` attempts it goes to the dead-letter stream with ``error`` as its reason.
         """
         self._state.in_flight.pop(delivery.entry_id, None)
         self._state.last_error[delivery.entry_id] = error
         self.stats.released += 1
+        if at_once:
+            await self._reader.hand_back(delivery.entry_id)
 
     async def dead_letter(self, delivery: Delivery, reason: str) -> None:
         """Move an entry to the dead-letter stream with its reason and original payload, and ack it."""

@@ -233,7 +233,8 @@ async def test_the_default_user_needs_the_administrator_password_and_a_wrong_one
 def test_the_rules_are_made_from_the_key_names_and_escape_a_prefix_that_globs():
     rules = grants(Keys("run-1"))["scorer"].rules()
     assert rules[:3] == ["resetkeys", "resetchannels", "-@all"] and not any("hset" in rule for rule in rules)
-    assert "(~run-1:rollouts:applied:scorers:* +exists +set +watch)" in rules and "(%W~run-1:dead +xadd)" in rules
+    assert "(~run-1:rollouts:applied:scorers:* +exists +incrby +expire +watch)" in rules
+    assert "(%W~run-1:dead +xadd)" in rules
     assert "(~a\\*b:scored +xadd +xinfo|groups +xlen)" in grants(Keys("a*b"))["scorer"].rules()  # never widens
     lines = config_lines({role: f"pw-{role}" for role in ROLES}, Keys("run-1"))
     assert [line.split()[:4] for line in lines] == [["user", role, "on", f'">pw-{role}"'] for role in ROLES]
@@ -289,17 +290,19 @@ DESTRUCTIVE = {
     "FCALL": ("FCALL", "f", "1", "{k}"),
 }
 # What each user owns and may do there by design, (command, key): its heartbeat and the GPU leases (a
-# generator), its own applied markers (every consumer), the announcements it makes and the streams' retention
-# (the learner). Every other destructive command on every key is refused.
+# generator), its own applied markers' expiry (every consumer: INCR and EXPIRE, never SET), the announcements
+# it makes and the streams' retention (the learner). Every other destructive command on every key is refused.
 OWNED = {
     "generator": {
-        *(("SET", k) for k in ("alive", "gpu", "prompts_applied")),
+        *(("SET", k) for k in ("alive", "gpu")),
+        ("EXPIRE", "prompts_applied"),
         ("DEL", "alive"),
         *((c, "gpu") for c in ("DEL", "EVAL DEL", "EVAL SET")),
     },
-    "scorer": {("SET", "rollouts_applied")},
+    "scorer": {("EXPIRE", "rollouts_applied")},
     "learner": {
-        *(("SET", k) for k in ("scored_applied", "evaluated_applied", "weights", "checkpoint")),
+        *(("SET", k) for k in ("weights", "checkpoint")),
+        *(("EXPIRE", k) for k in ("scored_applied", "evaluated_applied")),
         *(("XTRIM", k) for k in ("prompts", "rollouts", "scored", "evaluated")),
         *(("EVAL XTRIM", k) for k in ("scored", "evaluated")),  # it reads them (EVAL) and trims them
     },
@@ -355,6 +358,53 @@ async def test_no_user_can_destroy_or_retype_a_key_it_does_not_own(users):
     for name in ("prompts", "rollouts", "scored", "evaluated", "dead"):
         assert await admin.type(every[name]) == b"stream", name
     assert await admin.hget(keys.generators, "gen-x") == b"x" and await admin.get(every["other_pipeline"]) == b"x"
+
+
+# Every command that stores a value it is sent, on a string key (RESTORE: a serialized one).
+VALUE_WRITES = [
+    ("SET", "{k}", "{v}"),
+    ("SETEX", "{k}", "60", "{v}"),
+    ("PSETEX", "{k}", "60000", "{v}"),
+    ("SETNX", "{k}", "{v}"),
+    ("GETSET", "{k}", "{v}"),
+    ("APPEND", "{k}", "{v}"),
+    ("SETRANGE", "{k}", "0", "{v}"),
+    ("MSET", "{k}", "{v}"),
+    ("MSETNX", "{k}", "{v}"),
+    ("RESTORE", "{k}", "0", "{v}", "REPLACE"),
+    ("EVAL", "return redis.call('SET', KEYS[1], ARGV[1])", "1", "{k}", "{v}"),
+]
+_MARKER_BOUND = 20  # bytes: the longest integer INCR can leave (a 64-bit signed number in decimal)
+
+
+async def test_an_applied_marker_holds_a_counter_and_no_user_can_store_a_value_there(users):
+    """Each consumer's own applied markers, as its own user: a 64 MB value (``SET``), or any value through
+    any command that stores one, is refused; the commit's own marker (INCR) is an integer of a few bytes."""
+    keys, clients, admin = users
+    big = b"x" * (64 * 1024 * 1024)
+    markers = {
+        "generator": keys.applied(keys.prompts, Keys.GENERATORS, "r-big"),
+        "scorer": keys.applied(keys.rollouts, Keys.SCORERS, "r-big"),
+        "learner": keys.applied(keys.scored, Keys.LEARNER, "r-big"),
+    }
+    for role, marker in markers.items():
+        with pytest.raises(NoPermissionError):
+            await clients[role].set(marker, big)
+        for template in VALUE_WRITES:
+            args = [part.format(k=marker, v="x" * 1024) if isinstance(part, str) else part for part in template]
+            with pytest.raises(ResponseError) as refused:
+                await clients[role].execute_command(*args)
+            assert _is_refusal(refused.value), (role, template[0], str(refused.value))
+        assert not await admin.exists(marker)
+    generator = clients["generator"]
+    await _learner_admits(clients["learner"], keys, ["t-marker"])
+    consumer = _consumer(generator, keys, keys.prompts, Keys.GENERATORS, "gen-m")
+    await consumer.start()
+    [delivery] = await consumer.read(count=1)
+    assert await consumer.commit(delivery, [Output(StreamProducer(generator, keys.rollouts), "t-marker", b"r")])
+    marker = keys.applied(keys.prompts, Keys.GENERATORS, "t-marker")
+    value = await admin.get(marker)
+    assert value == b"1" and len(value) <= _MARKER_BOUND and await admin.ttl(marker) > 0
 
 
 @pytest.mark.parametrize("kind", ["compose", "k8s"])

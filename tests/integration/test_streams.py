@@ -425,6 +425,28 @@ async def test_a_consumer_loses_nothing_across_redis_restarts(keys):
     assert len(received) > 100
 
 
+async def test_an_entry_released_at_once_is_claimed_by_the_next_read_not_after_claim_idle_ms(redis_client, keys):
+    """``claim_idle_ms`` is ten minutes and both consumers are alive: an entry handed back (``at_once``) is taken
+    by the next read of the consumer that let it go, then, handed back again, by another's; each claim counts a
+    delivery, and once committed it is never handed out again."""
+    source = f"{keys.prefix}:in"
+    me = _consumer(redis_client, keys, source, "me", claim_idle_ms=600_000)
+    other = _consumer(redis_client, keys, source, "other", claim_idle_ms=600_000)
+    await me.start()
+    [record_id] = await _fill(redis_client, source, 1)
+    [delivery] = await me.read(count=1)
+    await me.release(delivery, "environment: reset failed", at_once=True)
+    [again] = await me.read(count=1, block_ms=10)
+    assert (again.record_id, again.deliveries) == (record_id, 2)
+    await me.release(again, "environment: reset failed", at_once=True)
+    [taken] = await other.read(count=1, block_ms=10)
+    assert (taken.record_id, taken.deliveries) == (record_id, 3)
+    assert await other.commit(taken)
+    assert await me.read(block_ms=10) == [] and await other.read(block_ms=10) == []
+    assert (await redis_client.xpending(source, "workers"))["pending"] == 0
+    assert await redis_client.xlen(keys.dead_letter) == 0
+
+
 async def test_a_released_entry_whose_hand_out_failed_is_retried_not_kept_alive(
     redis_client, link, linked_client, keys
 ):

@@ -6,6 +6,7 @@ the reason, and no ``Rollout`` is ever written for it; every session opened is c
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from types import SimpleNamespace
 
@@ -27,7 +28,7 @@ from tests.support.tiny_model import build_tokenizer
 pytestmark = pytest.mark.integration
 
 
-def _loop(redis_client, keys, script, env, max_deliveries=3, **environment):
+def _loop(redis_client, keys, script, env, max_deliveries=3, claim_idle_ms=100, **environment):
     engine = ScriptedEngine(build_tokenizer(), script)
     settings = EnvironmentSettings(python=f"tests.support.trajectory_envs:{env}", **environment)
     runner = TrajectoryRunner(
@@ -36,7 +37,13 @@ def _loop(redis_client, keys, script, env, max_deliveries=3, **environment):
         TrajectorySettings(max_turns=4, max_tool_response_tokens=64, max_model_len=2048),
     )
     consumer = StreamConsumer(
-        redis_client, keys, keys.prompts, Keys.GENERATORS, "gen-0", claim_idle_ms=100, max_deliveries=max_deliveries
+        redis_client,
+        keys,
+        keys.prompts,
+        Keys.GENERATORS,
+        "gen-0",
+        claim_idle_ms=claim_idle_ms,
+        max_deliveries=max_deliveries,
     )
     rollouts = StreamProducer(redis_client, keys.rollouts)
     return RolloutLoop(engine, consumer, rollouts, "gen-0", max_in_flight=2, trajectories=runner)
@@ -109,6 +116,34 @@ async def test_an_environment_fault_abandons_the_prompt_until_it_is_dead_lettere
     metrics = _metrics(redis_client, keys, loop)
     assert metrics["generator/abandoned"] == 2 and metrics["env/sessions_open"] == 0
     assert metrics["env/calls/fault"] >= 2 and metrics["env/close_failures"] == 0
+
+
+async def test_an_abandoned_prompt_is_sampled_again_at_once_by_its_live_generator(redis_client, keys, caplog):
+    """``claim_idle_ms`` is two minutes: each environment fault hands the prompt back, so this generator, alive,
+    takes it again at its next read; its three deliveries and the dead letter come in seconds, not minutes, and
+    no log line calls the live generator dead."""
+    loop = _loop(
+        redis_client,
+        keys,
+        [tool_call("wait", seconds=3)],
+        "StuckEnv",
+        max_deliveries=2,
+        claim_idle_ms=120_000,
+        timeout_s=0.2,
+        breaker_failures=1000,
+    )
+
+    async def dead() -> bool:
+        return await redis_client.xlen(keys.dead_letter) > 0
+
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO):
+        await _run_until(redis_client, keys, loop, dead)
+    assert await dead(), "the abandoned prompt was not delivered again within 30 s (claim_idle_ms is 120 s)"
+    assert time.monotonic() - started < 20
+    assert loop.stats.abandoned == 2 and loop.consumer.stats.claimed == 2
+    assert await redis_client.xlen(keys.rollouts) == 0
+    assert not [r for r in caplog.records if "dead" in r.getMessage() and "dead-letter" not in r.getMessage()]
 
 
 def _metrics(redis_client, keys, loop: RolloutLoop) -> dict[str, float]:

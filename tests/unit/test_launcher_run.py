@@ -8,9 +8,11 @@ Processes here are small Python stand-ins, never the services: the launcher's pa
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import ClassVar
@@ -232,3 +234,43 @@ def test_a_prepared_model_is_readable_by_the_containers_user(tmp_path):
         "config.json": 0o644,
     }
     assert model.stat().st_mode & 0o777 == 0o755
+
+
+# A service whose environment breaker opens (its error naming a URL with credentials), then closes.
+_BREAKER_SERVICE = """
+import time
+from shared.resilience import CircuitBreaker
+from shared.telemetry import setup_logging
+setup_logging("generator")
+breaker = CircuitBreaker("math-env", threshold=2, reset_s=0.0, subject="environment")
+for _ in range(2):
+    breaker.failure("reset failed: ConnectError http://env:hunter2-secret@127.0.0.1:9/reset")
+breaker.success(trial=breaker.before_call())
+time.sleep(60)
+"""
+
+
+def test_a_breaker_that_opens_and_closes_in_a_service_shows_on_the_launchers_console(tmp_path, monkeypatch, caplog):
+    """One console line when the breaker opens (service, breaker, reason, redacted error) and one when it
+    closes; the half-open step stays in the service's log, and the password is nowhere on the console."""
+    monkeypatch.chdir(tmp_path)
+    supervisor = _supervisor(tmp_path)
+    generator = supervisor._start("generator-0", [sys.executable, "-c", _BREAKER_SERVICE], {})
+    supervisor._start("learner", [sys.executable, "-c", "import time; time.sleep(60)"], {}, to_terminal=True)
+    shown: list[str] = []
+    try:
+        with caplog.at_level(logging.INFO, logger="services.launcher.supervisor"):
+            deadline = time.monotonic() + 20
+            while len(shown) < 2 and time.monotonic() < deadline:
+                supervisor.show_breakers()
+                shown = [r.getMessage() for r in caplog.records if "breaker" in r.getMessage()]
+                time.sleep(0.1)
+    finally:
+        supervisor.stop_all()
+    assert "breaker half-open" in generator.log_path.read_text()
+    assert len(shown) == 2, shown
+    opened, closed = shown
+    assert opened.startswith("generator-0: environment math-env: breaker open (2 consecutive failures")
+    assert "last error: reset failed: ConnectError http://env:***@127.0.0.1:9/reset" in opened
+    assert closed == "generator-0: environment math-env: breaker closed (a call succeeded)"
+    assert "hunter2-secret" not in caplog.text
