@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from shared.keys import Keys
+from shared.streams.applied import AppliedMarkers
 from shared.streams.dead_letter import DeadLetters
 from shared.streams.entries import Delivery, MalformedEntry, entry_record, read_entries, text
 from shared.streams.groups import ensure_group
@@ -41,7 +42,7 @@ return claimed
 """
 Commit = tuple[Delivery, Sequence[Output]]  # a delivery and the records its processing writes downstream
 _Raw = list[tuple[str, dict | None]]  # entries as Redis returns them: (entry id, fields)
-Source = Literal["own", "lost", "claimed", "new"]  # own pending, lost deliveries, claimed from the dead, new
+Source = Literal["own", "lost", "claimed", "new"]  # own pending, lost deliveries, claimed (handed back or idle), new
 
 
 def _id_order(entry_id: str) -> tuple[int, int]:
@@ -216,6 +217,21 @@ class _GroupReader:
         return counts
 
 
+def _log_recovered(stats: StreamStats, source: Source, count: int, stream: str, consumer: str) -> None:
+    """Count and log entries a read took back rather than read new."""
+    if source == "lost":
+        stats.recovered += count
+        log.warning("read again %d entries of %s a failed read left with %s", count, stream, consumer)
+    elif source == "claimed":
+        stats.claimed += count
+        log.info(
+            "claimed %d entries of %s: handed back by a live consumer, or idle past claim_idle_ms under one that "
+            "stopped",
+            count,
+            stream,
+        )
+
+
 class StreamConsumer:
     """Reads one stream through a consumer group, with claiming, dead-lettering and exactly-once commits."""
 
@@ -242,7 +258,7 @@ class StreamConsumer:
         self.block_ms = block_ms
         self.claim_idle_ms = claim_idle_ms
         self.max_deliveries = max_deliveries
-        self.applied_ttl_s = applied_ttl_s
+        self._markers = AppliedMarkers(client, keys, stream, group, applied_ttl_s)
         self.dead_letters = DeadLetters(client, keys.dead_letter, dead_letter_maxlen)
         self.stats = StreamStats()
         self._state = _ConsumerState()
@@ -283,17 +299,7 @@ class StreamConsumer:
             raise
 
     async def _deliver(self, raw: _Raw, source: Source) -> list[Delivery]:
-        if source == "lost":
-            self.stats.recovered += len(raw)
-            log.warning("read again %d entries of %s a failed read left with %s", len(raw), self.stream, self.consumer)
-        elif source == "claimed":
-            self.stats.claimed += len(raw)
-            log.info(
-                "claimed %d entries of %s: handed back by a live consumer, or idle past claim_idle_ms under one "
-                "that stopped",
-                len(raw),
-                self.stream,
-            )
+        _log_recovered(self.stats, source, len(raw), self.stream, self.consumer)
         counts = await self._reader.delivery_counts([entry_id for entry_id, _ in raw]) if source != "new" else {}
         deliveries = []
         for entry_id, fields in raw:
@@ -330,7 +336,7 @@ class StreamConsumer:
     async def _drop_applied(self, deliveries: list[Delivery]) -> list[Delivery]:
         if not deliveries:
             return []
-        applied = await self._applied_flags([d.record_id for d in deliveries])
+        applied = await self._markers.flags([d.record_id for d in deliveries])
         fresh = []
         duplicate_ids = []
         for delivery, done in zip(deliveries, applied, strict=True):
@@ -344,12 +350,6 @@ class StreamConsumer:
             log.info("acknowledged %d already-applied entries of %s", len(duplicate_ids), self.stream)
             await self.client.xack(self.stream, self.group, *duplicate_ids)
         return fresh
-
-    async def _applied_flags(self, record_ids: list[str]) -> list[bool]:
-        async with self.client.pipeline(transaction=False) as pipe:
-            for record_id in record_ids:
-                pipe.exists(self.keys.applied(self.stream, self.group, record_id))
-            return [bool(flag) for flag in await pipe.execute()]
 
     # Finishing -----------------------------------------------------------------------------------------
 
@@ -389,7 +389,7 @@ class StreamConsumer:
         return True
 
     async def _commit_transaction(self, items: Sequence[Commit]) -> None:
-        applied_keys = [self.keys.applied(self.stream, self.group, d.record_id) for d, _ in items]
+        applied_keys = [self._markers.key(d.record_id) for d, _ in items]
         async with self.client.pipeline(transaction=True) as pipe:
             await pipe.watch(*applied_keys)
             if await pipe.exists(*applied_keys):
@@ -399,11 +399,7 @@ class StreamConsumer:
                 for output in outputs:
                     output.producer.queue(pipe, output.record_id, output.payload)
             pipe.xack(self.stream, self.group, *[d.entry_id for d, _ in items])
-            for key in applied_keys:
-                # INCR, not SET: a marker's only value is a counter (its user is granted INCR alone there), so no
-                # consumer can store anything large under the marker pattern.
-                pipe.incr(key)
-                pipe.expire(key, self.applied_ttl_s)
+            self._markers.queue_marks(pipe, applied_keys)
             await pipe.execute()
 
     def _committed(self, items: Sequence[Commit]) -> None:
