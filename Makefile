@@ -17,6 +17,11 @@ LOCKS := $(addprefix requirements/,cpu.txt gpu.txt gpu-dev.txt scorer.txt torch-
 PYTHON_GPU ?= python3.12
 GPU_VENV ?= .venv-gpu
 PYTEST_ARGS ?=
+# Two pytest workers (pytest-xdist): most tests wait on a process, Redis or a socket, so two keep both cores busy;
+# tests/conftest.py starts the slowest tiers first and --maxschedchunk 1 hands out one test at a time, so the run
+# ends on short tests. PYTEST_WORKERS=0 runs in this one process (a debugger, -x on the first failure).
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --maxschedchunk 1)
 
 .PHONY: setup setup-gpu compose-env local-bases compose-smoke ci-compose image-gpu lock lock-check check-fresh-setup test test-fast lint docs demo demo-tools bench bench-env bench-trl clean-venv
 
@@ -40,10 +45,11 @@ $(GPU_VENV)/.installed: requirements/gpu-dev.txt pyproject.toml
 	$(GPU_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $@
 
-# Resolve requirements/*.txt again from pyproject.toml (PyPI and TORCH_INDEX must be reachable).
+# Resolve requirements/*.txt again from pyproject.toml (PyPI and TORCH_INDEX must be reachable), keeping the
+# lock's pins where pyproject.toml allows them; UPGRADE=1 resolves from scratch.
 lock:
 	@test -x $(UV) || { echo "no uv at $(UV): run make setup first, or pass UV=/path/to/uv"; exit 1; }
-	$(PYTHON) tools/lock.py --uv $(UV) --torch-index $(TORCH_INDEX)
+	$(PYTHON) tools/lock.py --uv $(UV) --torch-index $(TORCH_INDEX) $(if $(UPGRADE),--upgrade)
 
 # Offline: fails when pyproject.toml changed since the last `make lock`.
 lock-check:
@@ -66,10 +72,10 @@ $(COMPOSE_VENV)/.installed: requirements/compose.txt
 	@touch $@
 
 test: $(STAMP) compose-env
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-fast: $(STAMP) compose-env
-	$(BIN)/python -m pytest -m "unit and not vllm and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "unit and not vllm and not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

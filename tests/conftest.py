@@ -49,6 +49,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         function = item.cls.__name__ if getattr(item, "cls", None) else getattr(item, "originalname", item.name)
         item.add_marker(tier(Path(str(item.path)), function, item.fixturenames))
+    items[:] = longest_first(items)
+
+
+# The slow tiers start first, so with two workers (``-n 2``) the last minutes are short unit tests, not one
+# worker finishing a bench run alone. A module keeps its tests together (its module fixtures are built once).
+START_ORDER = ("bench", "e2e", "vllm", "integration", "process", "unit", "gpu")
+
+
+def _start_rank(item) -> int:
+    marks = {mark.name for mark in item.iter_markers()}
+    return min((START_ORDER.index(name) for name in marks if name in START_ORDER), default=len(START_ORDER))
+
+
+def longest_first(items: list) -> list:
+    """``items`` with whole modules reordered by their slowest test's tier, in collection order otherwise."""
+    rank: dict[Path, int] = {}
+    for item in items:
+        rank[item.path] = min(rank.get(item.path, len(START_ORDER)), _start_rank(item))
+    return sorted(items, key=lambda item: rank[item.path])
 
 
 DURATIONS = Path(__file__).resolve().parents[1] / "build" / "test-durations.txt"

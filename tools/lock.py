@@ -16,8 +16,9 @@ hash without the network, so CI fails when pyproject.toml changed and ``make loc
 
 The scorer lock is constrained to the CPU lock's versions, the GPU lock to the CPU lock's versions of the
 project's direct dependencies, and gpu-dev to the GPU lock, so the images run what the tests ran.
-Resolution is reproducible: uv sees only what was uploaded before ``EXCLUDE_NEWER``; move that date forward
-to take newer releases.
+Resolution is reproducible: uv sees only what was uploaded before ``EXCLUDE_NEWER``, and it keeps every version
+the current lock pins unless pyproject.toml rules it out, so adding one package changes only what that package
+needs. ``--upgrade`` (``make lock UPGRADE=1``) resolves from scratch: move the date forward to take newer releases.
 """
 
 from __future__ import annotations
@@ -142,8 +143,9 @@ def constraints(target: Target, pyproject: dict, source_lock: str) -> str:
     return "".join(f"{name}=={locked[name]}\n" for name in sorted(chosen) if name in locked)
 
 
-def compile_target(uv: str, target: Target, pyproject: dict, torch_folder: Path, work: Path) -> str:
-    """Run ``uv pip compile`` for one target; returns the lock file's text, header included."""
+def compile_target(uv: str, target: Target, pyproject: dict, torch_folder: Path, work: Path, upgrade: bool) -> str:
+    """Run ``uv pip compile`` for one target; returns the lock file's text, header included. Unless ``upgrade``,
+    the current lock is uv's output file, whose pins uv prefers (it changes one only where it must)."""
     args = [uv, "pip", "compile", "--quiet", "--no-header", "--generate-hashes", "--only-binary", ":all:"]
     args += ["--python-version", target.python, "--python-platform", PLATFORM, "--exclude-newer", EXCLUDE_NEWER]
     args += [f"--group=pyproject.toml:{target.group}"] if target.group else ["pyproject.toml"]
@@ -161,6 +163,9 @@ def compile_target(uv: str, target: Target, pyproject: dict, torch_folder: Path,
         constraint_file.write_text(extra_constraints)
         args += ["--constraint", str(constraint_file)]
     out = work / f"{target.name}.txt"
+    current = LOCK_DIR / f"{target.name}.txt"
+    if current.exists() and not upgrade:
+        out.write_text(current.read_text())
     subprocess.run([*args, "--output-file", str(out)], cwd=ROOT, check=True)
     body = out.read_text().replace(str(work) + "/", "")
     return header(pyproject, target) + body
@@ -178,7 +183,7 @@ def fetch_cpu_torch(torch_index: str, python: str, dest: Path) -> None:
     subprocess.run([*command, TORCH_CPU], check=True)
 
 
-def lock(uv: str, torch_index: str) -> None:
+def lock(uv: str, torch_index: str, upgrade: bool = False) -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     LOCK_DIR.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -186,7 +191,7 @@ def lock(uv: str, torch_index: str) -> None:
         for python in sorted({target.python for target in TARGETS if target.needs_cpu_torch}):
             fetch_cpu_torch(torch_index, python, torch_folder)
         for target in TARGETS:  # in order: each is constrained to one written before it
-            text = compile_target(uv, target, pyproject, torch_folder, Path(tmp))
+            text = compile_target(uv, target, pyproject, torch_folder, Path(tmp), upgrade)
             (LOCK_DIR / f"{target.name}.txt").write_text(text)
     torch_only = "# The CPU torch of requirements/cpu.txt, installed first from TORCH_INDEX (see the Makefile).\n"
     (LOCK_DIR / "torch-cpu.txt").write_text(torch_only + torch_block((LOCK_DIR / "cpu.txt").read_text()))
@@ -201,9 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         default="https://download.pytorch.org/whl/cpu",
         help="where the CPU torch is: the PyTorch CPU index URL, or a local folder holding its wheel",
     )
+    parser.add_argument("--upgrade", action="store_true", help="resolve from scratch, not keeping the lock's pins")
     args = parser.parse_args(argv)
     if not args.check:
-        lock(args.uv, args.torch_index)
+        lock(args.uv, args.torch_index, args.upgrade)
     stale = stale_targets(tomllib.loads((ROOT / "pyproject.toml").read_text()))
     if stale:
         print(f"requirements/ is stale for {', '.join(stale)}: pyproject.toml changed; run `make lock`.")
