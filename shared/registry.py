@@ -106,7 +106,7 @@ async def live_generators(client: aioredis.Redis, keys: Keys, stats: RegistrySta
         try:
             registration = _registration(payload)
         except (ResponseError, WireError) as exc:
-            reason = f"registration key {shown(name)}: {type(exc).__name__}: {exc}"
+            reason = f"registration key {_shown_name(keys, name)}: {type(exc).__name__}: {exc}"
             await _drop_entry(client, keys, name, filed[name], payload, reason, stats)
             continue
         if registration is None:
@@ -171,6 +171,11 @@ def _shown_key(name: bytes) -> str:
     """A registration key for a log line, its secret cut short: logs are read by more than the learner."""
     text = name.decode()
     return text[: len(text) - 2 * _SECRET_BYTES + _SHOWN_SECRET] + "…"
+
+
+def _shown_name(keys: Keys, name: bytes) -> str:
+    """An index entry for a log line: a registration key cut short, anything else as it is (escaped)."""
+    return _shown_key(name) if _is_registration_key(keys, name) else shown(name)
 
 
 async def _drop_entry(
