@@ -198,7 +198,8 @@ async def _registry_check(redis_url: str, values: list[bytes], names: set[bytes]
     assert [r.generator_id for r in first] == [r.generator_id for r in again] == ids
     assert remaining == [key.encode() for key in valid + imposter], "expired and invalid ones removed"
     assert stats.invalid == len(letters) + len(imposter) == len(values) + len(names) + len(imposter)
-    read = [*zip(hostile, (v[: MAX_REGISTRATION_BYTES + 1] for v in values)), *((name, b"") for name in names)]
+    read = [(name, value[: MAX_REGISTRATION_BYTES + 1]) for name, value in zip(hostile, values, strict=True)]
+    read += [(name, b"") for name in names]
     assert sorted(pair for letter in letters for pair in decoded_raw(letter).items()) == sorted(read)
     for letter in letters:
         text = text_fields_of(letter)

@@ -379,8 +379,10 @@ DESTRUCTIVE = {
     "FCALL": ("FCALL", "f", "1", "{k}"),
 }
 # What each user owns and may do there by design, (command, key): its registration, under the name only it
-# knows (test_a_generator_can_name_no_registration_but_its_own), and the GPU leases (a generator), its own applied markers' expiry (every consumer: INCR and EXPIRE, never SET), the announcements
-# it makes and the streams' retention (the learner). Every other destructive command on every key is refused.
+# knows (test_a_generator_can_name_no_registration_but_its_own), and the GPU leases (a generator), its own
+# applied markers' expiry (every consumer: INCR and EXPIRE, never SET), the announcements it makes, the
+# registrations' index entries it drops and the streams' retention (the learner). Every other destructive
+# command on every key is refused.
 OWNED = {
     "generator": {
         *(("SET", k) for k in ("registration", "gpu")),

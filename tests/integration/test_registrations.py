@@ -63,9 +63,7 @@ async def test_a_restarted_replica_is_accepted_once_its_old_key_has_expired(redi
     assert await redis_client.lrange(keys.registrations, 0, -1) == [new.encode()]  # the expired entry dropped
 
 
-async def test_a_replica_whose_key_expired_is_filed_again_at_its_next_beat_and_leaving_drops_it(
-    redis_client, keys
-):
+async def test_a_replica_whose_key_expired_is_filed_again_at_its_next_beat_and_leaving_drops_it(redis_client, keys):
     key = new_registration_key(keys)
     registration = _registration("gen-0", "http://10.0.0.1:8000")
     await register(redis_client, keys, key, registration, ttl_s=_SHORT_TTL_S)
