@@ -32,7 +32,7 @@ import re
 import secrets
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -110,7 +110,7 @@ async def live_generators(client: aioredis.Redis, keys: Keys, stats: RegistrySta
             await _drop_entry(client, keys, name, filed[name], payload, reason, stats)
             continue
         if registration is None:
-            await client.lrem(keys.registrations, filed[name], name)  # expired or deregistered
+            await _unfile(client, keys, name, filed[name])  # expired or deregistered
         elif (holder := holders.setdefault(registration.generator_id, (name, registration))[0]) != name:
             _refuse_claim(registration.generator_id, holder, name, stats)
     stats.refused_claims &= set(filed)
@@ -134,6 +134,12 @@ async def _read_registrations(
     for name, length, value in zip(read, replies[::2], replies[1::2], strict=True):
         found[name] = length if isinstance(length, Exception) else (_bytes(value) if length else None)
     return {name: found[name] for name in names}
+
+
+def _unfile(commands: Any, keys: Keys, name: bytes, count: int) -> Any:
+    """``LREM`` the first ``count`` index entries of ``name``, those the learner read: a filing since is at the
+    tail. (``Any``: redis-py types the value as ``str``, but an entry may be any bytes, sent as they are.)"""
+    return commands.lrem(keys.registrations, count, name)
 
 
 def _is_registration_key(keys: Keys, name: bytes) -> bool:
@@ -187,7 +193,7 @@ async def _drop_entry(
     letter = dead_letter_fields(keys.registrations, "", "", Delivery("", escaped(name), value, 1), reason)
     letter[b"raw"] = raw_fields({name: value})
     async with client.pipeline(transaction=True) as pipe:
-        pipe.lrem(keys.registrations, filed, name)
+        _unfile(pipe, keys, name, filed)
         pipe.xadd(keys.dead_letter, letter, maxlen=_DEAD_LETTER_MAXLEN, approximate=True)
         removed, _ = await pipe.execute()
     if removed:
