@@ -157,7 +157,7 @@ def _scorer(keys: Keys) -> Grant:
 
 
 def _learner(keys: Keys) -> Grant:
-    state = ("hset", "hget", "hexists")
+    state = ("hset", "hget", "hexists", "hdel")  # HDEL: the set-aside script removes the field it set aside
     return Grant(
         "learner",
         (

@@ -41,6 +41,7 @@ from shared.registry import (
     live_generators,
     new_registration_key,
     register,
+    set_aside,
 )
 from shared.streams import Output, StreamConsumer, StreamProducer, group_backlog, stream_backlog, trim_processed
 
@@ -161,6 +162,18 @@ async def test_every_service_does_its_whole_job_as_its_own_user(users):
     assert await admin.llen(keys.registrations) == 0
     reasons = [fields[b"reason"] for _, fields in await admin.xrange(keys.dead_letter)]
     assert reasons[0] == b"a prompt this test gives up on" and len(reasons) == 3
+
+
+async def test_the_learner_sets_a_bad_saved_feeder_position_aside_as_its_own_user(users):
+    """The set-aside script (HGET, HDEL, XADD) runs as the learner: its saved position that does not decode goes
+    to the dead letters, so the learner starts from the beginning of its data instead of failing."""
+    keys, clients, admin = users
+    await admin.hset(keys.learner_state, "feeder_position", b"\xff")
+    stats = RegistryStats()
+    aside = await set_aside(clients["learner"], keys, keys.learner_state, (b"feeder_position", b"\xff"), "bad", stats)
+    assert aside and stats.invalid == 1 and not await admin.hexists(keys.learner_state, "feeder_position")
+    [(_, letter)] = await admin.xrange(keys.dead_letter)
+    assert letter[b"reason"] == b"bad" and letter[b"stream"] == keys.learner_state.encode()
 
 
 REFUSED = {
