@@ -16,8 +16,9 @@ Key patterns are the names of :class:`shared.keys.Keys` with the variable part a
 Redis 7 ACL selector: its access (``RW`` ``~``, read only ``%R~`` or write only ``%W~``, as Redis checks it from
 each command's key specification) and the only commands the service runs there. So a command is refused on
 every key it is not granted on: a generator may ``SET`` its registration but not the prompts stream, ``XADD`` its
-rollouts but not ``XTRIM`` them, and no user may ``DEL``, ``RENAME``, ``EXPIRE``, ``COPY``, ``RESTORE``, ``XDEL``,
-``XGROUP DESTROY|SETID|DELCONSUMER`` or ``FCALL`` anything. Streams are trimmed by the learner alone (the
+rollouts but not ``XTRIM`` them, and no user may ``RENAME``, ``COPY``, ``RESTORE``, ``XDEL``,
+``XGROUP DESTROY|SETID|DELCONSUMER`` or ``FCALL`` anything, ``EXPIRE`` anything but its applied markers, nor
+``DEL`` anything but a generator its registration and the GPU leases. Streams are trimmed by the learner alone (the
 entries every group has finished, ``XTRIM MINID``), so no producer can cut what its consumers have not read.
 ACL cannot bound ``XTRIM``'s arguments, so the learner could cut unread entries too: it is the run's trust
 root already (it writes the weights every generator loads), so its retention adds no power it lacks.
