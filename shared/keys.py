@@ -41,11 +41,12 @@ class Keys:
 
     # Control keys.
     @property
-    def generators(self) -> str:  # hash: generator id -> GeneratorRegistration (learner reads)
-        return f"{self.prefix}:generators"
+    def registrations(self) -> str:  # list: registration key names in filing order (generators -> learner)
+        return f"{self.prefix}:registrations"
 
-    def generator_alive(self, generator_id: str) -> str:  # string with a TTL: the heartbeat
-        return f"{self.prefix}:generator:{generator_id}:alive"
+    def registration(self, secret: str) -> str:  # string with a TTL: one replica's GeneratorRegistration
+        # The name holds the replica's secret: whoever cannot read the index cannot name it (shared.registry).
+        return f"{self.prefix}:registration:{secret}"
 
     @property
     def weights(self) -> str:  # string: the latest WeightVersionAnnouncement (learner writes)

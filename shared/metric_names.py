@@ -255,7 +255,7 @@ _GENERATOR = (
     _m("env/close_failures", "environment sessions that failed to close", GENERATOR, COUNTER),
     _m("env/sessions_open", "environment sessions open now", GENERATOR, GAUGE),
     _m("env/accepting", "1 while the environment takes new sessions", GENERATOR, GAUGE),
-    _m("registry/invalid", "registry entries this process found invalid", EVERY, COUNTER),
+    _m("registry/invalid", "registry entries this process refused: invalid, or claiming a live id", EVERY, COUNTER),
 )
 
 # In the reference's order: the learner's step record, its evaluation record, then each service's Prometheus.

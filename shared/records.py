@@ -283,7 +283,7 @@ class ShmProbe(BaseModel):
     token: str = Field(min_length=16)
 
 
-# Generator -> learner (and operators), in the registry hash; refreshed with every heartbeat.
+# Generator -> learner (and operators), under the replica's own registration key; refreshed with every heartbeat.
 class GeneratorRegistration(WireModel, SinceV2):
     kind: ClassVar[str] = "generator_registration"
     V2_FIELDS: ClassVar[tuple[str, ...]] = ("stacked_linear",)

@@ -15,10 +15,16 @@ way, and ``python -m shared.redis_acl table`` prints the documentation table.
 Key patterns are the names of :class:`shared.keys.Keys` with the variable part as ``*``. Each pattern is one
 Redis 7 ACL selector: its access (``RW`` ``~``, read only ``%R~`` or write only ``%W~``, as Redis checks it from
 each command's key specification) and the only commands the service runs there. So a command is refused on
-every key it is not granted on: a generator may ``SET`` its heartbeat but not the prompts stream, ``XADD`` its
-rollouts but not ``XTRIM`` them, and no user may ``DEL``, ``RENAME``, ``EXPIRE``, ``COPY``, ``RESTORE``, ``XDEL``,
-``XGROUP DESTROY|SETID|DELCONSUMER`` or ``FCALL`` anything. Streams are trimmed by the learner alone (the
+every key it is not granted on: a generator may ``SET`` its registration but not the prompts stream, ``XADD`` its
+rollouts but not ``XTRIM`` them, and no user may ``RENAME``, ``COPY``, ``RESTORE``, ``XDEL``,
+``XGROUP DESTROY|SETID|DELCONSUMER`` or ``FCALL`` anything, ``EXPIRE`` anything but its applied markers, nor
+``DEL`` anything but a generator its registration and the GPU leases. Streams are trimmed by the learner alone (the
 entries every group has finished, ``XTRIM MINID``), so no producer can cut what its consumers have not read.
+ACL cannot bound ``XTRIM``'s arguments, so the learner could cut unread entries too: it is the run's trust
+root already (it writes the weights every generator loads), so its retention adds no power it lacks.
+A generator may write registrations (``SET``, ``DEL``) under any name of ``Keys.registration``'s pattern and
+append to their index (``RPUSH``), but run no command that reads the index, another's registration or the
+key space: it can name only its own registration, whose name holds its secret (``shared.registry``).
 ``EVAL`` is granted only on the keys its scripts name, and Redis checks every command inside a script against
 the same grants, so a script can do nothing its user could not do one command at a time.
 """
@@ -56,7 +62,7 @@ RETENTION = ("xinfo|groups", "xlen", "xpending", "xtrim")  # trims what every gr
 @dataclass(frozen=True)
 class KeyGrant:
     """Keys matching ``patterns`` (Redis globs), with ``access``, for ``commands`` alone: one ACL selector, so a
-    command granted on one key is refused on every other (a generator may ``SET`` its heartbeat, never the
+    command granted on one key is refused on every other (a generator may ``SET`` its registration, never the
     prompts stream). ``why`` says what the service does there."""
 
     patterns: tuple[str, ...]
@@ -120,8 +126,13 @@ def _generator(keys: Keys) -> Grant:
             *_consumer(keys, keys.prompts, Keys.GENERATORS, "prompts"),
             _grant(keys.rollouts, "RW", PRODUCER, "writes rollouts under the backlog bound"),
             _grant(keys.dead_letter, "W", ("xadd",), "dead letters"),
-            _grant(keys.generators, "W", ("hset", "hdel"), "its registration"),
-            _grant(keys.generator_alive(_VARIABLE), "W", ("set", "del"), "its heartbeat (SET PX)"),
+            _grant(keys.registrations, "W", ("rpush",), "files its registration key, reading no other (RPUSH)"),
+            _grant(
+                keys.registration(_VARIABLE),
+                "W",
+                ("set", "del"),
+                "its registration (SET PX), under the name only it knows",
+            ),
             _grant(keys.weights, "R", ("get",), "the announced policy version"),
             _grant(keys.checkpoint, "R", ("get",), "the checkpoint to start from"),
             _grant(
@@ -147,7 +158,7 @@ def _scorer(keys: Keys) -> Grant:
 
 
 def _learner(keys: Keys) -> Grant:
-    state = ("hset", "hget", "hexists")
+    state = ("hset", "hget", "hexists", "hdel")  # HDEL: the set-aside script removes the field it set aside
     return Grant(
         "learner",
         (
@@ -165,16 +176,14 @@ def _learner(keys: Keys) -> Grant:
             ),
             _grant(keys.dead_letter, "W", ("xadd",), "dead letters"),
             _grant(keys.learner_state, "RW", state, "its state: feeder position, runtime"),
-            _grant(
-                keys.generators, "RW", ("hgetall", "hget", "hdel"), "lists registrations, drops dead or invalid ones"
-            ),
-            _grant(keys.generator_alive(_VARIABLE), "R", ("exists",), "generators' heartbeats"),
+            _grant(keys.registrations, "RW", ("lrange", "lrem"), "lists registrations, drops dead or invalid ones"),
+            _grant(keys.registration(_VARIABLE), "R", ("strlen", "getrange"), "reads each, up to the size limit"),
             _grant(keys.weights, "W", ("set",), "announces each policy version"),
             _grant(keys.checkpoint, "W", ("set",), "announces each checkpoint"),
             # EVAL is checked against one selector holding every key it names; the script's own commands are
             # checked one by one against the grants above (HGET, HDEL, XADD), so nothing else runs inside.
             KeyGrant(
-                tuple(pattern(name) for name in (keys.generators, keys.learner_state, keys.dead_letter)),
+                tuple(pattern(name) for name in (keys.learner_state, keys.dead_letter)),
                 "RW",
                 ("eval",),
                 "sets an invalid value aside in the dead letters (EVAL: HGET, HDEL, XADD)",

@@ -1,16 +1,26 @@
 """Generator registrations and the learner's latest announcements in Redis: who serves, what to load.
 
-Written by generators (registration + liveness key with a TTL) and the learner (weights and checkpoint
-announcements); read by both. Lives in ``shared`` because both sides use it.
+Written by generators (each its own registration, with a TTL that is its liveness) and the learner (weights and
+checkpoint announcements); read by both. Lives in ``shared`` because both sides use it.
+
+A registration is a capability. Each replica makes a secret at start and keeps its registration under a key
+whose name holds it (``Keys.registration``), filing that name once in an index (``Keys.registrations``, a
+list) that generators may append to but never read (``shared.redis_acl``). No generator may read the index or
+enumerate keys, so none can name, and so overwrite or delete, another's registration; what it may write under
+the names it knows is its own. The learner lists the index in filing order, so the first live registration
+of a ``generator_id`` holds it: a later one claiming that id (a forgery, or a restarted replica whose old
+key has not expired yet) is refused with a warning until the first is gone.
 
 Whoever can write to Redis can put arbitrary bytes here, so a reader never raises on what it finds:
 
-* A hash field whose value does not decode (a field that is not UTF-8, bytes that are not the record, a
-  registration filed under another generator's id or over ``MAX_REGISTRATION_BYTES``, a feeder position that
-  is not one) is set aside: moved to
-  the dead-letter stream with its reason and its exact bytes and removed from the hash, in one script that
-  first checks the value is still the one read. It is logged and counted once, and the reader goes on as if
-  it were absent. Only the hashes' readers (the learner) may write them, so only they set values aside.
+* An index entry that is not a registration key, or whose registration does not decode (bytes that are not the
+  record, a value over ``MAX_REGISTRATION_BYTES``), is removed from the index and its bytes (at most the limit
+  and one more) moved to the dead-letter stream with the reason, logged and counted once. The learner reads no
+  more than that: the ACL bounds no value a generator writes under its own name, so the size limit is the
+  reader's. An entry whose key has expired or was deleted is removed silently.
+* A hash field whose value does not decode (the learner's saved feeder position) is set aside: moved to the
+  dead-letter stream with its reason and its exact bytes and removed from the hash, in one script that first
+  checks the value is still the one read.
 * An announcement that does not decode is read as absent, logged and counted. Its readers (generators) may
   only read it; the learner's next announcement replaces it.
 """
@@ -18,10 +28,14 @@ Whoever can write to Redis can put arbitrary bytes here, so a reader never raise
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TypeVar
+import re
+import secrets
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from shared.codec import WireError, decode, encode
 from shared.keys import Keys
@@ -35,8 +49,10 @@ R = TypeVar("R", bound=WireModel)
 
 _DEAD_LETTER_MAXLEN = 100_000  # as a stream consumer's dead-letter stream
 # A registration is a few hundred bytes (a URL, versions, device ids, the engine's layer names); one far larger
-# is not one, and is set aside before it is decoded.
+# is not one, and is refused before it is decoded (the learner reads no more than this and one byte).
 MAX_REGISTRATION_BYTES = 64 * 1024
+_SECRET_BYTES = 16  # 128 random bits: no replica guesses another's registration key
+_SHOWN_SECRET = 8  # hex digits of a secret a log line shows: enough to tell keys apart, too few to name one
 # KEYS: the hash, the dead-letter stream. ARGV: the field, the value read, the dead-letter stream's cap, then
 # the dead letter's fields and values. Returns 1 when set aside, 0 when the field changed meanwhile.
 _SET_ASIDE = """
@@ -51,54 +67,138 @@ return 1
 class RegistryStats:
     """Counters of a registry reader; a service exports them beside its stream counters."""
 
-    invalid: int = 0  # values that did not decode: set aside (hash fields) or read as absent (announcements)
+    invalid: int = 0  # values refused: set aside or dropped (registrations, fields) or read as absent (announcements)
+    # Registration keys refused for claiming a generator id a live one holds, each counted once while filed.
+    refused_claims: set[bytes] = field(default_factory=set)
 
 
-async def register(client: aioredis.Redis, keys: Keys, registration: GeneratorRegistration, ttl_s: float) -> None:
-    """Write (or refresh) a replica's registration and liveness key."""
+def new_registration_key(keys: Keys) -> str:
+    """A replica's own registration key, made once at start: its name holds a fresh secret."""
+    return keys.registration(secrets.token_hex(_SECRET_BYTES))
+
+
+async def register(
+    client: aioredis.Redis, keys: Keys, key: str, registration: GeneratorRegistration, ttl_s: float
+) -> None:
+    """Write (or refresh) a replica's registration under its own ``key``, live for ``ttl_s``. A key that is
+    new, or that expired meanwhile (the learner then dropped its index entry), is filed in the index again."""
+    payload, ttl_ms = encode(registration), int(ttl_s * 1000)
+    if await client.set(key, payload, px=ttl_ms, xx=True):
+        return
     async with client.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.generators, registration.generator_id, encode(registration))
-        pipe.set(keys.generator_alive(registration.generator_id), b"1", px=int(ttl_s * 1000))
+        pipe.set(key, payload, px=ttl_ms)
+        pipe.rpush(keys.registrations, key)
         await pipe.execute()
 
 
-async def deregister(client: aioredis.Redis, keys: Keys, generator_id: str) -> None:
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.hdel(keys.generators, generator_id)
-        pipe.delete(keys.generator_alive(generator_id))
-        await pipe.execute()
+async def deregister(client: aioredis.Redis, key: str) -> None:
+    """Remove a replica's registration at once (the learner drops its index entry at its next listing)."""
+    await client.delete(key)
 
 
 async def live_generators(client: aioredis.Redis, keys: Keys, stats: RegistryStats) -> list[GeneratorRegistration]:
-    """Registered replicas whose heartbeat has not expired; expired ones are removed from the hash, ones that
-    do not decode are set aside (see the module docstring)."""
-    entries = await client.hgetall(keys.generators)
-    alive = []
-    for raw_id, payload in sorted((_bytes(field), _bytes(value)) for field, value in entries.items()):
+    """The live registrations, in filing order, one per generator id (the first filed); expired ones are
+    dropped from the index, invalid ones dropped and set aside (see the module docstring)."""
+    filed = Counter(_bytes(name) for name in await client.lrange(keys.registrations, 0, -1))
+    payloads = await _read_registrations(client, keys, list(filed))
+    holders: dict[str, tuple[bytes, GeneratorRegistration]] = {}
+    for name, payload in payloads.items():
         try:
-            registration = _registration(raw_id, payload)
-        except (UnicodeDecodeError, WireError) as exc:
-            reason = f"registration {shown(raw_id)}: {type(exc).__name__}: {exc}"
-            await set_aside(client, keys, keys.generators, (raw_id, payload), reason, stats)
+            registration = _registration(payload)
+        except (ResponseError, WireError) as exc:
+            reason = f"registration key {_shown_name(keys, name)}: {type(exc).__name__}: {exc}"
+            await _drop_entry(client, keys, name, filed[name], payload, reason, stats)
             continue
-        if not await client.exists(keys.generator_alive(registration.generator_id)):
-            log.info("generator %s missed its heartbeat; dropping its registration", registration.generator_id)
-            await client.hdel(keys.generators, raw_id)
-            continue
-        alive.append(registration)
-    return alive
+        if registration is None:
+            await _unfile(client, keys, name, filed[name])  # expired or deregistered
+        elif (holder := holders.setdefault(registration.generator_id, (name, registration))[0]) != name:
+            _refuse_claim(registration.generator_id, holder, name, stats)
+    stats.refused_claims &= set(filed)
+    return [registration for _, registration in holders.values()]
 
 
-def _registration(raw_id: bytes, payload: bytes) -> GeneratorRegistration:
-    """The registration filed under ``raw_id``; raises when either does not decode, they disagree, or the
-    value is over ``MAX_REGISTRATION_BYTES``."""
-    generator_id = raw_id.decode("utf-8")
+async def _read_registrations(
+    client: aioredis.Redis, keys: Keys, names: list[bytes]
+) -> dict[bytes, bytes | Exception | None]:
+    """Each filed name's value, at most ``MAX_REGISTRATION_BYTES`` and one byte of it (None: no such key, or an
+    empty one; an exception: a name that is no registration key, or a key that is no string)."""
+    read = [name for name in names if _is_registration_key(keys, name)]
+    async with client.pipeline(transaction=False) as pipe:
+        for name in read:
+            pipe.strlen(name)
+            pipe.getrange(name, 0, MAX_REGISTRATION_BYTES)
+        replies = await pipe.execute(raise_on_error=False)
+    found: dict[bytes, bytes | Exception | None] = {
+        name: ResponseError("not a registration key") for name in names if name not in read
+    }
+    for name, length, value in zip(read, replies[::2], replies[1::2], strict=True):
+        found[name] = length if isinstance(length, Exception) else (_bytes(value) if length else None)
+    return {name: found[name] for name in names}
+
+
+def _unfile(commands: Any, keys: Keys, name: bytes, count: int) -> Any:
+    """``LREM`` the first ``count`` index entries of ``name``, those the learner read: a filing since is at the
+    tail. (``Any``: redis-py types the value as ``str``, but an entry may be any bytes, sent as they are.)"""
+    return commands.lrem(keys.registrations, count, name)
+
+
+def _is_registration_key(keys: Keys, name: bytes) -> bool:
+    """Whether ``name`` is a key ``new_registration_key`` makes: the learner reads no other key a generator names."""
+    prefix = re.escape(keys.registration("").encode())
+    return re.fullmatch(prefix + rb"[0-9a-f]{%d}" % (2 * _SECRET_BYTES), name) is not None
+
+
+def _registration(payload: bytes | Exception | None) -> GeneratorRegistration | None:
+    """The registration ``payload`` holds (None: none); raises when it is an error, is over
+    ``MAX_REGISTRATION_BYTES`` or does not decode."""
+    if isinstance(payload, Exception):
+        raise payload
+    if payload is None:
+        return None
     if len(payload) > MAX_REGISTRATION_BYTES:
-        raise WireError(f"{len(payload)} bytes, over the {MAX_REGISTRATION_BYTES} a registration may take", "size")
-    registration = decode(payload, GeneratorRegistration)
-    if registration.generator_id != generator_id:
-        raise WireError(f"filed under {generator_id!r} but registers {registration.generator_id!r}", "generator_id")
-    return registration
+        raise WireError(f"over the {MAX_REGISTRATION_BYTES} bytes a registration may take", "size")
+    return decode(payload, GeneratorRegistration)
+
+
+def _refuse_claim(generator_id: str, holder: bytes, claimant: bytes, stats: RegistryStats) -> None:
+    """A second live registration of ``generator_id``: refused while the first filed holds it, warned and
+    counted once. Its entry stays filed, so a restarted replica is accepted once its old key has expired."""
+    if claimant in stats.refused_claims:
+        return
+    stats.refused_claims.add(claimant)
+    stats.invalid += 1
+    log.warning(
+        "refusing registration %s: it claims generator id %r, which live registration %s holds",
+        _shown_key(claimant), generator_id, _shown_key(holder),
+    )  # fmt: skip
+
+
+def _shown_key(name: bytes) -> str:
+    """A registration key for a log line, its secret cut short: logs are read by more than the learner."""
+    text = name.decode()
+    return text[: len(text) - 2 * _SECRET_BYTES + _SHOWN_SECRET] + "…"
+
+
+def _shown_name(keys: Keys, name: bytes) -> str:
+    """An index entry for a log line: a registration key cut short, anything else as it is (escaped)."""
+    return _shown_key(name) if _is_registration_key(keys, name) else shown(name)
+
+
+async def _drop_entry(
+    client: aioredis.Redis, keys: Keys, name: bytes, filed: int, payload: object, reason: str, stats: RegistryStats
+) -> None:
+    """Remove the ``filed`` index entries of ``name`` that were read and set what was read aside, logged and
+    counted; entries filed since stay (LREM counts from the head, new ones are at the tail)."""
+    value = payload if isinstance(payload, bytes) else b""
+    letter = dead_letter_fields(keys.registrations, "", "", Delivery("", escaped(name), value, 1), reason)
+    letter[b"raw"] = raw_fields({name: value})
+    async with client.pipeline(transaction=True) as pipe:
+        _unfile(pipe, keys, name, filed)
+        pipe.xadd(keys.dead_letter, letter, maxlen=_DEAD_LETTER_MAXLEN, approximate=True)
+        removed, _ = await pipe.execute()
+    if removed:
+        log.warning("dropped an invalid registration and set it aside in the dead-letter stream: %s", reason)
+        stats.invalid += 1
 
 
 async def latest_checkpoint(client: aioredis.Redis, keys: Keys, stats: RegistryStats) -> CheckpointAnnouncement | None:

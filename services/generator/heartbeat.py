@@ -2,7 +2,9 @@
 
 The registration carries what the learner needs to push weights here: the engine workers' GPU UUIDs (the
 transport: CUDA IPC on the learner's own GPU, NCCL elsewhere), the engine dtype (the learner casts to it
-while packing) and torch/NCCL/vLLM versions (a group with different versions is refused, not hung).
+while packing) and torch/NCCL/vLLM versions (a group with different versions is refused, not hung). It lives
+under a key whose name holds a secret this process makes at start (``shared.registry``), so no other replica
+can name it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from shared.config.generator import GeneratorSettings
 from shared.keys import Keys
 from shared.lifecycle import Service
 from shared.records import GeneratorRegistration, RuntimeVersions, ShmProbe
-from shared.registry import deregister, register
+from shared.registry import deregister, new_registration_key, register
 from shared.streams import StreamConsumer, stream_backlog
 from shared.telemetry import CallbackCollector
 
@@ -43,6 +45,7 @@ class GeneratorTelemetry:
         self.client, self.keys, self.settings = client, keys, settings
         self.engine, self.loop, self.consumer, self.lease = engine, loop, consumer, lease
         self.url = url
+        self.registration_key = new_registration_key(keys)  # this process's own: a restart makes a new one
         self.prompt_backlog = 0
         self.heartbeat_errors = 0
         self._registration = GeneratorRegistration(
@@ -74,7 +77,7 @@ class GeneratorTelemetry:
         registration = (await self._with_runtime()).model_copy(
             update={"policy_version": self.engine.policy_version, "heartbeat_at": time.time()}
         )
-        await register(self.client, self.keys, registration, self.settings.heartbeat_ttl_s)
+        await register(self.client, self.keys, self.registration_key, registration, self.settings.heartbeat_ttl_s)
         self.prompt_backlog = await stream_backlog(self.client, self.keys.prompts)
 
     def _error(self, exc: Exception) -> None:
@@ -107,7 +110,7 @@ class GeneratorTelemetry:
 
     async def leave(self) -> None:
         try:
-            await deregister(self.client, self.keys, self.settings.generator_id)
+            await deregister(self.client, self.registration_key)
         except Exception as exc:
             log.error("could not deregister (the heartbeat will expire): %s", exc)
 

@@ -26,6 +26,7 @@ from shared.codec import WireError, decode, encode
 from shared.keys import Keys
 from shared.records import GeneratorRegistration, PromptTask, Rollout, ScoredGroup
 from shared.redis_conn import RedisRetry
+from shared.registry import MAX_REGISTRATION_BYTES, new_registration_key
 from shared.streams import StreamConsumer
 from tests.support.hostile import EDGE_ENTRIES, decoded_raw, expected_reason, text_fields_of
 from tests.support.processes import ServiceProcess, start_service
@@ -184,13 +185,29 @@ async def _inject(client, keys: Keys, name: str, sample: bytes | None) -> tuple[
     return [record_id for record_id, _ in valid], bad
 
 
-def _garbage_registrations(sample: GeneratorRegistration, tag: bytes) -> dict[bytes, bytes]:
-    return {
-        b"\xff\xfe" + tag: encode(sample),  # a real registration under a field that is not UTF-8
-        b"ghost" + tag: b"\xff" * 1_000_000,
-        b"imposter" + tag: encode(sample),  # filed under another generator's id
-        b"empty" + tag: b"",
-    }
+Garbage = list[tuple[bytes, bytes | None]]  # registration index entries, with what their key holds (None: no key)
+
+
+def _garbage_registrations(keys: Keys, tag: bytes) -> Garbage:
+    """Index entries the learner sets aside, each once."""
+    return [
+        (new_registration_key(keys).encode(), b"\x93 not a record"),
+        (new_registration_key(keys).encode(), b"\xff" * 1_000_000),  # over the size limit
+        (b"\xff\xfe" + tag, None),  # names no registration key
+        (keys.weights.encode() + tag, None),  # names another key, never read as a registration
+    ]
+
+
+async def _file_garbage(client, keys: Keys, garbage: Garbage) -> None:
+    for name, value in garbage:
+        if value is not None:
+            await client.set(name, value, px=600_000)
+        await client.rpush(keys.registrations, name)
+
+
+def _set_aside(garbage: Garbage) -> list[tuple[bytes, bytes]]:
+    """What the dead letters of ``garbage`` hold: each entry with what the learner read of its key."""
+    return [(name, (value or b"")[: MAX_REGISTRATION_BYTES + 1]) for name, value in garbage]
 
 
 async def _wait(condition, what: str, services: list[ServiceProcess], timeout_s: float = 300) -> None:
@@ -221,9 +238,8 @@ async def test_hostile_entries_in_every_stream_and_registry_key_stop_no_service(
     startup_garbage = {"checkpoint": b"\xff\x00", "feeder": b"\xff{", "weights": b"\x93 not an announcement"}
     await client.set(keys.checkpoint, startup_garbage["checkpoint"])
     await client.hset(keys.learner_state, FEEDER_POSITION, startup_garbage["feeder"])
-    stranger = GeneratorRegistration(generator_id="gen-0", url="http://x:1", policy_version=0)
-    first_garbage = {**_garbage_registrations(stranger, b"-1"), b"": b""}
-    await client.hset(keys.generators, mapping=first_garbage)
+    first_garbage = [*_garbage_registrations(keys, b"-1"), (b"", None)]
+    await _file_garbage(client, keys, first_garbage)
 
     stop_audit = asyncio.Event()
     audit = Audit(client, keys)
@@ -261,8 +277,9 @@ async def test_hostile_entries_in_every_stream_and_registry_key_stop_no_service(
         await _wait(samples_taken, "a record in every stream", services)
         injected = {name: await _inject(client, keys, name, audit.sample[name]) for name in STREAMS}
         injected["evaluated"] = evaluated
-        live = decode(await client.hget(keys.generators, "gen-0"), GeneratorRegistration)
-        await client.hset(keys.generators, mapping=(run_garbage := _garbage_registrations(live, b"-2")))
+        await _file_garbage(client, keys, run_garbage := _garbage_registrations(keys, b"-2"))
+        stranger = GeneratorRegistration(generator_id="gen-0", url="http://x:1", policy_version=0)
+        await _file_garbage(client, keys, [(new_registration_key(keys).encode(), encode(stranger))])
 
         async def all_handled() -> bool:
             return await _all_handled(client, keys, audit, injected)
@@ -277,6 +294,7 @@ async def test_hostile_entries_in_every_stream_and_registry_key_stop_no_service(
         await asyncio.wait_for(audit_task, 60)
         codes = {service.name: service.stop() for service in reversed(services)}
     assert codes == {"learner": 0, "scorer": 0, "generator": 0}, codes
+    assert "refusing registration" in learner.output()  # the stranger claimed live gen-0's id: refused
 
     letters = await _letters(client, keys)
     _check_stream_letters(letters, keys, injected)
@@ -302,7 +320,7 @@ async def _all_handled(client, keys: Keys, audit: Audit, injected) -> bool:
         for record_id in valid_ids:
             if not await client.exists(keys.applied(getattr(keys, name), READERS[name], record_id)):
                 return False
-    registry = [letter for letter in letters if letter[b"stream"] == keys.generators.encode()]
+    registry = [letter for letter in letters if letter[b"stream"] == keys.registrations.encode()]
     return (
         len(registry) >= 9
         and all(audit.seen["rollouts"][record_id] for record_id in injected["prompts"][0])
@@ -340,14 +358,14 @@ def _column_word(name: str, fields: dict) -> str | None:
     return None
 
 
-def _check_registry_letters(letters, keys: Keys, startup: dict[str, bytes], hashes: list[dict[bytes, bytes]]) -> None:
+def _check_registry_letters(letters, keys: Keys, startup: dict[str, bytes], garbage: list[Garbage]) -> None:
     """Each garbage registration set aside once, with its exact bytes, and the garbage feeder position."""
     by_stream: dict[bytes, list[dict[bytes, bytes]]] = {}
     for letter in letters:
         by_stream.setdefault(letter[b"stream"], []).append(letter)
     registrations = sorted(
-        pair for letter in by_stream[keys.generators.encode()] for pair in decoded_raw(letter).items()
+        pair for letter in by_stream[keys.registrations.encode()] for pair in decoded_raw(letter).items()
     )
-    assert registrations == sorted(pair for garbage in hashes for pair in garbage.items())
+    assert registrations == sorted(pair for filed in garbage for pair in _set_aside(filed))
     [feeder] = by_stream[keys.learner_state.encode()]
     assert decoded_raw(feeder) == {FEEDER_POSITION: startup["feeder"]}

@@ -3,8 +3,9 @@
 Every stream entry whose fields are not exactly a UTF-8 record id and a payload - whichever way it reaches the
 consumer: its own pending entries after a restart, entries claimed from a dead consumer, new ones - is
 dead-lettered once, with its reason and its exact fields, and every valid entry around it is delivered once.
-Every registry hash value that does not decode (a generator's registration, the learner's saved feeder
-position) is set aside the same way, an announcement that does not decode reads as absent, and the reader goes
+Every registration that is not one (an index entry naming no registration key, a value that does not decode
+or is over the size limit) is dropped from the index and set aside the same way, as is a learner's saved
+feeder position that does not decode; an announcement that does not decode reads as absent, and the reader goes
 on. A real scorer process fed such entries keeps
 scoring and answering ``/health``.
 """
@@ -31,6 +32,7 @@ from shared.registry import (
     latest_checkpoint,
     latest_weights_version,
     live_generators,
+    new_registration_key,
     register,
     set_aside,
 )
@@ -152,36 +154,39 @@ def test_edge_cases_through_every_read_path(redis_url):
 
 # Registry ----------------------------------------------------------------------------------------------
 
-hostile_registrations = st.dictionaries(
-    st.one_of(st.binary(max_size=16), st.text(max_size=16).map(str.encode)).filter(
-        lambda field: not field.startswith(b"valid-")
-    ),
-    st.one_of(
-        st.binary(max_size=64),
-        st.just(encode(GeneratorRegistration(generator_id="someone-else", url="http://h:1", policy_version=0))),
-    ),
-    max_size=6,
-)
+hostile_values = st.lists(st.binary(min_size=1, max_size=64), max_size=4)  # under real registration keys
+hostile_names = st.sets(st.binary(max_size=40), max_size=4)  # index entries naming no registration key
 
 
 def _registration(generator_id: str) -> GeneratorRegistration:
     return GeneratorRegistration(generator_id=generator_id, url="http://127.0.0.1:1", policy_version=0)
 
 
-async def _registry_check(redis_url: str, hostile: dict[bytes, bytes], live: int) -> None:
-    """``live`` valid replicas, one whose heartbeat expired, and ``hostile`` fields in the generators hash."""
-    keys = Keys(f"test-registry-{uuid.uuid4().hex[:10]}")
+async def _file(client, keys: Keys, value: bytes) -> str:
+    """A registration key holding ``value``, filed in the index (as a generator's ``register`` files one)."""
+    key = new_registration_key(keys)
+    await client.set(key, value, px=60_000)
+    await client.rpush(keys.registrations, key)
+    return key
+
+
+async def _registry_check(redis_url: str, values: list[bytes], names: set[bytes], live: int, keys: Keys) -> None:
+    """``live`` valid replicas, one whose key expired, one claiming the first's id, and ``values`` under
+    registration keys of their own and ``names`` that are none in the index."""
     client = make_client(redis_url)
     stats = RegistryStats()
     try:
-        for i in range(live):
-            await register(client, keys, _registration(f"valid-{i}"), ttl_s=60)
-        await client.hset(keys.generators, "valid-expired", encode(_registration("valid-expired")))
-        if hostile:
-            await client.hset(keys.generators, mapping=hostile)
+        valid = [new_registration_key(keys) for _ in range(live)]
+        for i, key in enumerate(valid):
+            await register(client, keys, key, _registration(f"valid-{i}"), ttl_s=60)
+        await client.rpush(keys.registrations, new_registration_key(keys))  # its key expired
+        imposter = [await _file(client, keys, encode(_registration("valid-0")))] if live else []
+        hostile = [(await _file(client, keys, value)).encode() for value in values]
+        if names:
+            await client.rpush(keys.registrations, *names)
         first = await live_generators(client, keys, stats)
         again = await live_generators(client, keys, stats)
-        remaining = await client.hgetall(keys.generators)
+        remaining = await client.lrange(keys.registrations, 0, -1)
         letters = [fields for _, fields in await client.xrange(keys.dead_letter)]
     finally:
         doomed = [key async for key in client.scan_iter(match=f"{keys.prefix}:*", count=1000)]
@@ -189,51 +194,54 @@ async def _registry_check(redis_url: str, hostile: dict[bytes, bytes], live: int
             await client.delete(*doomed)
         await client.aclose()
 
-    names = [f"valid-{i}" for i in range(live)]
-    assert [r.generator_id for r in first] == [r.generator_id for r in again] == names
-    assert sorted(remaining) == sorted(name.encode() for name in names), "expired and invalid ones removed"
-    assert stats.invalid == len(letters) == len(hostile), "each invalid registration set aside exactly once"
-    assert sorted((field, value) for letter in letters for field, value in decoded_raw(letter).items()) == sorted(
-        hostile.items()
-    )
+    ids = [f"valid-{i}" for i in range(live)]
+    assert [r.generator_id for r in first] == [r.generator_id for r in again] == ids
+    assert remaining == [key.encode() for key in valid + imposter], "expired and invalid ones removed"
+    assert stats.invalid == len(letters) + len(imposter) == len(values) + len(names) + len(imposter)
+    read = [(name, value[: MAX_REGISTRATION_BYTES + 1]) for name, value in zip(hostile, values, strict=True)]
+    read += [(name, b"") for name in names]
+    assert sorted(pair for letter in letters for pair in decoded_raw(letter).items()) == sorted(read)
     for letter in letters:
         text = text_fields_of(letter)
-        assert text["stream"] == keys.generators and text["reason"].startswith("registration ")
+        assert text["stream"] == keys.registrations and text["reason"].startswith("registration key ")
 
 
 @PROPERTY
-@given(hostile_registrations, st.integers(0, 3))
-def test_arbitrary_registrations_never_stop_the_reader(redis_url, hostile, live):
-    asyncio.run(_registry_check(redis_url, hostile, live))
+@given(hostile_values, hostile_names, st.integers(0, 3))
+def test_arbitrary_registrations_never_stop_the_reader(redis_url, values, names, live):
+    asyncio.run(_registry_check(redis_url, values, names, live, Keys(f"test-registry-{uuid.uuid4().hex[:10]}")))
 
 
 def test_registration_edge_cases(redis_url):
-    valid = encode(_registration("valid-0"))
-    hostile = {
-        b"\xff": valid,  # a registration filed under a field that is not UTF-8
-        b"valid-0\xff": b"\x93not a record",
-        b"": b"",
-        b"ghost": b"\xff" * 1_000_000,
-        b"imposter": encode(_registration("someone-else")),
-        b"prompt": encode(make_task()),  # a valid record of another kind
+    keys = Keys(f"test-registry-{uuid.uuid4().hex[:10]}")
+    values = [b"\x93not a record", b"\xff" * 1_000_000, encode(make_task())]  # the last: a record of another kind
+    names = {
+        b"\xff",
+        b"",
+        keys.registration("short").encode(),
+        keys.registration("A" * 32).encode(),  # hex, but not as new_registration_key writes it
+        keys.registration("*").encode(),
+        keys.weights.encode(),  # another key: never read as a registration
     }
-    asyncio.run(_registry_check(redis_url, hostile, 2))
+    asyncio.run(_registry_check(redis_url, values, names, 2, keys))
 
 
-async def test_a_valid_registration_over_the_size_limit_is_set_aside(redis_client, keys):
-    """A generator may write a registration of any size (the ACL bounds no value): the learner's reader sets
-    one over ``MAX_REGISTRATION_BYTES`` aside before decoding it, however valid its record."""
+async def test_a_valid_registration_over_the_size_limit_is_refused(redis_client, keys):
+    """A generator may write a registration of any size under its own key (the ACL bounds no value): the
+    learner reads at most ``MAX_REGISTRATION_BYTES`` and one byte of it and refuses one over the limit before
+    decoding it, however valid its record."""
     huge = GeneratorRegistration(
         generator_id="gen-huge", url="http://127.0.0.1:1", policy_version=0, device_uuids=("GPU-" + "0" * 64,) * 2000
     )
     assert len(encode(huge)) > MAX_REGISTRATION_BYTES
     stats = RegistryStats()
-    await register(redis_client, keys, huge, ttl_s=60)
-    await register(redis_client, keys, _registration("gen-ok"), ttl_s=60)
+    await register(redis_client, keys, huge_key := new_registration_key(keys), huge, ttl_s=60)
+    await register(redis_client, keys, ok_key := new_registration_key(keys), _registration("gen-ok"), ttl_s=60)
     assert [r.generator_id for r in await live_generators(redis_client, keys, stats)] == ["gen-ok"]
     [(_, letter)] = await redis_client.xrange(keys.dead_letter)
-    assert f"over the {MAX_REGISTRATION_BYTES} a registration may take" in letter[b"reason"].decode()
-    assert stats.invalid == 1 and not await redis_client.hexists(keys.generators, "gen-huge")
+    assert f"over the {MAX_REGISTRATION_BYTES} bytes a registration may take" in letter[b"reason"].decode()
+    assert len(decoded_raw(letter)[huge_key.encode()]) == MAX_REGISTRATION_BYTES + 1  # all the learner read
+    assert stats.invalid == 1 and await redis_client.lrange(keys.registrations, 0, -1) == [ok_key.encode()]
 
 
 async def test_bad_announcements_are_read_as_absent_and_counted(redis_client, keys):
@@ -256,12 +264,12 @@ async def test_bad_announcements_are_read_as_absent_and_counted(redis_client, ke
 
 
 async def test_a_value_changed_or_removed_meanwhile_is_not_set_aside(redis_client, keys):
-    await redis_client.hset(keys.generators, b"g", b"new value")
-    assert not await set_aside(redis_client, keys, keys.generators, (b"g", b"old value"), "stale read", RegistryStats())
+    await redis_client.hset(keys.learner_state, b"g", b"new value")
+    assert not await set_aside(redis_client, keys, keys.learner_state, (b"g", b"old value"), "stale", RegistryStats())
     assert not await set_aside(
-        redis_client, keys, keys.generators, (b"gone", b"old value"), "stale read", RegistryStats()
+        redis_client, keys, keys.learner_state, (b"gone", b"old value"), "stale read", RegistryStats()
     )
-    assert await redis_client.hgetall(keys.generators) == {b"g": b"new value"}
+    assert await redis_client.hgetall(keys.learner_state) == {b"g": b"new value"}
     assert await redis_client.xlen(keys.dead_letter) == 0
 
 

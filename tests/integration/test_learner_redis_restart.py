@@ -22,7 +22,7 @@ from shared.config.learner import LearnerSettings
 from shared.keys import Keys
 from shared.records import GeneratorRegistration
 from shared.redis_conn import TRANSIENT_ERRORS, make_client
-from shared.registry import register
+from shared.registry import new_registration_key, register
 from tests.support.fake_pipeline import run_fake_pipeline
 from tests.support.processes import ServiceProcess, start_service
 from tests.support.redis_server import RedisServer, start_redis
@@ -186,11 +186,12 @@ class MissingGenerator:
         self.registration = GeneratorRegistration(
             generator_id="gen-missing", url="http://127.0.0.1:9", policy_version=0
         )
+        self.key = new_registration_key(keys)
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             current = self.registration.model_copy(update={"policy_version": self.version})
-            await register(self.client, self.keys, current, ttl_s=5)
+            await register(self.client, self.keys, self.key, current, ttl_s=5)
             await asyncio.sleep(0.05)
 
     async def push(self, named, policy_version, generators, http, *, reset=False, linear=()) -> PushReport:

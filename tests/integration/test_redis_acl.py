@@ -39,7 +39,9 @@ from shared.registry import (
     latest_checkpoint,
     latest_weights_version,
     live_generators,
+    new_registration_key,
     register,
+    set_aside,
 )
 from shared.streams import Output, StreamConsumer, StreamProducer, group_backlog, stream_backlog, trim_processed
 
@@ -87,14 +89,17 @@ async def _learner_admits(learner, keys: Keys, task_ids: list[str]) -> None:
     await learner.set(keys.checkpoint, encode(CheckpointAnnouncement(policy_version=1, step=1, path="/ckpt/1")))
 
 
-async def _generator_works(generator, keys: Keys) -> None:
+async def _generator_works(generator, keys: Keys) -> str:
+    """The generator's whole job; returns its registration key."""
     lease = GpuLease(generator, keys, "box", "gen-0", ttl_s=5)
     assert await lease.acquire([0, 1], 1) == [0]
     again = GpuLease(generator, keys, "box", "gen-0", ttl_s=5)  # the same replica, restarted: EVAL reclaims
     assert await again.acquire([0], 1) == [0] and await again.holders([0, 1]) == {0: "gen-0"}
     await again.release()
     registration = GeneratorRegistration(generator_id="gen-0", url="http://127.0.0.1:8001", policy_version=1)
-    await register(generator, keys, registration, ttl_s=30)
+    key = new_registration_key(keys)
+    for _ in range(2):  # registers (SET, RPUSH), then refreshes (SET XX)
+        await register(generator, keys, key, registration, ttl_s=30)
     assert await latest_weights_version(generator, keys, RegistryStats()) == 1
     assert (await latest_checkpoint(generator, keys, RegistryStats())).path == "/ckpt/1"
     assert await stream_backlog(generator, keys.prompts) == 3
@@ -111,6 +116,7 @@ async def _generator_works(generator, keys: Keys) -> None:
     outputs = [Output(rollouts, d.record_id, b"rollout " + d.payload) for d in claimed[:2]]
     assert await second.commit_many([(claimed[0], outputs[:1]), (claimed[1], outputs[1:])]) == [True, True]
     await second.dead_letter(claimed[2], "a prompt this test gives up on")
+    return key
 
 
 async def _scorer_works(scorer, admin, keys: Keys) -> None:
@@ -138,27 +144,42 @@ async def _learner_works(learner, admin, keys: Keys) -> None:
     for stream in (keys.prompts, keys.rollouts, keys.scored, keys.evaluated):
         await trim_processed(learner, stream)  # the learner trims what every group finished (XTRIM MINID)
     assert [await admin.xlen(s) for s in (keys.prompts, keys.rollouts, keys.scored)] == [0, 0, 0]  # all finished
-    await admin.hset(keys.generators, "gen-bad", b"not a registration")  # set aside (EVAL: HGET, HDEL, XADD)
+    bad = new_registration_key(keys)
+    await admin.set(bad, b"not a registration")
+    await admin.rpush(keys.registrations, bad, keys.weights)  # set aside (LREM, XADD), the second never read
     assert [g.generator_id for g in await live_generators(learner, keys, RegistryStats())] == ["gen-0"]
-    assert not await admin.hexists(keys.generators, "gen-bad")
+    assert await admin.llen(keys.registrations) == 1
 
 
 async def test_every_service_does_its_whole_job_as_its_own_user(users):
     keys, clients, admin = users
     await _learner_admits(clients["learner"], keys, ["t1", "t2", "t3"])
-    await _generator_works(clients["generator"], keys)
+    registration = await _generator_works(clients["generator"], keys)
     await _scorer_works(clients["scorer"], admin, keys)
     await _learner_works(clients["learner"], admin, keys)
-    await deregister(clients["generator"], keys, "gen-0")
-    assert await admin.hlen(keys.generators) == 0
+    await deregister(clients["generator"], registration)
+    assert await live_generators(clients["learner"], keys, RegistryStats()) == []
+    assert await admin.llen(keys.registrations) == 0
     reasons = [fields[b"reason"] for _, fields in await admin.xrange(keys.dead_letter)]
-    assert reasons[0] == b"a prompt this test gives up on" and len(reasons) == 2
+    assert reasons[0] == b"a prompt this test gives up on" and len(reasons) == 3
+
+
+async def test_the_learner_sets_a_bad_saved_feeder_position_aside_as_its_own_user(users):
+    """The set-aside script (HGET, HDEL, XADD) runs as the learner: its saved position that does not decode goes
+    to the dead letters, so the learner starts from the beginning of its data instead of failing."""
+    keys, clients, admin = users
+    await admin.hset(keys.learner_state, "feeder_position", b"\xff")
+    stats = RegistryStats()
+    aside = await set_aside(clients["learner"], keys, keys.learner_state, (b"feeder_position", b"\xff"), "bad", stats)
+    assert aside and stats.invalid == 1 and not await admin.hexists(keys.learner_state, "feeder_position")
+    [(_, letter)] = await admin.xrange(keys.dead_letter)
+    assert letter[b"reason"] == b"bad" and letter[b"stream"] == keys.learner_state.encode()
 
 
 REFUSED = {
     "scorer": [
-        ("HSET", "{generators}", "gen-x", "registration"),  # would register a generator URL
-        ("SET", "{alive}", "1"),
+        ("SET", "{registration}", "registration"),  # would register a generator URL
+        ("RPUSH", "{registrations}", "{registration}"),
         ("XADD", "{prompts}", "*", "id", "x"),
         ("SET", "{weights}", "x"),
         ("XRANGE", "{dead}", "-", "+"),  # dead letters are written, never read
@@ -169,14 +190,16 @@ REFUSED = {
         ("XADD", "{evaluated}", "*", "id", "x", "data", "x"),
         ("SET", "{weights}", "x"),
         ("SET", "{checkpoint}", "x"),
-        ("HGETALL", "{generators}"),  # writes its own registration, reads nobody's
+        ("LRANGE", "{registrations}", "0", "-1"),  # writes its own registration, reads nobody's
+        ("GETRANGE", "{registration}", "0", "-1"),
         ("HSET", "{learner_state}", "runtime", "x"),
         ("XADD", "other:rollouts", "*", "id", "x"),  # another pipeline's keys
     ],
     "learner": [
         ("XADD", "{rollouts}", "*", "id", "x", "data", "x"),
         ("SET", "{gpu}", "x"),
-        ("SET", "{alive}", "1"),
+        ("SET", "{registration}", "1"),  # reads registrations, writes none
+        ("RPUSH", "{registrations}", "x"),
         ("XADD", "other:prompts", "*", "id", "x"),
     ],
 }
@@ -193,8 +216,8 @@ EVERYONE_REFUSED = [
 
 def _key(name: str, keys: Keys) -> str:
     named = {
-        "{generators}": keys.generators,
-        "{alive}": keys.generator_alive("gen-x"),
+        "{registrations}": keys.registrations,
+        "{registration}": keys.registration("0" * 32),
         "{prompts}": keys.prompts,
         "{rollouts}": keys.rollouts,
         "{scored}": keys.scored,
@@ -215,7 +238,84 @@ async def test_every_user_is_refused_what_it_does_not_need(users):
             args = [_key(part, keys) for part in command]
             with pytest.raises(NoPermissionError):
                 await clients[role].execute_command(*args)
-    assert await admin.exists(keys.generators, keys.scored, keys.weights) == 0  # nothing got through
+    assert await admin.exists(keys.registrations, keys.registration("0" * 32), keys.scored, keys.weights) == 0
+
+
+# Every command by which a generator could read, or change otherwise than by SET and DEL, another replica's
+# registration ``{k}`` or the index ``{i}``, or learn a key's name. SET and DEL need the name, and nothing here
+# may reveal one: its secret is what makes a registration its replica's own.
+NAMING = [
+    *((command, "{k}") for command in ("GET", "GETDEL", "STRLEN", "DUMP", "TTL", "PTTL", "TYPE", "EXISTS", "TOUCH")),
+    *((command, "{k}", "1") for command in ("EXPIRE", "PEXPIRE", "EXPIREAT", "MOVE", "APPEND")),
+    ("SETRANGE", "{k}", "0", "x"),
+    ("PERSIST", "{k}"),
+    ("GETEX", "{k}", "PX", "1"),
+    ("GETRANGE", "{k}", "0", "-1"),
+    ("SET", "{k}", "x", "GET"),
+    ("RENAME", "{k}", "{k}-mine"),
+    ("RENAMENX", "{k}", "{k}-mine"),
+    ("COPY", "{k}", "{k}-mine"),
+    ("OBJECT", "ENCODING", "{k}"),
+    ("MEMORY", "USAGE", "{k}"),
+    ("EVAL", "return redis.call('GET', KEYS[1])", "1", "{k}"),
+    *((command, "{i}") for command in ("LLEN", "LPOP", "RPOP", "DEL", "UNLINK", "DUMP", "TYPE", "SORT")),
+    ("LRANGE", "{i}", "0", "-1"),
+    ("LINDEX", "{i}", "0"),
+    ("LPOS", "{i}", "{k}"),
+    ("LREM", "{i}", "0", "{k}"),
+    ("LSET", "{i}", "0", "x"),
+    ("LTRIM", "{i}", "1", "0"),
+    ("LMOVE", "{i}", "{i}-mine", "LEFT", "LEFT"),
+    ("RPOPLPUSH", "{i}", "{i}-mine"),
+    ("EXPIRE", "{i}", "1"),
+    ("RENAME", "{i}", "{i}-mine"),
+    ("EVAL", "return redis.call('LRANGE', KEYS[1], 0, -1)", "1", "{i}"),
+    ("KEYS", "*"),
+    ("SCAN", "0", "MATCH", "*registration*"),
+    ("RANDOMKEY",),
+    ("MONITOR",),
+    ("PSUBSCRIBE", "__key*__:*"),  # keyspace notifications name every key written
+    ("CLIENT", "LIST"),
+    ("SLOWLOG", "GET"),
+]
+
+
+async def test_a_generator_can_name_no_registration_but_its_own(users):
+    """Logged in as the generator user, a replica registers and refreshes its own registration, and is refused
+    every command that would change another's by its generator id (the registrations are no longer one hash
+    of ids) or read, expire, rename or move another's, read the index or list key names; the other replica's
+    registration and its index entry are left as they were, and the learner lists both."""
+    keys, clients, admin = users
+    generator = clients["generator"]
+    by_id = [
+        ("HSET", f"{keys.prefix}:generators", "gen-1", "forged"),
+        ("HDEL", f"{keys.prefix}:generators", "gen-1"),
+        ("SET", f"{keys.prefix}:generator:gen-1:alive", "1"),
+        ("DEL", f"{keys.prefix}:generator:gen-1:alive"),
+    ]
+    for command in by_id:
+        with pytest.raises(NoPermissionError):
+            await generator.execute_command(*command)
+    other, own = new_registration_key(keys), new_registration_key(keys)
+    for key, generator_id in ((other, "gen-1"), (own, "gen-0"), (own, "gen-0")):  # own: registers, refreshes
+        url = f"http://127.0.0.1:800{generator_id[-1]}"
+        registration = GeneratorRegistration(generator_id=generator_id, url=url, policy_version=0)
+        await register(generator, keys, key, registration, ttl_s=30)
+    before = (await admin.get(other), await admin.lrange(keys.registrations, 0, -1))
+    allowed = []
+    for template in NAMING:
+        command = [part.format(k=other, i=keys.registrations) for part in template]
+        try:
+            await generator.execute_command(*command)
+            allowed.append(command[0])
+        except ResponseError as exc:
+            if not _is_refusal(exc):
+                allowed.append(f"{command[0]}: {exc}")
+    assert not allowed, allowed
+    assert (await admin.get(other), await admin.lrange(keys.registrations, 0, -1)) == before
+    assert before[1] == [other.encode(), own.encode()] and await admin.pttl(other) > 0
+    listed = await live_generators(clients["learner"], keys, RegistryStats())
+    assert [g.generator_id for g in listed] == ["gen-1", "gen-0"]
 
 
 async def test_the_default_user_needs_the_administrator_password_and_a_wrong_one_fails(users):
@@ -256,8 +356,8 @@ def _every_key(keys: Keys) -> dict[str, str]:
         "scored": keys.scored,
         "evaluated": keys.evaluated,
         "dead": keys.dead_letter,
-        "generators": keys.generators,
-        "alive": keys.generator_alive("gen-x"),
+        "registrations": keys.registrations,
+        "registration": keys.registration("0" * 32),
         "weights": keys.weights,
         "checkpoint": keys.checkpoint,
         "learner_state": keys.learner_state,
@@ -279,6 +379,8 @@ DESTRUCTIVE = {
     "EXPIRE": ("EXPIRE", "{k}", "1"),
     "XTRIM": ("XTRIM", "{k}", "MAXLEN", "0"),
     "XDEL": ("XDEL", "{k}", "1-1"),
+    "LREM": ("LREM", "{k}", "0", "x"),
+    "LTRIM": ("LTRIM", "{k}", "1", "0"),
     "XGROUP DESTROY": ("XGROUP", "DESTROY", "{k}", "g"),
     "XGROUP SETID": ("XGROUP", "SETID", "{k}", "g", "0"),
     "XGROUP DELCONSUMER": ("XGROUP", "DELCONSUMER", "{k}", "g", "c"),
@@ -289,19 +391,22 @@ DESTRUCTIVE = {
     "EVAL XTRIM": ("EVAL", "return redis.call('XTRIM', KEYS[1], 'MAXLEN', 0)", "1", "{k}"),
     "FCALL": ("FCALL", "f", "1", "{k}"),
 }
-# What each user owns and may do there by design, (command, key): its heartbeat and the GPU leases (a
-# generator), its own applied markers' expiry (every consumer: INCR and EXPIRE, never SET), the announcements
-# it makes and the streams' retention (the learner). Every other destructive command on every key is refused.
+# What each user owns and may do there by design, (command, key): its registration, under the name only it
+# knows (test_a_generator_can_name_no_registration_but_its_own), and the GPU leases (a generator), its own
+# applied markers' expiry (every consumer: INCR and EXPIRE, never SET), the announcements it makes, the
+# registrations' index entries it drops and the streams' retention (the learner). Every other destructive
+# command on every key is refused.
 OWNED = {
     "generator": {
-        *(("SET", k) for k in ("alive", "gpu")),
+        *(("SET", k) for k in ("registration", "gpu")),
         ("EXPIRE", "prompts_applied"),
-        ("DEL", "alive"),
+        ("DEL", "registration"),
         *((c, "gpu") for c in ("DEL", "EVAL DEL", "EVAL SET")),
     },
     "scorer": {("EXPIRE", "rollouts_applied")},
     "learner": {
         *(("SET", k) for k in ("weights", "checkpoint")),
+        ("LREM", "registrations"),  # drops dead or invalid registrations' entries
         *(("EXPIRE", k) for k in ("scored_applied", "evaluated_applied")),
         *(("XTRIM", k) for k in ("prompts", "rollouts", "scored", "evaluated")),
         *(("EVAL XTRIM", k) for k in ("scored", "evaluated")),  # it reads them (EVAL) and trims them
@@ -326,9 +431,9 @@ async def test_no_user_can_destroy_or_retype_a_key_it_does_not_own(users):
     for name in ("prompts", "rollouts", "scored", "evaluated", "dead"):
         await admin.xadd(every[name], {"id": "x", "data": "x"})
         await admin.xgroup_create(every[name], "g", id="0")
-    await admin.hset(keys.generators, "gen-x", b"x")
+    await admin.rpush(keys.registrations, every["registration"])
     await admin.hset(keys.learner_state, "runtime", b"x")
-    for name in ("alive", "weights", "checkpoint", "gpu", "other_pipeline"):
+    for name in ("registration", "weights", "checkpoint", "gpu", "other_pipeline"):
         await admin.set(every[name], b"x")
     wrongly_allowed, wrongly_refused = [], []
     for role, client in clients.items():
@@ -357,7 +462,8 @@ async def test_no_user_can_destroy_or_retype_a_key_it_does_not_own(users):
     # Nothing another user owns was touched: every stream and its group are still there.
     for name in ("prompts", "rollouts", "scored", "evaluated", "dead"):
         assert await admin.type(every[name]) == b"stream", name
-    assert await admin.hget(keys.generators, "gen-x") == b"x" and await admin.get(every["other_pipeline"]) == b"x"
+    assert await admin.lrange(keys.registrations, 0, -1) == [every["registration"].encode()]
+    assert await admin.get(every["other_pipeline"]) == b"x"
 
 
 # Every command that stores a value it is sent, on a string key (RESTORE: a serialized one).
