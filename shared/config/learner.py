@@ -36,6 +36,7 @@ from shared.config.data import DataSettings, parse_split
 from shared.config.http_server import HttpServerSettings
 from shared.config.objective import Objective
 from shared.config.sampling import SamplingSettings
+from shared.config.stream_consumer import StreamConsumerSettings
 
 log = logging.getLogger(__name__)
 
@@ -401,6 +402,7 @@ class LearnerSettings(
     ModelSettings,
     EntryBoundsSettings,
     HttpServerSettings,
+    StreamConsumerSettings,
     ServiceSettings,
     Objective,
 ):
@@ -413,10 +415,19 @@ class LearnerSettings(
     extra_toml_tables: ClassVar[dict[str, str]] = {"data": "data"}
 
     data: DataSettings = Field(default_factory=DataSettings)
-    OVERRIDES: ClassVar[dict[str, str]] = {"port": "each service its own port, so all of them run on one host"}
+    OVERRIDES: ClassVar[dict[str, str]] = {
+        "port": "each service its own port, so all of them run on one host",
+        "claim_idle_ms": "the learner's groups stay pending until the checkpoint after their step, and a restarted "
+        "learner re-reads them under its own name, so a claim gains nothing and hands a stalled learner's "
+        "groups out again",
+        "max_deliveries": "every restart between checkpoints re-reads each group trained since the last one (a "
+        "delivery), and a dead-lettered group loses G completions sampled and scored",
+    }
     port: int = Field(8003, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
-    claim_idle_ms: int = Field(600_000, ge=100, description="Learner entries are claimed only after this.")
-    max_deliveries: int = Field(5, ge=1, description="Deliveries of a scored group before dead-lettering.")
+    claim_idle_ms: int = Field(
+        600_000, ge=100, description="Scored groups pending this long without a keepalive are claimed."
+    )
+    max_deliveries: int = Field(5, ge=1, description="Deliveries of a scored group before it is dead-lettered.")
     gpu_memory_share: float = Field(
         1.0,
         gt=0,
