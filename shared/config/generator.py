@@ -13,7 +13,7 @@ from shared.config.bounds import EntryBoundsSettings
 from shared.config.environment import EnvironmentSettings
 from shared.config.http_server import HttpServerSettings
 from shared.config.stream_consumer import StreamConsumerSettings
-from shared.gpu_leases import leasable_gpus, parse_gpu_list
+from shared.gpu_placement import leasable_gpus, parse_gpu_list
 
 
 class GeneratorSettings(EntryBoundsSettings, HttpServerSettings, StreamConsumerSettings, ServiceSettings):
