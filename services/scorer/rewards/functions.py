@@ -262,20 +262,7 @@ def trl_style(
     takes_state = takes_trainer_state(function)
 
     async def call(batch: RewardBatch) -> Any:
-        kwargs: dict[str, Any] = dict(
-            prompts=batch.prompts,
-            completions=batch.completions,
-            completion_ids=batch.completion_ids,
-            **batch.columns,
-        )
-        if takes_state:
-            kwargs["trainer_state"] = batch.trainer_state
-        unaccepted = unaccepted_keywords(function, kwargs)
-        if unaccepted:
-            raise RewardError(unaccepted_keywords_message(name, function, unaccepted))
-        missing = missing_columns(function, batch.columns)
-        if missing:
-            raise RewardInputError(missing_columns_message(name, missing, batch.columns))
+        kwargs = trl_keywords(name, function, batch, takes_state)
         try:
             if inspect.iscoroutinefunction(function):
                 return await _awaited(function(**kwargs), timeout_s)
@@ -298,6 +285,27 @@ def trl_style(
         source=source_file(function),
         batched=batched,
     )
+
+
+def trl_keywords(name: str, function: Callable[..., Any], batch: RewardBatch, takes_state: bool) -> dict[str, Any]:
+    """The keywords TRL would call ``function`` with on ``batch``, checked before the call: one the function
+    cannot take raises :class:`RewardError` (a bug in its signature), a column it needs that the group's rows
+    lack raises :class:`RewardInputError` (the group's fault)."""
+    kwargs: dict[str, Any] = dict(
+        prompts=batch.prompts,
+        completions=batch.completions,
+        completion_ids=batch.completion_ids,
+        **batch.columns,
+    )
+    if takes_state:
+        kwargs["trainer_state"] = batch.trainer_state
+    unaccepted = unaccepted_keywords(function, kwargs)
+    if unaccepted:
+        raise RewardError(unaccepted_keywords_message(name, function, unaccepted))
+    missing = missing_columns(function, batch.columns)
+    if missing:
+        raise RewardInputError(missing_columns_message(name, missing, batch.columns))
+    return kwargs
 
 
 def takes_trainer_state(function: Callable[..., Any]) -> bool:
