@@ -4,7 +4,8 @@ A record that can never be processed (undecodable, invalid, past a size bound of
 :class:`~shared.config.bounds.EntryBoundsSettings`, a prompt too long) is not retried: it goes to the
 dead-letter stream at once, through :class:`shared.redis_conn.RedisRetry` so a Redis blip does not
 lose it. Every stream reader (generator, scorer, learner) does this the same way; the reason reads
-``"<ErrorType>: <message>"``.
+``"<ErrorType>: <message>"``. The rejection itself, and its counterpart for failures that are not the entry's
+(a release), are :mod:`shared.streams.outcomes`.
 """
 
 from __future__ import annotations
@@ -14,18 +15,14 @@ from typing import TypeVar
 from shared.codec import WireError, decode
 from shared.config.bounds import EntryBoundsSettings
 from shared.records import PromptTask, Rollout, ScoredGroup, WireModel
-from shared.redaction import redacted_error
 from shared.redis_conn import RedisRetry
 from shared.streams import Delivery, StreamConsumer
+from shared.streams.outcomes import reject
+
+__all__ = ["EntryTooLarge", "bound_problem", "decode_or_reject", "reject"]
 
 R = TypeVar("R", bound=WireModel)
 _DEFAULT_BOUNDS = EntryBoundsSettings()
-
-
-async def reject(consumer: StreamConsumer, retry: RedisRetry, delivery: Delivery, error: Exception, what: str) -> None:
-    """Move ``delivery`` to the dead-letter stream with ``error`` as its reason (``what``: for the logs)."""
-    reason = redacted_error(error)
-    await retry.run(lambda: consumer.dead_letter(delivery, reason), f"dead-lettering {what}")
 
 
 class EntryTooLarge(ValueError):

@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from shared.config.base import ServiceSettings
+from shared.config.stream_consumer import StreamConsumerSettings
 from shared.http import ServiceState
 from shared.keys import Keys
 from shared.redis_conn import connect
@@ -97,13 +98,6 @@ class NotStarting(RuntimeError):
     """The service refuses to start (no free GPU, an impossible placement); the message names the fix."""
 
 
-class ConsumerSettings(Protocol):
-    """The settings a stream consumer is built from (every service has them)."""
-
-    claim_idle_ms: int
-    max_deliveries: int
-
-
 class HttpSettings(Protocol):
     host: str
     port: int
@@ -114,7 +108,7 @@ class HttpSettings(Protocol):
 async def start_consumer(
     client: aioredis.Redis,
     keys: Keys,
-    settings: ConsumerSettings,
+    settings: StreamConsumerSettings,
     *,
     stream: str,
     group: str,
@@ -214,7 +208,7 @@ class Service(Generic[S]):
 
     async def consumer(self, stream: str, group: str, name: str, *, batch_size: int) -> StreamConsumer:
         """A started consumer built from the settings, whose in-flight entries are kept alive meanwhile."""
-        settings: ConsumerSettings = self.settings  # type: ignore[assignment]
+        settings: StreamConsumerSettings = self.settings  # type: ignore[assignment]
         consumer = await start_consumer(
             self.client, self.keys, settings, stream=stream, group=group, name=name, batch_size=batch_size
         )

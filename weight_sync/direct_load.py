@@ -314,33 +314,45 @@ class DirectLoader:
         self.left[target_name] -= 1
         if self.left[target_name]:
             return
+        aliased = target_name in self.pending and self._join_pieces(target_name, target, param, in_place)
+        self._layers_after(target_name, aliased)
+        if self.borrowed and not in_place and not self.handle_modules[target_name]:
+            self._own(param)
+
+    def _join_pieces(self, target_name: str, target: TargetParam, param: torch.Tensor, in_place: bool) -> bool:
+        """The target's last piece is in: join its pieces and put them in ``param`` (as a view of them where it
+        may alias them, else copied). Whether it aliases them."""
         aliased = False
-        if target_name in self.pending:
-            pieces = [t for _, t in sorted(self.pending.pop(target_name), key=lambda item: item[0])]
-            # The scratch is rewritten by the next join: only for a layer that prepacks (copies) it right now.
-            prepacks_now = (
-                not self.defer
-                and bool(self.handle_modules[target_name])
-                and all(self.module_left[id(m)] == 1 for m in self.handle_modules[target_name])
-            )
-            if prepacks_now:
-                join = self.scratch
-            else:
-                join = self.joins.setdefault(target_name, StackScratch()) if self.defer else None
-            stacked = stack_rows(pieces, join)
-            if self.alias and aliases(stacked, pieces, target, param.dtype):
-                view = stacked.view(target.shape)
-                if param.data_ptr() != view.data_ptr() or param.shape != view.shape or param.stride() != view.stride():
-                    param.data = view  # the Parameter object stays: a tied module sees it too
-                aliased = True
-                self.aliased_bytes += view.numel() * view.element_size()
-            elif in_place:
-                pushed_rows = sum(target.piece_rows)
-                param.data[:pushed_rows].copy_(stacked)
-                if target.pad_rows:
-                    param.data[pushed_rows:].zero_()
-            else:
-                param.data = stacked.to(param.dtype).view(target.shape)  # a transposed layout stays transposed
+        pieces = [t for _, t in sorted(self.pending.pop(target_name), key=lambda item: item[0])]
+        # The scratch is rewritten by the next join: only for a layer that prepacks (copies) it right now.
+        prepacks_now = (
+            not self.defer
+            and bool(self.handle_modules[target_name])
+            and all(self.module_left[id(m)] == 1 for m in self.handle_modules[target_name])
+        )
+        if prepacks_now:
+            join = self.scratch
+        else:
+            join = self.joins.setdefault(target_name, StackScratch()) if self.defer else None
+        stacked = stack_rows(pieces, join)
+        if self.alias and aliases(stacked, pieces, target, param.dtype):
+            view = stacked.view(target.shape)
+            if param.data_ptr() != view.data_ptr() or param.shape != view.shape or param.stride() != view.stride():
+                param.data = view  # the Parameter object stays: a tied module sees it too
+            aliased = True
+            self.aliased_bytes += view.numel() * view.element_size()
+        elif in_place:
+            pushed_rows = sum(target.piece_rows)
+            param.data[:pushed_rows].copy_(stacked)
+            if target.pad_rows:
+                param.data[pushed_rows:].zero_()
+        else:
+            param.data = stacked.to(param.dtype).view(target.shape)  # a transposed layout stays transposed
+        return aliased
+
+    def _layers_after(self, target_name: str, aliased: bool) -> None:
+        """A target is complete: each layer computing through a kernel handle whose targets are now all in gets
+        its handle (the plain ``linear`` when every one aliases, a pending one when deferred, else made anew)."""
         for module in self.handle_modules[target_name]:
             key = id(module)
             self.module_aliased[key] = self.module_aliased[key] and aliased
@@ -356,8 +368,6 @@ class DirectLoader:
                     module.quant_method.process_weights_after_loading(module)
                     if self.borrowed or self.scratch is not None:
                         self._own_weights(module)
-        if self.borrowed and not in_place and not self.handle_modules[target_name]:
-            self._own(param)
 
     def _own_weights(self, module: torch.nn.Module) -> None:
         """After a layer set up its kernel from borrowed memory: copy what it kept pointing into it (vLLM's

@@ -354,21 +354,8 @@ class WeightReceiverExtension(_EnginePolicy):
         return receive_bucket(self._weight_group, nbytes, self.device, buffer)
 
     def _published(self, key: str) -> bytes:
-        """The record the learner publishes under ``key`` once the bucket is ready (IPC, shared memory). A read
-        waits for its key in slices of the store's timeout (:data:`RECORD_WAIT_SLICE`, set when the push
-        opened; one request, where a wait and then a read took two), so that a push the learner gave up on (it
-        sets ``abort``, with the reason) ends here at once instead of after ``weight_timeout_s``."""
-        store = self._weight_store
-        deadline = time.monotonic() + self._weight_timeout_s
-        while True:
-            try:
-                return store.get(key)
-            except torch.distributed.DistStoreError:
-                if store.check([PUSH_ABORT_KEY]):
-                    reason = store.get(PUSH_ABORT_KEY).decode(errors="replace")
-                    raise RuntimeError(f"the learner gave up on this push: {reason}") from None
-                if time.monotonic() > deadline:
-                    raise
+        """The record the learner publishes under ``key`` once the bucket is ready (IPC, shared memory)."""
+        return published_record(self._weight_store, key, self._weight_timeout_s)
 
     def weight_channel_close(self) -> None:
         """Leave the push's process group: a gloo group that received the whole push is kept for the next one
@@ -392,6 +379,23 @@ class WeightReceiverExtension(_EnginePolicy):
         """Sum of every parameter (float64), for tests and operators to compare weights across replicas."""
         model = self.model_runner.get_model()
         return {name: float(param.detach().double().sum()) for name, param in model.named_parameters()}
+
+
+def published_record(store: Any, key: str, timeout_s: float) -> bytes:
+    """The record the learner publishes in ``store`` under ``key`` once a bucket is ready (IPC, shared memory).
+    A read waits for its key in slices of the store's timeout (:data:`RECORD_WAIT_SLICE`, set when the push
+    opened; one request, where a wait and then a read took two), so that a push the learner gave up on (it sets
+    ``abort``, with the reason) ends here at once instead of after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return store.get(key)
+        except torch.distributed.DistStoreError:
+            if store.check([PUSH_ABORT_KEY]):
+                reason = store.get(PUSH_ABORT_KEY).decode(errors="replace")
+                raise RuntimeError(f"the learner gave up on this push: {reason}") from None
+            if time.monotonic() > deadline:
+                raise
 
 
 def _timed(step: Callable[[], Any]) -> float:

@@ -114,6 +114,36 @@ def learner_device(device: torch.device) -> LearnerDevice:
     return LearnerDevice("cuda" if device.type == "cuda" else "cpu", cuda_uuid(device), versions)
 
 
+class GeneratorHosts:
+    """Which registered generators the learner may contact: those whose URL's host is on
+    ``learner.allowed_generator_hosts`` (:class:`~shared.allowed_hosts.HostAllowList` entries). Every push sends
+    a generator the API token, so one registered at another host is never contacted; it is logged once per
+    URL, not once per push, and counted."""
+
+    def __init__(self, entries: Sequence[str]) -> None:
+        self.allow_list = HostAllowList(entries)
+        self.refused_urls: dict[str, str] = {}  # generator id -> the URL refused (logged once per URL)
+        self.refused = 0  # registrations refused for their URL's host, in all
+
+    def allowed(self, generators: Sequence[GeneratorRegistration]) -> list[GeneratorRegistration]:
+        """``generators`` whose URL's host is allowed; each other one is logged (once per URL) and counted."""
+        kept = []
+        for generator in generators:
+            if self.allow_list.allows(generator.url):
+                kept.append(generator)
+                continue
+            if self.refused_urls.get(generator.generator_id) != generator.url:
+                self.refused_urls[generator.generator_id] = generator.url
+                self.refused += 1
+                log.error(
+                    "refusing generator %s: its URL %r is not on learner.allowed_generator_hosts, so it is never "
+                    "contacted (it would get the API token); add its address or network there if it is yours",
+                    generator.generator_id,
+                    generator.url,
+                )
+        return kept
+
+
 class WeightPusher:
     """Rank 0 of every push. ``advertise_host`` is the address generators reach the learner's store at;
     ``bind_host`` the one its store listens on (empty: ``advertise_host``'s). Only generators whose URL's host
@@ -140,9 +170,7 @@ class WeightPusher:
         self.port = self.store.port
         self.advertise_host = advertise_host
         self.api_token = api_token
-        self.allowed_hosts = HostAllowList(allowed_hosts)
-        self.refused_hosts: dict[str, str] = {}  # generator id -> the URL refused (logged once per URL)
-        self.refused_by_host = 0  # registrations refused for their URL's host, in all
+        self.hosts = GeneratorHosts(allowed_hosts)
         self.bucket_bytes = bucket_bytes
         self.device = device or torch.device("cpu")
         self.learner = learner_device(self.device)
@@ -174,22 +202,13 @@ class WeightPusher:
         )
 
     def allowed(self, generators: Sequence[GeneratorRegistration]) -> list[GeneratorRegistration]:
-        """``generators`` whose URL's host is allowed; each other one is logged (once per URL) and counted."""
-        kept = []
-        for generator in generators:
-            if self.allowed_hosts.allows(generator.url):
-                kept.append(generator)
-                continue
-            if self.refused_hosts.get(generator.generator_id) != generator.url:
-                self.refused_hosts[generator.generator_id] = generator.url
-                self.refused_by_host += 1
-                log.error(
-                    "refusing generator %s: its URL %r is not on learner.allowed_generator_hosts, so it is never "
-                    "contacted (it would get the API token); add its address or network there if it is yours",
-                    generator.generator_id,
-                    generator.url,
-                )
-        return kept
+        """``generators`` whose URL's host is allowed (:class:`GeneratorHosts`)."""
+        return self.hosts.allowed(generators)
+
+    @property
+    def refused_by_host(self) -> int:
+        """Registrations refused for their URL's host, in all."""
+        return self.hosts.refused
 
     async def _answering(
         self, generators: Sequence[GeneratorRegistration], http: httpx.AsyncClient

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from services.generator.trajectory.state import SampledTurn
-from services.generator.weight_update import Phases, Rendezvous, WeightUpdateError, rendezvous, update_report
+from services.generator.weight_update import Phases, PushChannel, WeightUpdateError, rendezvous, update_report
 from shared.chat import prompt_ids
 from shared.config.generator import GeneratorSettings
 from shared.cpu_features import cpu_native_dtype
@@ -198,6 +198,7 @@ class Engine:
         self.active_requests = 0  # prompts sampling in the engine now (rollouts and /generate)
         self.loads = WeightLoads()  # every load's version, and the prefix cache's salt under the latest
         self._update_lock = asyncio.Lock()
+        self.channel = PushChannel(llm, settings.weight_join_timeout_s, settings.weight_timeout_s)
         # Device UUIDs, dtype and versions of the engine's workers (``describe_runtime``); {} until then.
         self.runtime: dict[str, Any] = {}
 
@@ -323,49 +324,28 @@ class Engine:
         async with self._update_lock:
             phases = Phases()
             try:
-                await self._join(announcement, generator_id, at)
+                await self.channel.open(announcement, generator_id, at)
                 phases.mark("join_seconds")
                 results, in_flight = await self._pause_and_receive(announcement, phases)
             finally:
-                await self._close_channel()
+                await self.channel.close()
             phases.mark("close_seconds")
             await self._take_version(announcement.policy_version, phases)
         return update_report(
             results, at.transport, phases, self.policy_version, in_flight, self.settings.in_flight_at_push
         )
 
-    async def _join(self, announcement: WeightVersionAnnouncement, generator_id: str, at: Rendezvous) -> None:
-        """Join the push's group first: if a member never arrives, the engine has not been touched."""
-        args = (
-            at.host,
-            at.port,
-            announcement.namespace,
-            announcement.ranks.get(generator_id, 0),
-            announcement.world_size,
-            self.settings.weight_join_timeout_s,
-            self.settings.weight_timeout_s,
-            at.transport,
-            generator_id,
-        )
-        try:
-            await self.llm.collective_rpc("weight_channel_open", args=args)
-        except Exception as exc:
-            raise WeightUpdateError(
-                f"could not join the push's group: {type(exc).__name__}: {exc}", applied_nothing=True
-            ) from exc
-
     async def _pause_and_receive(
         self, announcement: WeightVersionAnnouncement, phases: Phases
     ) -> tuple[list[dict], int]:
         """Pause sampling, then receive and load every bucket; each worker's bytes and seconds, and the prompts
         in flight at the pause."""
-        layout = [spec.model_dump() for spec in announcement.layout]
         with self._failing_update(announcement.policy_version):
             self.weights_ok = False
             await self._pause_scheduler()
             phases.mark("pause_seconds")
             in_flight = self.active_requests
-            results = await self.llm.collective_rpc("weight_channel_receive", args=(layout, announcement.num_buckets))
+            results = await self.channel.receive(announcement)
             phases.mark("transfer_seconds")
         return results, in_flight
 
@@ -374,13 +354,6 @@ class Engine:
         clear_cache=False)`` less the 20 ms sleep vLLM 0.32 adds after it (only so that outputs produced before
         the pause reach their streams first; kept requests go on producing after the resume anyway)."""
         await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
-
-    async def _close_channel(self) -> None:
-        """Leave the push's group; a failure is only logged (the next push's join starts by closing it)."""
-        try:
-            await self.llm.collective_rpc("weight_channel_close")
-        except Exception:
-            log.exception("could not close the weight push's channel")
 
     async def _take_version(self, policy_version: int, phases: Phases) -> None:
         """With the new weights loaded: recompute the in-flight requests (vLLM preempts them and empties the

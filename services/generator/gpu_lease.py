@@ -6,7 +6,7 @@
   TTL, and a lease renewed on the loop would lapse meanwhile and let the next replica take the same GPU) and
   releases them on exit. A replica that finds its GPU held by another stops with an error. The keys live in
   one lease namespace per host (``generator.gpu_host_key``), which every replica that sees those GPUs must
-  share; which indices a replica may take is :func:`shared.gpu_leases.leasable_gpus`. No free GPU: no start,
+  share; which indices a replica may take is :func:`shared.gpu_placement.leasable_gpus`. No free GPU: no start,
   with a message naming the fix.
 """
 
@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from shared.gpu_leases import PlacementError, no_free_gpu_message
+from shared.gpu_placement import PlacementError, no_free_gpu_message
 from shared.keys import Keys
 
 log = logging.getLogger(__name__)

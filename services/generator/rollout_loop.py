@@ -22,10 +22,11 @@ from services.generator.trajectory.runner import RolledBack, SampledTrajectories
 from services.generator.trajectory.template import TemplateError
 from shared.codec import encode
 from shared.config.bounds import EntryBoundsSettings
-from shared.intake import decode_or_reject, reject
+from shared.intake import decode_or_reject
 from shared.records import PromptTask, Rollout, RolloutTimings
 from shared.redis_conn import RedisRetry
 from shared.streams import Delivery, Output, StreamConsumer, StreamProducer
+from shared.streams.outcomes import DeliveryOutcomes
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ class RolloutLoop:
         self._tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
         self.redis = RedisRetry()
+        # A prompt the engine refuses, or whose group it gave logprobs that cannot be trained on, is the prompt's.
+        own_faults = (InvalidPromptError, NonFiniteOutput)
+        self.outcomes = DeliveryOutcomes(consumer, self.redis, "a prompt", rejects=own_faults)
 
     @property
     def in_flight(self) -> int:
@@ -134,7 +138,7 @@ class RolloutLoop:
         try:
             await self._handle_prompt(delivery, received_at)
         except Exception as exc:
-            await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
+            await self.outcomes.release(delivery, exc)
             raise
 
     async def _handle_prompt(self, delivery: Delivery, received_at: float) -> None:
@@ -147,34 +151,40 @@ class RolloutLoop:
         except EnvFault as exc:
             self.stats.abandoned += 1
             log.warning("prompt %s abandoned, the environment failed: %s", delivery.record_id, exc)
-            await self.consumer.release(delivery, f"environment: {exc}", at_once=True)
+            await self.outcomes.release(delivery, f"environment: {exc}", at_once=True)
             return
         except RolledBack as exc:
             await self._sample_again(delivery, str(exc))
             return
-        except InvalidPromptError as exc:
-            self.stats.rejected += 1
-            await reject(self.consumer, self.redis, delivery, exc, "a prompt")
-            return
-        except NonFiniteOutput as exc:
-            self.stats.nonfinite += 1
-            log.error("prompt %s dead-lettered: %s", delivery.record_id, exc)
-            await reject(self.consumer, self.redis, delivery, exc, "a group the engine gave non-finite logprobs")
-            return
         except Exception as exc:
-            if _engine_dead(exc) or isinstance(exc, TemplateError):
-                self.fatal = exc
-                log.critical("not sampling any more: %s", exc)
-                return
-            self.stats.failures += 1
-            log.exception("prompt %s failed (delivery %d); it will be retried", delivery.record_id, delivery.deliveries)
-            await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
+            await self._failed(delivery, exc)
             return
         if group.lowest_policy_version < group.policy_version:
             reason = f"the weights went back from version {group.policy_version} to {group.lowest_policy_version}"
             await self._sample_again(delivery, reason)
             return
         await self._commit(delivery, task, group, received_at)
+
+    async def _failed(self, delivery: Delivery, exc: Exception) -> None:
+        """Sampling failed: a dead engine or a chat template that cannot render stops the replica; otherwise the
+        prompt is rejected when the failure is its own, else released to be retried."""
+        if _engine_dead(exc) or isinstance(exc, TemplateError):
+            self.fatal = exc
+            log.critical("not sampling any more: %s", exc)
+            return
+        if await self.outcomes.settle(delivery, exc) == "released":
+            self.stats.failures += 1
+            log.error(
+                "prompt %s failed (delivery %d); it will be retried",
+                delivery.record_id,
+                delivery.deliveries,
+                exc_info=exc,
+            )
+        elif isinstance(exc, NonFiniteOutput):
+            self.stats.nonfinite += 1
+            log.error("prompt %s dead-lettered: %s", delivery.record_id, exc)
+        else:
+            self.stats.rejected += 1
 
     async def _sample(self, task: PromptTask) -> SampledGroup | SampledTrajectories:
         """The prompt's G samples: one completion each, or one trajectory each with an environment."""
@@ -187,7 +197,7 @@ class RolloutLoop:
         describes its tokens, so the prompt is released and sampled again with the weights served now."""
         self.stats.rolled_back += 1
         log.warning("prompt %s: %s while it was sampled; it is sampled again", delivery.record_id, reason)
-        await self.consumer.release(delivery, reason, at_once=True)
+        await self.outcomes.release(delivery, reason, at_once=True)
 
     async def _commit(
         self, delivery: Delivery, task: PromptTask, group: SampledGroup | SampledTrajectories, received_at: float

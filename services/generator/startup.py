@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from services.generator.gpu_lease import GpuLease, LeaseLost, NoFreeGpuError, host_gpu_count
 from shared.config.generator import GeneratorSettings
-from shared.gpu_leases import PlacementError, leasable_gpus
+from shared.gpu_placement import PlacementError, leasable_gpus
 from shared.lifecycle import NotStarting, Service
 from shared.records import CheckpointAnnouncement, ShmProbe
 from shared.registry import latest_checkpoint

@@ -1,5 +1,6 @@
-"""The weight update's pieces that hold no engine state: where a replica joins a push, the seconds of each
-phase, the figures an update reports, and the error a failed one raises.
+"""The weight update's pieces that hold no engine state: where a replica joins a push, the push channel's
+calls to the engine's workers, the seconds of each phase, the figures an update reports, and the error a
+failed one raises.
 
 :class:`~services.generator.engine.Engine` runs the update itself (pause, receive, load, resume) on its vLLM
 engine; the byte protocol of the push is :mod:`weight_sync`'s.
@@ -120,3 +121,45 @@ def update_report(
         "in_flight_at_push": in_flight_at_push,
         **phases.seconds,
     }
+
+
+@dataclass(frozen=True)
+class PushChannel:
+    """The engine workers' end of a push (:mod:`weight_sync.receiver`, reached through vLLM's
+    ``collective_rpc``): join the push's group, receive and load its buckets, leave the group."""
+
+    llm: Any  # vLLM's AsyncLLM
+    join_timeout_s: float
+    timeout_s: float
+
+    async def open(self, announcement: WeightVersionAnnouncement, generator_id: str, at: Rendezvous) -> None:
+        """Join the push's group first: if a member never arrives, the engine has not been touched."""
+        args = (
+            at.host,
+            at.port,
+            announcement.namespace,
+            announcement.ranks.get(generator_id, 0),
+            announcement.world_size,
+            self.join_timeout_s,
+            self.timeout_s,
+            at.transport,
+            generator_id,
+        )
+        try:
+            await self.llm.collective_rpc("weight_channel_open", args=args)
+        except Exception as exc:
+            raise WeightUpdateError(
+                f"could not join the push's group: {type(exc).__name__}: {exc}", applied_nothing=True
+            ) from exc
+
+    async def receive(self, announcement: WeightVersionAnnouncement) -> list[dict]:
+        """Receive and load every bucket: each worker's bytes and seconds."""
+        layout = [spec.model_dump() for spec in announcement.layout]
+        return await self.llm.collective_rpc("weight_channel_receive", args=(layout, announcement.num_buckets))
+
+    async def close(self) -> None:
+        """Leave the push's group; a failure is only logged (the next push's join starts by closing it)."""
+        try:
+            await self.llm.collective_rpc("weight_channel_close")
+        except Exception:
+            log.exception("could not close the weight push's channel")

@@ -133,7 +133,7 @@ class OptimizerStep:
 
     def make_state(self) -> None:
         """AdamW's state made now as its first step would make it (both moments zero, a step count of 0), so
-        that the first step finds its memory made (``LearnerLoop._start_warm_up``). The state comes from an
+        that the first step finds its memory made (``services.learner.train_loop.WarmUp``). The state comes from an
         AdamW step at learning rate 0 on zero gradients, which moves no weight (the decay multiplies by
         exactly 1, the update adds exactly 0) and leaves both moments zero; the step count goes back to 0.
         Nothing is made where the optimizer has state already (a resumed run)."""

@@ -98,6 +98,34 @@ class RunEndedEarly(RuntimeError):
     """The loop ended before ``max_steps`` with data left and no stop requested: an error, never a success."""
 
 
+class WarmUp:
+    """AdamW's state made on a worker thread (:meth:`OptimizerStep.make_state`) beside the wait for the first
+    groups, so that the first step does not make it. Only on a fresh start: nothing is pushed before the first
+    step then, so no push moves the parameters while it runs. Not on a distributed trainer."""
+
+    def __init__(self) -> None:
+        self._task: asyncio.Task[float] | None = None  # until the first step waits for it
+
+    def start(self, trainer: Trainer) -> None:
+        if trainer.topology.distributed:
+            return
+
+        def make_state() -> float:
+            started = time.perf_counter()
+            trainer.optimizer.make_state()
+            seconds = time.perf_counter() - started
+            log.info("warm-up: AdamW's state made in %.2f s while the first rollouts are sampled", seconds)
+            return seconds
+
+        self._task = asyncio.create_task(asyncio.to_thread(make_state))
+
+    async def done(self) -> None:
+        """Wait for the warm-up, if one runs; its error is the learner's."""
+        if self._task is not None:
+            task, self._task = self._task, None
+            await task
+
+
 class LearnerLoop:
     def __init__(
         self,
@@ -129,7 +157,7 @@ class LearnerLoop:
         self.evaluator = evaluator
         self.nonfinite = NonfiniteSteps()  # optimizer steps in a row not applied (their numbers not finite)
         self.evaluated_step: int | None = None  # the step of the last evaluation
-        self.warming: asyncio.Task[float] | None = None  # the warm-up, until the first step waits for it
+        self.warm_up = WarmUp()
         self.weights = WeightPublisher(
             settings=settings, client=client, keys=keys, trainer=trainer, pusher=pusher, http=http,
             counters=self.counters, redis=self.redis, registry_stats=registry_stats,
@@ -194,14 +222,14 @@ class LearnerLoop:
         if resumed:
             await self.weights.push(reset=True)
         self.running = True
-        if not resumed:
-            self._start_warm_up()
+        if not resumed and self.settings.warm_up:
+            self.warm_up.start(self.trainer)
         if self.trainer.step == 0 and self.settings.eval_on_start:
             await self.evaluate(stop)
         while self.trainer.step < self.settings.max_steps and not stop.is_set():
             if not await self.run_step(stop):
                 break
-        await self._warmed()
+        await self.warm_up.done()
         ended = self.ending(stop)
         if self.unacked or (self.trainer.step and self.last_checkpoint is None):
             await self.checkpoint()
@@ -215,28 +243,6 @@ class LearnerLoop:
                 f"requested and data left (epoch {position.epoch}, row {position.index}): the run is not finished"
             )
         return ended
-
-    def _start_warm_up(self) -> None:
-        """AdamW's state made on a worker thread (:meth:`OptimizerStep.make_state`) beside the wait for the first
-        groups, so that the first step does not make it. Only on a fresh start: nothing is pushed before the first
-        step then, so no push moves the parameters while it runs."""
-        if not self.settings.warm_up or self.trainer.topology.distributed:
-            return
-
-        def make_state() -> float:
-            started = time.perf_counter()
-            self.trainer.optimizer.make_state()
-            seconds = time.perf_counter() - started
-            log.info("warm-up: AdamW's state made in %.2f s while the first rollouts are sampled", seconds)
-            return seconds
-
-        self.warming = asyncio.create_task(asyncio.to_thread(make_state))
-
-    async def _warmed(self) -> None:
-        """Wait for the warm-up, if one runs; its error is the learner's."""
-        if self.warming is not None:
-            warming, self.warming = self.warming, None
-            await warming
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
@@ -276,7 +282,7 @@ class LearnerLoop:
         collected = await self.collector.collect(stop)
         if collected is None:
             return False
-        await self._warmed()  # the first step's wait for the groups may end before the warm-up does
+        await self.warm_up.done()  # the first step's wait for the groups may end before the warm-up does
         waited = time.perf_counter() - started
         groups = [g for _, g in collected]
         metrics = self._batch_figures(groups)

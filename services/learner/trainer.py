@@ -148,6 +148,23 @@ def _loss_mask(settings: LearnerSettings, batch: TrainBatch) -> torch.Tensor:
     return active_mask(batch.loss_mask, truncated)
 
 
+def old_and_weights(
+    logprobs: torch.Tensor, mb: TrainBatch, rows: slice, prepared: PreparedBatch, settings: LearnerSettings
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A micro-batch's old logprobs [b, T] and importance weights [b, T] (or None), by ``old_logprobs``: the
+    prepared ones at ``rows`` (``"recompute"``), the generator's (``"behaviour"``), or those of the training
+    forward ``logprobs`` (``"reuse"``)."""
+    if prepared.old_logprobs is not None:
+        weights = prepared.importance_weights
+        return prepared.old_logprobs[rows], None if weights is None else weights[rows]
+    if settings.old_logprobs == "behaviour":  # pi_old = pi_behaviour: every importance weight is 1
+        # Off the loss mask (padding, tool results) the ratio is 1, whatever the record holds there.
+        sampled = mb.behaviour_logprobs.to(device=logprobs.device, dtype=logprobs.dtype)
+        return torch.where(mb.loss_mask.bool(), sampled, logprobs.detach()), None
+    old = logprobs.detach()
+    return old, _importance_weights(old, mb, settings) if settings.importance_correction else None
+
+
 class Trainer:
     """The update of one batch; on several ranks, this rank's share of it.
 
@@ -291,28 +308,12 @@ class Trainer:
             ref, _ = self._logprobs_no_grad(self.reference, batch, real)
         return PreparedBatch(old, weights, ref, normalisers, seconds, gathered.logp_difference(local, old))
 
-    def _old_and_weights(
-        self, logprobs: torch.Tensor, mb: TrainBatch, rows: slice, prepared: PreparedBatch
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A micro-batch's old logprobs [b, T] and importance weights [b, T] (or None): the prepared ones at
-        ``rows``, with ``old_logprobs = "behaviour"`` the generator's, or with ``"reuse"`` those of the training
-        forward ``logprobs``."""
-        if prepared.old_logprobs is not None:
-            weights = prepared.importance_weights
-            return prepared.old_logprobs[rows], None if weights is None else weights[rows]
-        if self.settings.old_logprobs == "behaviour":  # pi_old = pi_behaviour: every importance weight is 1
-            # Off the loss mask (padding, tool results) the ratio is 1, whatever the record holds there.
-            sampled = mb.behaviour_logprobs.to(device=logprobs.device, dtype=logprobs.dtype)
-            return torch.where(mb.loss_mask.bool(), sampled, logprobs.detach()), None
-        old = logprobs.detach()
-        return old, _importance_weights(old, mb, self.settings) if self.settings.importance_correction else None
-
     def _micro_batch_backward(
         self, mb: TrainBatch, rows: slice, prepared: PreparedBatch, config: Objective, entropy_mode: EntropyMode
     ) -> tuple[LossOutputs, torch.Tensor | None]:
         """Forward, loss and backward of one micro-batch (``rows`` of this rank's); the importance weights used."""
         logprobs, entropies = self._forward(self.model, mb, entropy_mode)
-        old, weights = self._old_and_weights(logprobs, mb, rows, prepared)
+        old, weights = old_and_weights(logprobs, mb, rows, prepared, self.settings)
         inputs = LossInputs(
             logprobs=logprobs,
             old_logprobs=old,

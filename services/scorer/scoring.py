@@ -32,8 +32,9 @@ import httpx
 import numpy as np
 
 from services.scorer.rewards.builtin import BUILTINS
-from services.scorer.rewards.functions import RewardBatch, RewardFunction, TrainerState, trl_style
+from services.scorer.rewards.functions import RewardBatch, RewardFunction, TrainerState
 from services.scorer.rewards.http_plugin import HttpRewardPlugin
+from services.scorer.rewards.trl_convention import trl_style
 from shared.advantages import (
     combine_rewards,
     completion_metrics,

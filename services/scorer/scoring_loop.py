@@ -51,10 +51,11 @@ from services.scorer.scoring import evaluated_group, reward_batch, scored_group
 from shared.codec import encode
 from shared.config.bounds import EntryBoundsSettings
 from shared.config.scorer import ScorerSettings
-from shared.intake import decode_or_reject, reject
+from shared.intake import decode_or_reject
 from shared.records import AdvantageSpec, Rollout, ScoredGroup
 from shared.redis_conn import RedisRetry
 from shared.streams import Delivery, Output, StreamConsumer, StreamProducer
+from shared.streams.outcomes import DeliveryOutcomes
 from shared.telemetry import CallbackCollector
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,8 @@ class ScoringLoop:
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
         self.redis = RedisRetry()
+        # A rollout no reward can be given (a column a plugin's request cannot carry) is the rollout's fault.
+        self.outcomes = DeliveryOutcomes(consumer, self.redis, "a rollout", rejects=(RewardInputError,))
         self.bug: RewardBugError | None = None  # set when a required reward's bug stops the loop
         self.max_steps, self.bounds = max_steps, bounds or EntryBoundsSettings()
         groups = batch_groups or max_in_flight
@@ -225,19 +228,22 @@ class ScoringLoop:
                 await self._dead_letter(delivery, outcome)
             else:
                 await self._commit(delivery, rollout, outcome)
-        except RewardInputError as exc:
-            self.stats.rejected += 1
-            await reject(self.consumer, self.redis, delivery, exc, "a rollout no reward can be given")
         except Released:
-            await self.consumer.release(delivery, "the scorer stopped while a required reward was failing")
+            await self.outcomes.release(delivery, "the scorer stopped while a required reward was failing")
         except RewardBugError as exc:
-            await self.consumer.release(delivery, str(exc))
+            await self.outcomes.release(delivery, str(exc))
             self.bug = self.bug or exc
             self._stop.set()
         except Exception as exc:
-            self.stats.failures += 1
-            log.exception("scoring group %s failed; it will be retried", delivery.record_id)
-            await self.consumer.release(delivery, f"{type(exc).__name__}: {exc}")
+            await self._failed(delivery, exc)
+
+    async def _failed(self, delivery: Delivery, exc: Exception) -> None:
+        """Scoring failed: a rollout no reward can be given is rejected; any other failure releases it."""
+        if await self.outcomes.settle(delivery, exc) == "rejected":
+            self.stats.rejected += 1
+            return
+        self.stats.failures += 1
+        log.error("scoring group %s failed; it will be retried", delivery.record_id, exc_info=exc)
 
     async def score_rewards(self, rollout: Rollout) -> np.ndarray | str:
         """Rewards [G, F] once every required reward has answered, or the reason to dead-letter the group;
@@ -291,7 +297,7 @@ class ScoringLoop:
 
     async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
         log.error("group %s dead-lettered: %s", delivery.record_id, reason)
-        await self.redis.run(lambda: self.consumer.dead_letter(delivery, reason), "dead-lettering a group")
+        await self.outcomes.reject(delivery, reason)
         self.stats.groups_dead_lettered += 1
 
     async def _commit(self, delivery: Delivery, rollout: Rollout, per_func: np.ndarray) -> None:
@@ -301,7 +307,7 @@ class ScoringLoop:
             self.stats.groups_nonfinite += 1
             problem = exc.errors()[0]["msg"]
             log.error("group %s dead-lettered: its scored group is invalid: %s", delivery.record_id, problem)
-            await reject(self.consumer, self.redis, delivery, ValueError(problem), "a group that cannot be scored")
+            await self.outcomes.reject(delivery, ValueError(problem))
             return
         group = output.record
         committed = await self.redis.run(

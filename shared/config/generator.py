@@ -12,10 +12,11 @@ from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
 from shared.config.bounds import EntryBoundsSettings
 from shared.config.environment import EnvironmentSettings
 from shared.config.http_server import HttpServerSettings
-from shared.gpu_leases import leasable_gpus, parse_gpu_list
+from shared.config.stream_consumer import StreamConsumerSettings
+from shared.gpu_placement import leasable_gpus, parse_gpu_list
 
 
-class GeneratorSettings(EntryBoundsSettings, HttpServerSettings, ServiceSettings):
+class GeneratorSettings(EntryBoundsSettings, HttpServerSettings, StreamConsumerSettings, ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="GENERATOR_", extra="forbid", env_nested_delimiter="__")
     toml_table = "generator"
     extra_toml_tables: ClassVar[dict[str, str]] = {"environment": "environment"}
@@ -72,6 +73,8 @@ class GeneratorSettings(EntryBoundsSettings, HttpServerSettings, ServiceSettings
     OVERRIDES: ClassVar[dict[str, str]] = {
         "port": "each service its own port, so all of them run on one host",
         "max_request_bytes": "POST /generate and the weight announcement carry bodies of megabytes",
+        "claim_idle_ms": "a prompt taken from a replica that is alive but stalled is sampled twice (G completions, "
+        "multi-turn ones with their tool calls), where a rollout scored twice costs a reward call",
     }
     port: int = Field(8001, ge=0, le=65535, description="HTTP port (0 picks a free one).")
     max_request_bytes: int = Field(
@@ -81,6 +84,9 @@ class GeneratorSettings(EntryBoundsSettings, HttpServerSettings, ServiceSettings
         "legitimate ones: POST /generate, 256 prompts at ~8 bytes of JSON per prompt token (256 prompts of 8k "
         "tokens: 16 MiB), and the learner's weight announcement, ~140 bytes per parameter tensor (a 94-layer, "
         "128-expert MoE: 36k tensors, 5 MB). Raise it for longer prompts.",
+    )
+    claim_idle_ms: int = Field(
+        60_000, ge=100, description="Prompts pending this long without a keepalive (a dead replica's) move."
     )
     public_url: str = Field(
         "", description="URL the learner reaches this replica at; default http://<this host's IP>:<port>."
@@ -92,8 +98,6 @@ class GeneratorSettings(EntryBoundsSettings, HttpServerSettings, ServiceSettings
             "A replica silent this long is considered gone; also the TTL of its GPU lease (renewed every third of it)."
         ),
     )
-    claim_idle_ms: int = Field(60_000, ge=100, description="Prompts pending this long on a dead replica move.")
-    max_deliveries: int = Field(3, ge=1, description="Deliveries of a prompt before it is dead-lettered.")
     max_rollout_backlog: int = Field(
         256, ge=1, description="Rollouts waiting for scorers before this replica stops generating."
     )

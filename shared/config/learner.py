@@ -21,7 +21,6 @@ import importlib.util
 import logging
 import re
 import secrets
-import socket
 import time
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -29,13 +28,14 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from shared.allowed_hosts import LOOPBACK, HostAllowList
-from shared.config.base import DEFAULT_TEXT, HOSTNAME_BASED, ServiceSettings
+from shared.config.base import DEFAULT_TEXT, ServiceSettings
 from shared.config.bounds import EntryBoundsSettings
 from shared.config.data import DataSettings, parse_split
 from shared.config.http_server import HttpServerSettings
 from shared.config.objective import Objective
 from shared.config.sampling import SamplingSettings
+from shared.config.stream_consumer import StreamConsumerSettings
+from shared.config.weight_push import WeightPushSettings
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class UpdateSettings(BaseModel):
 
 
 class RunSettings(BaseModel):
-    """The run directory, checkpoints, weight sync and observability."""
+    """The run directory, checkpoints and observability."""
 
     run_name: str = Field(
         default_factory=default_run_name,
@@ -297,34 +297,6 @@ class RunSettings(BaseModel):
         description="Continue from this run's newest checkpoint (one of another run, model or settings is "
         "refused with the reason); false: refuse to start when the run already has checkpoints.",
     )
-    weight_sync_host: str = Field(
-        default_factory=socket.gethostname,
-        description="Address generators reach the learner's store at.",
-        json_schema_extra=HOSTNAME_BASED,
-    )
-    weight_sync_port: int = Field(29500, ge=0, le=65535, description="Port of the learner's store (0: free).")
-    weight_sync_bind: str = Field(
-        "",
-        description="Address the learner's store listens on; empty: weight_sync_host's (the interface generators "
-        "reach). '0.0.0.0' listens on every interface.",
-    )
-    allowed_generator_hosts: list[str] = Field(
-        default_factory=lambda: list(LOOPBACK),
-        description="Generator URLs the learner sends its API token to: IP addresses, networks (CIDR) and host "
-        "names; a generator registered at another host is refused and never contacted.",
-        json_schema_extra={DEFAULT_TEXT: "127.0.0.1, ::1, localhost"},
-    )
-    weight_bucket_mb: int = Field(256, ge=1, description="Size of a weight-push bucket.")
-    weight_push_timeout_s: float = Field(300.0, gt=0, description="Longest one weight push may take.")
-    weight_join_timeout_s: float = Field(
-        30.0, gt=0, description="Longest to wait for every generator to join a push's group."
-    )
-    weight_shm_dir: str = Field(
-        "/dev/shm",
-        description="CPU learner: shared-memory directory to push weights through to CPU generators that share "
-        "it (same host and user; the others get gloo). Empty: gloo only.",
-    )
-    min_generators: int = Field(1, ge=0, description="Wait for this many live generators before training.")
     log_dir: str = Field(
         "",
         description="metrics.jsonl, batches.jsonl, dropped.jsonl, completions.jsonl and TensorBoard events; empty: "
@@ -351,12 +323,6 @@ class RunSettings(BaseModel):
         "", description="W&B and trackio project (the run is run_name); empty: WANDB_PROJECT, else 'asyncgrpo'."
     )
     wandb_entity: str = Field("", description="W&B entity (user or team); empty: WANDB_ENTITY, else your default.")
-
-    @field_validator("allowed_generator_hosts")
-    @classmethod
-    def _host_entries(cls, value: list[str]) -> list[str]:
-        HostAllowList(value)  # each entry an address, a network or a name (the error names the entry)
-        return value
 
     @field_validator("report_to")
     @classmethod
@@ -393,6 +359,7 @@ class RunSettings(BaseModel):
 
 # The bases in the reverse of the README's order: pydantic lists the fields of the last base first.
 class LearnerSettings(
+    WeightPushSettings,
     RunSettings,
     UpdateSettings,
     EvaluationSettings,
@@ -401,6 +368,7 @@ class LearnerSettings(
     ModelSettings,
     EntryBoundsSettings,
     HttpServerSettings,
+    StreamConsumerSettings,
     ServiceSettings,
     Objective,
 ):
@@ -413,10 +381,19 @@ class LearnerSettings(
     extra_toml_tables: ClassVar[dict[str, str]] = {"data": "data"}
 
     data: DataSettings = Field(default_factory=DataSettings)
-    OVERRIDES: ClassVar[dict[str, str]] = {"port": "each service its own port, so all of them run on one host"}
+    OVERRIDES: ClassVar[dict[str, str]] = {
+        "port": "each service its own port, so all of them run on one host",
+        "claim_idle_ms": "the learner's groups stay pending until the checkpoint after their step, and a restarted "
+        "learner re-reads them under its own name, so a claim gains nothing and hands a stalled learner's "
+        "groups out again",
+        "max_deliveries": "every restart between checkpoints re-reads each group trained since the last one (a "
+        "delivery), and a dead-lettered group loses G completions sampled and scored",
+    }
     port: int = Field(8003, ge=0, le=65535, description="HTTP port (/health, /ready, /metrics).")
-    claim_idle_ms: int = Field(600_000, ge=100, description="Learner entries are claimed only after this.")
-    max_deliveries: int = Field(5, ge=1, description="Deliveries of a scored group before dead-lettering.")
+    claim_idle_ms: int = Field(
+        600_000, ge=100, description="Scored groups pending this long without a keepalive are claimed."
+    )
+    max_deliveries: int = Field(5, ge=1, description="Deliveries of a scored group before it is dead-lettered.")
     gpu_memory_share: float = Field(
         1.0,
         gt=0,

@@ -29,7 +29,7 @@ from shared.config.generator import GeneratorSettings
 from shared.config.launcher import LauncherSettings, model_placeholder_problem
 from shared.config.learner import LearnerSettings
 from shared.config.scorer import ScorerSettings
-from shared.gpu_leases import memory_share_error
+from shared.gpu_placement import memory_share_error
 
 SECTIONS: dict[str, type[ServiceSettings]] = {
     "generator": GeneratorSettings,

@@ -16,6 +16,7 @@ from shared.config.base import HOSTNAME_BASED, ServiceSettings
 from shared.config.bounds import EntryBoundsSettings
 from shared.config.http_server import HttpServerSettings
 from shared.config.objective import AlgorithmRecipe
+from shared.config.stream_consumer import StreamConsumerSettings
 from shared.records import AdvantageSpec
 
 # The built-in reward functions the scorer implements (services/scorer/rewards/builtin.py, a test keeps the
@@ -122,7 +123,7 @@ class RewardSpec(BaseModel):
         return "http" if self.url else "python" if self.function else "builtin"
 
 
-class ScorerSettings(EntryBoundsSettings, HttpServerSettings, ServiceSettings, AlgorithmRecipe):
+class ScorerSettings(EntryBoundsSettings, HttpServerSettings, StreamConsumerSettings, ServiceSettings, AlgorithmRecipe):
     recipe_table: ClassVar[str] = "scorer"
     model_config = SettingsConfigDict(env_prefix="SCORER_", extra="forbid", env_nested_delimiter="__")
     toml_table = "scorer"
@@ -181,8 +182,6 @@ class ScorerSettings(EntryBoundsSettings, HttpServerSettings, ServiceSettings, A
         "set it here only for a scorer whose file has no [learner] table (a value that differs from the learner's "
         "is refused).",
     )
-    claim_idle_ms: int = Field(30_000, ge=100, description="Rollouts pending this long on a dead scorer move.")
-    max_deliveries: int = Field(3, ge=1, description="Deliveries of a rollout before it is dead-lettered.")
     max_scored_backlog: int = Field(512, ge=1, description="Scored groups waiting for the learner before we wait.")
     max_reward_wait_s: float = Field(
         1800.0,

@@ -29,7 +29,9 @@ here holds a module-level connection.
 
 Modules, by concern: :mod:`.entries` (the entry layout and what a consumer is handed), :mod:`.groups`
 (consumer groups: creation, backlog, trimming), :mod:`.producer` (adding under the backlog bound),
-:mod:`.consumer` (reading, claiming, committing) and :mod:`.dead_letter` (setting poison entries aside).
+:mod:`.consumer` (reading, claiming, committing), :mod:`.reader` (where a consumer's next entries come from),
+:mod:`.dead_letter` (setting poison entries aside) and :mod:`.outcomes` (a reader's reject-or-release of a
+delivery it will not commit).
 """
 
 from shared.streams.consumer import StreamConsumer, StreamStats

@@ -16,7 +16,7 @@ from services.generator.gpu_lease import GpuLease, NoFreeGpuError
 from services.generator.startup import lease_gpus
 from shared.config.generator import GeneratorSettings
 from shared.config.pipeline import PipelineConfig, PipelineError
-from shared.gpu_leases import parse_gpu_list
+from shared.gpu_placement import parse_gpu_list
 from tests.support import compose
 from tests.support.processes import start_service
 

@@ -13,7 +13,7 @@ import time
 import pytest
 from redis.exceptions import ResponseError
 
-import shared.streams.consumer as consumer_module
+import shared.streams.reader as reader_module
 from shared.redis_conn import TRANSIENT_ERRORS, RedisRetry, make_client
 from shared.streams import Output, StreamConsumer, StreamProducer, stream_backlog, trim_processed
 from shared.streams.entries import text
@@ -525,7 +525,7 @@ async def test_recover_lost_counts_what_the_consumer_does_not_hold_and_reads_onl
 
 async def test_reads_look_for_lost_deliveries_by_themselves(redis_client, keys, monkeypatch):
     """Without a failed read and without asking: every ``_LOST_CHECK_S`` a read looks (here at once)."""
-    monkeypatch.setattr(consumer_module, "_LOST_CHECK_S", 0.0)
+    monkeypatch.setattr(reader_module, "_LOST_CHECK_S", 0.0)
     source = f"{keys.prefix}:in"
     consumer = _consumer(redis_client, keys, source, "me", claim_idle_ms=60_000)
     await consumer.start()

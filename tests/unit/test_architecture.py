@@ -332,13 +332,35 @@ def test_the_file_name_check_finds_a_repeat():
 
 def redeclared_fields(classes: list[type]) -> list[str]:
     """``Class.field`` for each settings field a class declares again over a base's, unless its ``OVERRIDES``
-    gives the reason."""
+    gives the reason, and for each field two of its bases declare where neither inherits the other."""
+    return [problem for cls in classes for problem in _redeclared_over_bases(cls) + _declared_by_siblings(cls)]
+
+
+def _declared(cls: type) -> set[str]:
+    return set(vars(cls).get("__annotations__", {}))
+
+
+def _redeclared_over_bases(cls: type) -> list[str]:
+    own = _declared(cls) & set(cls.model_fields)  # fields, not ClassVars
     found = []
-    for cls in classes:
-        own = set(vars(cls).get("__annotations__", {})) & set(cls.model_fields)  # fields, not ClassVars
-        for base in cls.__mro__[1:]:
-            inherited = own & set(vars(base).get("__annotations__", {})) - set(getattr(cls, "OVERRIDES", {}))
-            found += [f"{cls.__name__}.{name} (also {base.__name__}'s)" for name in sorted(inherited)]
+    for base in cls.__mro__[1:]:
+        inherited = own & _declared(base) - set(getattr(cls, "OVERRIDES", {}))
+        found += [f"{cls.__name__}.{name} (also {base.__name__}'s)" for name in sorted(inherited)]
+    return found
+
+
+def _declared_by_siblings(cls: type) -> list[str]:
+    """Fields two bases of ``cls`` declare, neither a subclass of the other (``LearnerSettings`` combines
+    ``BatchSettings``, ``UpdateSettings``, ...): the MRO keeps one default in silence, so no reason can be given."""
+    found = []
+    for name in sorted(cls.model_fields):
+        owners = [base for base in cls.__mro__ if name in _declared(base)]
+        found += [
+            f"{cls.__name__}.{name} (declared by {a.__name__} and by {b.__name__})"
+            for i, a in enumerate(owners)
+            for b in owners[i + 1 :]
+            if not issubclass(a, b) and not issubclass(b, a)
+        ]
     return found
 
 
@@ -363,6 +385,21 @@ def test_the_redeclaration_check_finds_one():
         port: int = 2
 
     assert redeclared_fields([Service]) == ["Service.port (also Base's)"]
+
+
+def test_the_redeclaration_check_finds_one_in_two_sibling_groups():
+    from pydantic import BaseModel
+
+    class Batch(BaseModel):
+        steps: int = 1
+
+    class Update(BaseModel):
+        steps: int = 2
+
+    class Service(Batch, Update):
+        pass
+
+    assert redeclared_fields([Service]) == ["Service.steps (declared by Batch and by Update)"]
 
 
 def test_the_size_checks_find_an_offender():

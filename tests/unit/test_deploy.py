@@ -22,7 +22,7 @@ from shared.config.generator import GeneratorSettings
 from shared.config.learner import LearnerSettings
 from shared.config.pipeline import PipelineConfig, PipelineError, load_service
 from shared.config.scorer import ScorerSettings
-from shared.gpu_leases import leasable_gpus, memory_share_error, parse_gpu_list
+from shared.gpu_placement import leasable_gpus, memory_share_error, parse_gpu_list
 from shared.redis_acl import ROLES, deploy_script, secret_name
 from tests.support import compose
 from tests.support.processes import ROOT

@@ -22,9 +22,10 @@ import pytest
 from pydantic import ValidationError
 
 from services.learner.data.feeder import load_rows
-from services.scorer.rewards.functions import RewardBatch, RewardFailure, run_function, trl_style
+from services.scorer.rewards.functions import RewardBatch, RewardFailure, run_function
 from services.scorer.rewards.http_plugin import HttpRewardPlugin, request_body
 from services.scorer.rewards.reward_threads import RewardThreads
+from services.scorer.rewards.trl_convention import trl_style
 from services.scorer.scoring import build_functions, reward_batch
 from shared.codec import WireError, decode, encode
 from shared.columns import RESERVED_COLUMNS, column_problem

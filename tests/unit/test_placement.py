@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shared.config.generator import GeneratorSettings
-from shared.gpu_leases import (
+from shared.gpu_placement import (
     PlacementError,
     first_free,
     leasable_gpus,

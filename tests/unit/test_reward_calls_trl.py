@@ -22,13 +22,11 @@ from services.scorer.rewards.functions import (
     RewardFailure,
     RewardInputError,
     TrainerState,
-    call_problem,
     failure_detail,
     run_function,
-    takes_trainer_state,
-    trl_style,
     user_frame,
 )
+from services.scorer.rewards.trl_convention import call_problem, takes_trainer_state, trl_style
 from services.scorer.scoring import build_functions, reward_batch, scored_group
 from services.scorer.scoring_loop import ScoringLoop
 from shared.advantages import reward_function_metrics

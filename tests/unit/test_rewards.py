@@ -30,9 +30,9 @@ from services.scorer.rewards.functions import (
     intake_state,
     run_function,
     score_batch,
-    trl_style,
     validate_rewards,
 )
+from services.scorer.rewards.trl_convention import trl_style
 from services.scorer.scoring import reward_batch, scored_group
 from services.scorer.scoring_loop import ScoringLoop
 from shared.config.scorer import RewardSpec, ScorerSettings

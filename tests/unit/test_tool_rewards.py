@@ -17,8 +17,9 @@ from pydantic import ValidationError
 
 from services.reward_plugin.app import build_app
 from services.scorer.rewards.builtin import BUILTINS, correctness
-from services.scorer.rewards.functions import RewardFailure, run_function, score_batch, trl_style
+from services.scorer.rewards.functions import RewardFailure, run_function, score_batch
 from services.scorer.rewards.http_plugin import HttpRewardPlugin, request_body
+from services.scorer.rewards.trl_convention import trl_style
 from services.scorer.scoring import reward_batch, scored_group
 from shared.columns import ENV_REWARD_COLUMN, column_problem
 from shared.records import AdvantageSpec, ChatMessage, Completion, Rollout

@@ -166,7 +166,8 @@ def test_from_trl_names_ours(name):
 async def test_the_scorer_loads_and_runs_them_as_a_translated_recipe_names_them():
     """What ``config from-trl`` writes, loaded by the scorer's loader and called its way (TRL's keywords, the
     row's columns, in a worker thread)."""
-    from services.scorer.rewards.functions import RewardBatch, score_batch, trl_style
+    from services.scorer.rewards.functions import RewardBatch, score_batch
+    from services.scorer.rewards.trl_convention import trl_style
     from shared.reward_protocol import load_reward_function
 
     fields = {"model_name_or_path": "m", "reward_funcs": ["accuracy_reward", "think_format_reward"]}

@@ -28,7 +28,8 @@ before the call (or found in the call's ``TypeError``), its message says to add 
 
 A failure names where the user's code raised it: the deepest frame in the function's own file (else the first
 frame outside this project and the standard library), never the worker thread's or the event loop's. Functions
-that take ``trainer_state`` (or ``**kwargs``, as TRL passes it always) get a :class:`TrainerState`.
+that take ``trainer_state`` (or ``**kwargs``, as TRL passes it always) get a :class:`TrainerState`. A Python
+function is put behind this interface in TRL's calling convention by :mod:`services.scorer.rewards.trl_convention`.
 """
 
 from __future__ import annotations
@@ -39,11 +40,10 @@ import inspect
 import logging
 import math
 import os
-import re
 import sysconfig
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,12 +54,6 @@ import numpy as np
 from services.scorer.rewards.reward_threads import RewardThreads, RewardTimeoutError
 from shared.redaction import redact, redacted_error
 from shared.resilience import CircuitBreaker, CircuitOpenError
-from shared.reward_columns import (
-    missing_columns,
-    missing_columns_message,
-    unaccepted_keywords,
-    unaccepted_keywords_message,
-)
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +74,10 @@ OUTAGE_EXCEPTIONS: tuple[type[Exception], ...] = (OSError, httpx.HTTPError)
 # Code that is not the user's, for finding the user's frame in a traceback: this project's services and shared
 # packages (the scorer, the worker threads) and the standard library (asyncio, concurrent.futures, json, ...).
 _PROJECT_ROOT = Path(__file__).resolve().parents[3]
-_SCORER_CODE = (str(_PROJECT_ROOT / "services") + os.sep, str(_PROJECT_ROOT / "shared") + os.sep)
-_NOT_USER_CODE = _SCORER_CODE + tuple(
+SCORER_CODE = (str(_PROJECT_ROOT / "services") + os.sep, str(_PROJECT_ROOT / "shared") + os.sep)
+_NOT_USER_CODE = SCORER_CODE + tuple(
     {os.path.realpath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib")}
 )
-# What Python's TypeError says when a call's keywords do not fit the function's parameters.
-_UNEXPECTED_KEYWORD = re.compile(r"got an unexpected keyword argument '(\w+)'")
-_MISSING_ARGUMENTS = re.compile(r"missing \d+ required (?:positional|keyword-only) arguments?: (.+)$")
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # a reward past it is inf once on the wire
 
 
@@ -238,77 +229,6 @@ def validate_rewards(name: str, values: Any, expected: int) -> list[float]:
     return out
 
 
-def trl_style(
-    name: str,
-    function: Callable[..., Any],
-    *,
-    in_thread: bool,
-    required: bool = True,
-    breaker: CircuitBreaker | None = None,
-    timeout_s: float | None = None,
-    threads: int = 8,
-    batched: bool = False,
-) -> RewardFunction:
-    """Wrap a function with TRL's convention ``f(prompts, completions, completion_ids, **columns)``, plus
-    ``trainer_state`` when it takes that parameter or ``**kwargs``.
-
-    Coroutine functions are awaited; plain ones run in one of ``threads`` worker threads of their own when
-    ``in_thread`` (plugins, whose cost is unknown) or inline (the fast built-ins). A call that gives no answer
-    within ``timeout_s`` (None: no limit; an inline call has none) raises :class:`RewardTimeoutError`, an
-    outage. A group whose row lacks a column the function needs raises :class:`RewardInputError` unasked; a
-    keyword the function cannot take (it has no ``**kwargs``) raises :class:`RewardError`, a bug, unasked.
-    """
-    runner = RewardThreads(name, threads) if in_thread else None
-    takes_state = takes_trainer_state(function)
-
-    async def call(batch: RewardBatch) -> Any:
-        kwargs: dict[str, Any] = dict(
-            prompts=batch.prompts,
-            completions=batch.completions,
-            completion_ids=batch.completion_ids,
-            **batch.columns,
-        )
-        if takes_state:
-            kwargs["trainer_state"] = batch.trainer_state
-        unaccepted = unaccepted_keywords(function, kwargs)
-        if unaccepted:
-            raise RewardError(unaccepted_keywords_message(name, function, unaccepted))
-        missing = missing_columns(function, batch.columns)
-        if missing:
-            raise RewardInputError(missing_columns_message(name, missing, batch.columns))
-        try:
-            if inspect.iscoroutinefunction(function):
-                return await _awaited(function(**kwargs), timeout_s)
-            if runner is not None:
-                return await runner.run(function, kwargs, timeout_s, batch.group_id)
-            return function(**kwargs)
-        except TypeError as exc:
-            problem = call_problem(name, exc, batch.columns, function)
-            if problem is None:
-                raise
-            raise problem from exc
-
-    return RewardFunction(
-        name,
-        call,
-        required=required,
-        breaker=breaker,
-        in_process=True,
-        threads=runner,
-        source=source_file(function),
-        batched=batched,
-    )
-
-
-def takes_trainer_state(function: Callable[..., Any]) -> bool:
-    """Whether ``function`` has a ``trainer_state`` parameter or ``**kwargs`` (where TRL passes it too)."""
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):  # no Python signature: pass only what TRL's convention requires
-        return False
-    return any(p.name == "trainer_state" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
 def source_file(function: Callable[..., Any]) -> str | None:
     """The real path of the file ``function`` is defined in (a partial's or a callable object's too); None for
     a function without one (a builtin)."""
@@ -321,41 +241,6 @@ def source_file(function: Callable[..., Any]) -> str | None:
         except TypeError:
             continue
     return None
-
-
-def call_problem(
-    reward: str, exc: TypeError, columns: Mapping[str, Any], function: Callable[..., Any]
-) -> RewardError | None:
-    """What a ``TypeError`` raised by the call of ``function`` itself (binding the keywords, not inside the
-    function) stands for: a :class:`RewardError` (a bug in its signature) for a keyword it cannot take; a
-    :class:`RewardInputError` (a bad record) for a parameter no column fills; None when it is neither (then it
-    is the function's own error). Both are checked before the call; this finds them where the function's
-    signature hides its parameters (a wrapper's ``*args, **kwargs``)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames or not os.path.realpath(frames[-1].filename).startswith(_SCORER_CODE):
-        return None  # raised inside the user's code
-    text = str(exc)
-    unexpected = _UNEXPECTED_KEYWORD.search(text)
-    if unexpected:
-        return RewardError(unaccepted_keywords_message(reward, function, [unexpected.group(1)]))
-    missing_arguments = _MISSING_ARGUMENTS.search(text)
-    if missing_arguments:
-        missing = [n for n in re.findall(r"'(\w+)'", missing_arguments.group(1)) if n not in columns]
-        if missing:
-            return RewardInputError(missing_columns_message(reward, missing, columns))
-    return None
-
-
-async def _awaited(coroutine: Any, timeout_s: float | None) -> Any:
-    """A coroutine reward's answer; :class:`RewardTimeoutError` (it is cancelled) after ``timeout_s``."""
-    deadline = asyncio.timeout(timeout_s)
-    try:
-        async with deadline:
-            return await coroutine
-    except TimeoutError:
-        if not deadline.expired():
-            raise  # the function's own TimeoutError: an outage it reports itself
-        raise RewardTimeoutError(f"no answer within timeout_s={timeout_s:g}") from None
 
 
 def failure_detail(exc: BaseException, source: str | None = None) -> str:

@@ -1,4 +1,5 @@
-"""Which GPUs of a host a generator replica may lease, and the one-GPU memory split: pure arithmetic.
+"""Which GPUs of a host a generator replica may lease, and the one-GPU memory split: pure placement arithmetic
+(the leases themselves, Redis keys with a TTL, are :mod:`services.generator.gpu_lease`).
 
 Placement on a host where every replica sees every GPU (``docker compose up --scale generator=N``, or
 several processes on one machine):
