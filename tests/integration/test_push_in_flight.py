@@ -37,7 +37,7 @@ from weight_sync.sender import WeightPusher
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 EXACT = 1e-3  # vLLM's behaviour logprobs against transformers under the same weights and KV (float32)
-CONTEXT = 2048
+CONTEXT = 8192  # long requests: a pause lands mid-request even when a busy machine delays it by seconds
 PROMPT = "".join(f"step {i}: the quick brown fox jumps over the lazy dog. " for i in range(3))  # 5 blocks of 32
 
 
