@@ -2,9 +2,9 @@
 same completions of the same prompts, in another engine (another run's first step) and in any order of
 submission; other seeds give other completions, and a group's G completions differ from each other.
 
-The workload is one that splits prefills when chunked prefill is on (4 prompts of ~300 tokens, G = 4: 16
-sequences, ~4800 prompt tokens against vLLM's budget of 2048 a step), so it also shows that the CPU engine
-survives seeded requests (``services.generator.engine.engine_scheduling``). Unseeded sampling of the same
+One prompt is longer than vLLM's default budget of 2048 tokens a step, which chunked prefill would split over
+steps: the test also shows that the CPU engine survives seeded requests (with chunked prefill on, the engine
+dies at that prompt: ``services.generator.engine.engine_scheduling``). Unseeded sampling of the same
 prompts twice is the control: it differs, so the equalities come from the seeds.
 """
 
@@ -24,9 +24,10 @@ from tests.support.tiny_model import build_tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 4096
 GROUP_SIZE = 4
-PROMPTS = [f"prompt {i}: " + "the quick brown fox jumps over the lazy dog. " * 7 for i in range(4)]  # ~320 tokens
+SENTENCE = "the quick brown fox jumps over the lazy dog. "  # 45 tokens of the character tokenizer
+PROMPTS = [f"prompt {i}: " + SENTENCE * repeats for i, repeats in enumerate([56, 7, 7, 7])]  # ~2560, ~320 tokens
 
 Sampled = dict[int, list[list[int]]]  # prompt index -> its G completions' token ids
 
@@ -54,7 +55,6 @@ def _engine(model) -> Iterator:
 
         engine.loop.run_until_complete(shut_down())
         engine.loop.close()
-        del engine
         gc.collect()
 
 
@@ -63,7 +63,8 @@ def _sample(engine, seed: int | None, order: list[int]) -> Sampled:
     the prompt at that dataset position in a run with ``sampling_seed = seed``."""
 
     async def one(index: int) -> list[list[int]]:
-        spec = SamplingSpec(temperature=1.0, max_tokens=24, seed=prompt_seed(seed, DatasetPosition(epoch=0, index=index)))
+        position = DatasetPosition(epoch=0, index=index)
+        spec = SamplingSpec(temperature=1.0, max_tokens=24, seed=prompt_seed(seed, position))
         group = await engine.sample(engine.tokenize(PROMPTS[index]), spec, GROUP_SIZE)
         return [completion.token_ids.tolist() for completion in group.completions]
 
@@ -76,7 +77,7 @@ def _sample(engine, seed: int | None, order: list[int]) -> Sampled:
 def test_the_same_seed_samples_the_same_completions_in_another_engine_and_any_order(model):
     forward, backward = list(range(len(PROMPTS))), list(reversed(range(len(PROMPTS))))
     with _engine(model) as engine:
-        assert len(engine.tokenize(PROMPTS[0])) * GROUP_SIZE * len(PROMPTS) > 2048  # chunked prefill would split
+        assert len(engine.tokenize(PROMPTS[0])) > 2048  # vLLM's chunked prefill would split it
         first = _sample(engine, 0, forward)
         reversed_order = _sample(engine, 0, backward)
         other_seed = _sample(engine, 1, forward)
