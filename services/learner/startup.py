@@ -130,6 +130,7 @@ async def build_feeder(
         position,
         prompt_length=prompt_length_counter(tokenizer),
         max_prompt_length=settings.max_prompt_length,
+        sampling_seed=settings.sampling_seed,
     )
 
 

@@ -17,6 +17,14 @@ class SamplingSettings(BaseModel):
     top_k: int = Field(-1, ge=-1, description="Top-k sampling (-1: off).")
     min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling: drop tokens below min_p x the top one (0: off).")
     repetition_penalty: float = Field(1.0, gt=0, description="vLLM's repetition penalty (1: off).")
+    sampling_seed: int | None = Field(
+        None,
+        ge=0,
+        description="Seed of the generators' sampling: each training prompt's G completions get a seed of their "
+        "own from it and the prompt's dataset position, so two runs with the same seed sample the same completions "
+        "of the same prompt under the same weights (on the same machine). None: unseeded. On GPUs a seeded request "
+        "skips FlashInfer's sampler for PyTorch's.",
+    )
     min_completion_length: int = Field(
         0,
         ge=0,

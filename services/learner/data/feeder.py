@@ -4,10 +4,13 @@ The rows are :mod:`shared.dataset.rows`' (the rows of ``train_split``, less thos
 for evaluation, which are never fed). Each epoch visits the rows in an order shuffled with
 ``shuffle_seed + epoch``; the position (epoch, index) is saved so a restarted learner continues where it
 stopped. How many tasks it hands out, and when, is admission control's (:mod:`services.learner.data.admission`).
+With ``sampling_seed`` set, each task's sampling carries the seed of its position (:func:`prompt_seed`), so the
+same prompt at the same place in two runs is sampled alike.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable
 
@@ -15,7 +18,20 @@ from shared.config.learner import DataSettings
 from shared.dataset.rows import DataError, Row, build_prompt, load_rows, prepare_rows
 from shared.records import ChatMessage, DatasetPosition, PromptTask, SamplingSpec
 
-__all__ = ["DataError", "PromptFeeder", "Row", "build_prompt", "load_rows", "prepare_rows"]
+__all__ = ["DataError", "PromptFeeder", "Row", "build_prompt", "load_rows", "prepare_rows", "prompt_seed"]
+
+# vLLM seeds a group's G completions seed .. seed + G - 1 and takes seeds below 2**63: a prompt's seed stays below
+# 2**62, so its group cannot pass that bound, and two prompts' ranges overlap only by a 62-bit hash collision.
+_PROMPT_SEED_BITS = 62
+
+
+def prompt_seed(sampling_seed: int | None, position: DatasetPosition) -> int | None:
+    """The sampling seed of the prompt at ``position`` in a run seeded ``sampling_seed`` (None: unseeded). A hash,
+    not ``seed + index``: neighbouring prompts, or runs one seed apart, share no completion's seed."""
+    if sampling_seed is None:
+        return None
+    digest = hashlib.blake2b(f"{sampling_seed}:{position.epoch}:{position.index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> (64 - _PROMPT_SEED_BITS)
 
 
 class PromptFeeder:
@@ -31,8 +47,10 @@ class PromptFeeder:
         *,
         prompt_length: Callable[[str | tuple[ChatMessage, ...]], int] | None = None,
         max_prompt_length: int | None = None,
+        sampling_seed: int | None = None,
     ) -> None:
         self.rows, self.data, self.sampling, self.group_size = rows, data, sampling, group_size
+        self.sampling_seed = sampling_seed
         self.position = position or DatasetPosition(epoch=0, index=0)
         self.prompt_length, self.max_prompt_length = prompt_length, max_prompt_length
         self._order_epoch = -1
@@ -63,12 +81,14 @@ class PromptFeeder:
     def _task_at_position(self, policy_version: int) -> PromptTask:
         epoch, index = self.position.epoch, self.position.index
         row = self.rows[self._order_for(epoch)[index]]
+        position = DatasetPosition(epoch=epoch, index=index)
+        seed = prompt_seed(self.sampling_seed, position)
         task = PromptTask(
             prompt=row.prompt,
             columns=row.columns,
             group_size=self.group_size,
-            sampling=self.sampling,
-            dataset_position=DatasetPosition(epoch=epoch, index=index),
+            sampling=self.sampling if seed is None else self.sampling.model_copy(update={"seed": seed}),
+            dataset_position=position,
             policy_version=policy_version,
         )
         index += 1
